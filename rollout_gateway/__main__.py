@@ -1,0 +1,3 @@
+from rollout_gateway.cli import main
+
+raise SystemExit(main())
