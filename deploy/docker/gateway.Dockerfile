@@ -1,0 +1,11 @@
+# The gateway alone: no torch. Build from the repository root:
+#   docker build -f deploy/docker/gateway.Dockerfile -t rollout-gateway:dev .
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY rollout_gateway ./rollout_gateway
+COPY learner_client ./learner_client
+COPY rollout_proto ./rollout_proto
+RUN pip install --no-cache-dir .
+EXPOSE 8000 50051
+ENTRYPOINT ["rollout-gateway", "serve"]
