@@ -1,0 +1,54 @@
+"""Off-policy correction losses: pure functions of per-token tensors (see corrections.md).
+
+Public API
+----------
+* ``LossInputs`` (inputs.py): the one input type.
+* ``LOSSES``: name -> ``LossSpec`` with ``.fn(inputs, config) -> (loss, metrics)``,
+  ``.per_token(inputs, config) -> TokenLoss``, ``.config_cls`` (pydantic, published
+  defaults) and ``.aggregation`` (default normalizer rule; see base.py).
+* ``compute_loss(name, inputs, config=None) -> (loss, metrics)``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import ppo
+from .base import Aggregation, LossConfig, LossSpec, TokenLoss, aggregate
+from .inputs import LossInputError, LossInputs
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register(spec: LossSpec) -> LossSpec:
+    if spec.name in LOSSES:
+        raise ValueError(f"loss {spec.name!r} registered twice")
+    LOSSES[spec.name] = spec
+    return spec
+
+
+def _reg(name: str, cfg: type[LossConfig], fn, doc: str) -> None:
+    register(LossSpec(name=name, config_cls=cfg, token_fn=fn, doc=doc))
+
+
+_reg("ppo_clip", ppo.PPOClipConfig, ppo.ppo_clip, "PPO clipped surrogate, r = pi/pi_old.")
+_reg("grpo", ppo.GRPOConfig, ppo.grpo, "GRPO: PPO clip, per-sequence token mean, k3 KL.")
+_reg("dr_grpo", ppo.DrGRPOConfig, ppo.dr_grpo, "Dr.GRPO: PPO clip, constant normalizer.")
+_reg("dapo", ppo.DAPOConfig, ppo.dapo, "DAPO: clip-higher, token mean over the batch.")
+
+
+def get_loss(name: str) -> LossSpec:
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise LossInputError(f"unknown loss {name!r}; known: {sorted(LOSSES)}") from None
+
+
+def compute_loss(name: str, inputs: LossInputs, config: LossConfig | dict | None = None
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scalar loss and detached diagnostics of registered loss ``name``."""
+    return get_loss(name).fn(inputs, config)
+
+
+__all__ = ["LOSSES", "Aggregation", "LossConfig", "LossInputError", "LossInputs", "LossSpec",
+           "TokenLoss", "aggregate", "compute_loss", "get_loss", "register"]

@@ -1,0 +1,134 @@
+"""Loss specs, configs and the aggregation rules (how token losses become one scalar).
+
+Every loss is split into a per-token part and an aggregation, so that an adapter
+(Megatron's loss_func) can either take the scalar or re-aggregate itself:
+
+* ``spec.fn(inputs, config) -> (loss, metrics)``: the scalar loss and diagnostics.
+* ``spec.token_fn(inputs, config) -> TokenLoss``: per-token loss [N] (already weighted by
+  the method's masks/weights, 0 on inactive tokens), the denominator mask [N] (which
+  tokens count in the normalizer: loss_mask, minus tokens the method rejects where the
+  method says they leave the denominator), and the method's diagnostics.
+
+Aggregations (``config.aggregation``):
+
+* ``token_mean``: sum_t l_t / sum_t m_t over the whole batch (micro-batch). normalizer =
+  number of denominator tokens. Megatron: return (loss * normalizer, normalizer, report)
+  or use ``TokenLoss`` with calculate_per_token_loss.
+* ``seq_mean_token_mean``: mean over sequences (with >= 1 denominator token) of each
+  sequence's token mean. normalizer = number of such sequences; per-token weight is
+  1 / (|o_i| * G). Not a plain token sum: Megatron should use the (loss, report) form.
+* ``constant``: sum_t l_t / C with C = ``config.constant_normalizer``, or when that is None
+  the number of token slots (N, i.e. B*T for padded inputs = G * L_max, Dr.GRPO's
+  normalizer). normalizer = C.
+
+metrics always hold ``num_active_tokens`` (loss_mask sum), ``num_denominator_tokens``,
+``normalizer`` (what the token-loss sum was divided by; for seq_mean_token_mean the number
+of sequences) and ``num_sequences`` when sequences are known. All metrics are detached
+0-dim tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from .inputs import LossInputError, LossInputs
+from .ops import seg_sum
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
+
+
+class LossConfig(BaseModel):
+    """Fields every loss config has. Subclasses set their published defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    aggregation: Aggregation = Field(
+        "token_mean",
+        description="How per-token losses become one scalar: token_mean (over the batch's "
+                    "denominator tokens), seq_mean_token_mean (mean of per-sequence token "
+                    "means), constant (sum / constant_normalizer).")
+    constant_normalizer: float | None = Field(
+        None, gt=0,
+        description="Divisor for aggregation='constant'; None = number of token slots N "
+                    "(B*T for padded input, Dr.GRPO's G*L_max).")
+
+
+@dataclass
+class TokenLoss:
+    """Per-token result of a loss before aggregation."""
+
+    loss: Tensor  # [N], 0 where not counted; carries grad through logprobs
+    denom_mask: Tensor  # [N] float 0/1, tokens that count in the normalizer (detached)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+TokenFn = Callable[[LossInputs, LossConfig], TokenLoss]
+
+
+def aggregate(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Reduce a TokenLoss to (scalar loss, metrics) following ``cfg.aggregation``."""
+    metrics = dict(tok.metrics)
+    m = tok.denom_mask
+    n_den = m.sum()
+    metrics["num_active_tokens"] = inputs.mask.sum()
+    metrics["num_denominator_tokens"] = n_den.detach()
+    if cfg.aggregation == "token_mean":
+        norm = n_den.clamp_min(1.0)
+        loss = tok.loss.sum() / norm
+    elif cfg.aggregation == "constant":
+        c = cfg.constant_normalizer if cfg.constant_normalizer is not None else float(inputs.num_tokens)
+        norm = torch.tensor(float(c), dtype=tok.loss.dtype, device=tok.loss.device)
+        loss = tok.loss.sum() / norm
+    elif cfg.aggregation == "seq_mean_token_mean":
+        idx, s = inputs.seq_index
+        cnt = seg_sum(m, idx, s)
+        per_seq = seg_sum(tok.loss, idx, s) / cnt.clamp_min(1.0)
+        live = (cnt > 0).to(per_seq.dtype)
+        norm = live.sum().clamp_min(1.0)
+        loss = (per_seq * live).sum() / norm
+    else:  # pydantic guards the Literal; kept for type checkers
+        raise LossInputError(f"unknown aggregation {cfg.aggregation!r}")
+    if inputs.has_sequences:
+        metrics["num_sequences"] = torch.tensor(float(inputs.seq_index[1]))
+    metrics["normalizer"] = norm.detach().to(torch.float32)
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: name, config model (published defaults) and per-token function."""
+
+    name: str
+    config_cls: type[LossConfig]
+    token_fn: TokenFn
+    doc: str = ""
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """The default aggregation of this loss (a config may override it)."""
+        return self.config_cls.model_fields["aggregation"].default
+
+    def config(self, config: LossConfig | dict | None = None) -> LossConfig:
+        """Validate/complete a config: None -> defaults; dict -> parsed; model -> checked."""
+        if config is None:
+            return self.config_cls()
+        if isinstance(config, dict):
+            return self.config_cls.model_validate(config)
+        if not isinstance(config, self.config_cls):
+            raise LossInputError(
+                f"loss {self.name!r} takes {self.config_cls.__name__}, got {type(config).__name__}")
+        return config
+
+    def per_token(self, inputs: LossInputs, config: LossConfig | dict | None = None) -> TokenLoss:
+        return self.token_fn(inputs, self.config(config))
+
+    def fn(self, inputs: LossInputs, config: LossConfig | dict | None = None
+           ) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg = self.config(config)
+        return aggregate(self.token_fn(inputs, cfg), inputs, cfg)

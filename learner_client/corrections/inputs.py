@@ -1,0 +1,134 @@
+"""The one input type every correction loss takes: per-token tensors over N tokens.
+
+Layouts
+-------
+* flat ``[N]`` (packed): every field is 1-D; sequence boundaries come from ``seq_ids``
+  (one int per token, equal ids = same sequence) or ``cu_seqlens`` (``[S+1]`` int offsets,
+  Megatron/THD style). Sequence-level losses (GSPO, SAT-GSPO, sequence MIS, the
+  per-sequence aggregation) need one of them; token-level losses do not.
+* padded ``[B, T]``: each row is one sequence; padding must carry ``loss_mask = 0``.
+
+Field meanings (paper notation of corrections.md): ``logprobs`` = log pi (current policy,
+carries the gradient); ``old_logprobs`` = log pi_old (proximal / trainer-side old policy,
+optional, NaN allowed only before filling, see ``learner_client.old_logits.fill``);
+``rollout_logprobs`` = log mu (behavior, stamped by the gateway); ``ref_logprobs`` =
+log pi_ref (KL reference, optional); ``entropy`` = H of the
+behavior distribution; ``versions`` = policy_version per token; ``learner_version`` =
+the version of the weights being optimized (v_theta).
+
+Pure PyTorch: no I/O, no logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+
+class LossInputError(ValueError):
+    """Inputs that a loss cannot use (shape mismatch, missing column, bad dtype)."""
+
+
+_TOKEN_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "loss_mask",
+                 "old_logprobs", "ref_logprobs", "entropy", "versions", "seq_ids")
+
+
+@dataclass(eq=False)
+class LossInputs:
+    """Per-token tensors over N tokens, all of the same shape ([N] or [B, T])."""
+
+    logprobs: Tensor  # log pi, current policy; the only field that carries grad
+    rollout_logprobs: Tensor  # log mu, behavior (inference engine)
+    advantages: Tensor  # A per token (sequence advantages broadcast to their tokens)
+    loss_mask: Tensor  # 1/True = active token; bool, int or float 0/1
+    old_logprobs: Tensor | None = None  # log pi_old (proximal); None -> behavior is used
+    ref_logprobs: Tensor | None = None  # log pi_ref, reference policy (GRPO's k3 KL term)
+    entropy: Tensor | None = None  # H of the behavior distribution (ESTR)
+    versions: Tensor | None = None  # policy_version per token (int)
+    seq_ids: Tensor | None = None  # [N] int sequence id per token (flat layout)
+    cu_seqlens: Tensor | None = None  # [S+1] int offsets (flat layout), alternative to seq_ids
+    learner_version: int | None = None  # v_theta: version of the weights being optimized
+
+    def __post_init__(self) -> None:
+        shape = self.logprobs.shape
+        if self.logprobs.dim() not in (1, 2):
+            raise LossInputError(f"logprobs must be [N] or [B, T], got shape {tuple(shape)}")
+        if not torch.is_floating_point(self.logprobs):
+            raise LossInputError("logprobs must be a floating-point tensor")
+        for name in _TOKEN_FIELDS[1:]:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, Tensor):
+                raise LossInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.shape != shape:
+                raise LossInputError(
+                    f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logprobs")
+        if self.seq_ids is not None and self.cu_seqlens is not None:
+            raise LossInputError("give either seq_ids or cu_seqlens, not both")
+        if self.logprobs.dim() == 2 and (self.seq_ids is not None or self.cu_seqlens is not None):
+            raise LossInputError("[B, T] inputs use one row per sequence; drop seq_ids/cu_seqlens")
+        if self.cu_seqlens is not None:
+            cu = self.cu_seqlens
+            if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != shape[0]:
+                raise LossInputError(
+                    f"cu_seqlens must be 1-D, start at 0 and end at N={shape[0]}")
+            if bool((cu[1:] < cu[:-1]).any()):
+                raise LossInputError("cu_seqlens must be non-decreasing")
+
+    # ---- flat views (cheap: reshape, no copies for contiguous inputs) -------------------
+
+    def flat(self, name: str) -> Tensor | None:
+        """Field ``name`` as a 1-D [N] tensor (None when absent)."""
+        t = getattr(self, name)
+        return None if t is None else t.reshape(-1)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.logprobs.numel()
+
+    @cached_property
+    def mask(self) -> Tensor:
+        """Active-token mask as float [N] in logprobs' dtype (detached)."""
+        return self.loss_mask.reshape(-1).to(dtype=self.logprobs.dtype).detach()
+
+    @property
+    def has_sequences(self) -> bool:
+        return self.logprobs.dim() == 2 or self.seq_ids is not None or self.cu_seqlens is not None
+
+    @cached_property
+    def seq_index(self) -> tuple[Tensor, int]:
+        """(index [N] long in 0..S-1 of each token's sequence, S)."""
+        dev = self.logprobs.device
+        if self.logprobs.dim() == 2:
+            b, t = self.logprobs.shape
+            return torch.arange(b, device=dev).repeat_interleave(t), b
+        if self.cu_seqlens is not None:
+            lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(device=dev, dtype=torch.long)
+            s = lens.numel()
+            return torch.arange(s, device=dev).repeat_interleave(lens), s
+        if self.seq_ids is not None:
+            _, inverse = torch.unique(self.seq_ids.reshape(-1), return_inverse=True)
+            return inverse.to(dev), int(inverse.max().item()) + 1 if inverse.numel() else 0
+        raise LossInputError(
+            "this loss needs sequence boundaries: pass [B, T] tensors, seq_ids or cu_seqlens")
+
+    def behavior_or_old(self) -> Tensor:
+        """log pi_old as [N] (detached); the behavior logprobs when old_logprobs is None."""
+        old = self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
+        return old.reshape(-1).detach()
+
+    def require(self, *names: str) -> None:
+        """Raise LossInputError naming the first absent optional field."""
+        for n in names:
+            if getattr(self, n) is None:
+                raise LossInputError(f"this loss needs the '{n}' field")
+
+    def replace(self, **changes: object) -> LossInputs:
+        """A copy with some fields replaced (validated again)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw.update(changes)
+        return LossInputs(**kw)  # type: ignore[arg-type]

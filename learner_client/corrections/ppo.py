@@ -1,0 +1,119 @@
+"""PPO-family losses: ppo_clip, grpo (+k3 KL), dr_grpo, dapo.
+
+All use the ratio r = pi / pi_old with pi_old = ``old_logprobs`` when given, else the
+behavior logprobs (on-policy assumption). Loss per token = -S(r, A; eps_low, eps_high)
+(optionally dual-clipped), times loss_mask; aggregation per config.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from .base import Aggregation, LossConfig, TokenLoss
+from .inputs import LossInputError, LossInputs
+from .ops import clipped_surrogate, masked_mean, safe_exp
+
+
+class PPOClipConfig(LossConfig):
+    """PPO clipped surrogate (Schulman et al. 2017). Aggregation: token mean over the batch."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0.0, description="Upper clip: r <= 1 + eps_high.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual-clip constant c (Ye et al. 2020): for A < 0 the loss is capped at "
+                    "-c*A. None disables it.")
+
+
+def ratio_metrics(log_ratio: Tensor, clipped: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """clipfrac and approx_kl (mean of log pi_old - log pi, verl's ppo_kl) over active tokens."""
+    lr = log_ratio.detach()
+    return {
+        "clipfrac": masked_mean(clipped, mask),
+        "approx_kl": masked_mean(-lr, mask),
+        "ratio_mean": masked_mean(safe_exp(lr), mask),
+    }
+
+
+def ppo_token_loss(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
+                   eps_high: float | Tensor, dual_clip: float | None = None
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token -S(exp(log_ratio), A), dual-clipped if asked, times mask; plus metrics."""
+    ratio = safe_exp(log_ratio)
+    s, clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)
+    pg = -s
+    metrics = ratio_metrics(log_ratio, clipped, mask)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        neg = adv < 0
+        metrics["dual_clipfrac"] = masked_mean((neg & (pg > cap)).to(pg.dtype), mask)
+        pg = torch.where(neg, torch.minimum(pg, cap), pg)
+    return pg * mask, metrics
+
+
+def _ppo(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:
+    m = inputs.mask
+    lr = inputs.flat("logprobs") - inputs.behavior_or_old()
+    tok, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
+                                  cfg.dual_clip)
+    return TokenLoss(tok, m, metrics)
+
+
+def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:
+    return _ppo(inputs, cfg)
+
+
+class GRPOConfig(PPOClipConfig):
+    """GRPO (Shao et al. 2024, DeepSeekMath): clip 0.2, token mean per sequence then mean over
+    sequences, k3 KL to the reference policy with coefficient beta = 0.04 (needs
+    ``ref_logprobs``; set kl_coef = 0 to run without a reference model). Advantages:
+    ``advantages.grpo_advantages`` ((R - mean)/std per group)."""
+
+    aggregation: Aggregation = Field("seq_mean_token_mean", description=LossConfig.model_fields[
+        "aggregation"].description)
+    kl_coef: float = Field(0.04, ge=0.0, description="beta of the k3 KL estimator term.")
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    d = ref_logprobs - logprobs
+    return safe_exp(d) - d - 1.0
+
+
+def grpo(inputs: LossInputs, cfg: GRPOConfig) -> TokenLoss:
+    tl = _ppo(inputs, cfg)
+    if cfg.kl_coef > 0.0:
+        if inputs.ref_logprobs is None:
+            raise LossInputError("grpo with kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
+        kl = k3_kl(inputs.flat("logprobs"), inputs.flat("ref_logprobs").detach())
+        tl.loss = tl.loss + cfg.kl_coef * kl * tl.denom_mask
+        tl.metrics["kl"] = masked_mean(kl.detach(), tl.denom_mask)
+    return tl
+
+
+class DrGRPOConfig(PPOClipConfig):
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): clip 0.2, no KL,
+    advantages R - mean (no std division, ``advantages.dr_grpo_advantages``), token sum
+    divided by a constant (default: N token slots = G * L_max for padded [G, L_max])."""
+
+    aggregation: Aggregation = Field("constant", description=LossConfig.model_fields[
+        "aggregation"].description)
+
+
+def dr_grpo(inputs: LossInputs, cfg: DrGRPOConfig) -> TokenLoss:
+    return _ppo(inputs, cfg)
+
+
+class DAPOConfig(PPOClipConfig):
+    """DAPO (Yu et al. 2025): clip-higher eps_low 0.2 / eps_high 0.28, token-level mean over
+    the whole batch. Dynamic sampling and overlong shaping act on data/rewards, see
+    ``advantages.dapo_dynamic_sampling_keep`` and ``advantages.overlong_penalty``."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
+    eps_high: float = Field(0.28, ge=0.0, description="Upper clip (clip-higher): r <= 1 + eps_high.")
+
+
+def dapo(inputs: LossInputs, cfg: DAPOConfig) -> TokenLoss:
+    return _ppo(inputs, cfg)
