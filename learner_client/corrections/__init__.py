@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import ppo
+from . import advantages, decoupled, estr, gspo, mismatch, ppo, sat
 from .base import Aggregation, LossConfig, LossSpec, TokenLoss, aggregate
 from .inputs import LossInputError, LossInputs
 
@@ -35,6 +35,18 @@ _reg("ppo_clip", ppo.PPOClipConfig, ppo.ppo_clip, "PPO clipped surrogate, r = pi
 _reg("grpo", ppo.GRPOConfig, ppo.grpo, "GRPO: PPO clip, per-sequence token mean, k3 KL.")
 _reg("dr_grpo", ppo.DrGRPOConfig, ppo.dr_grpo, "Dr.GRPO: PPO clip, constant normalizer.")
 _reg("dapo", ppo.DAPOConfig, ppo.dapo, "DAPO: clip-higher, token mean over the batch.")
+_reg("gspo", gspo.GSPOConfig, gspo.gspo, "GSPO: length-normalized sequence ratio, seq clip.")
+_reg("gspo_token", gspo.GSPOConfig, gspo.gspo_token, "GSPO-token: sg[s_i] * pi_t / sg[pi_t].")
+_reg("tis", mismatch.TISConfig, mismatch.tis, "PPO x truncated IS weight min(pi_old/mu, C).")
+_reg("mis", mismatch.MISConfig, mismatch.mis, "PPO x masked IS (token/sequence/geometric, veto).")
+_reg("icepop", mismatch.IcePopConfig, mismatch.icepop, "PPO x IcePop band mask on pi_old/mu.")
+_reg("decoupled_ppo", decoupled.DecoupledPPOConfig, decoupled.decoupled_ppo,
+     "AReaL decoupled PPO with the r_d x r_s decomposition and proximal modes.")
+_reg("ppo_ewma", decoupled.PPOEWMAConfig, decoupled.ppo_ewma,
+     "PPO-EWMA: (pi_prox/mu) * S(pi/pi_prox, A), total ratio capped.")
+_reg("sat", sat.SATConfig, sat.sat, "Staleness-Adaptive Trust Region on PPO (r = pi/mu).")
+_reg("sat_gspo", sat.SATGSPOConfig, sat.sat_gspo, "SAT on the GSPO sequence ratio.")
+_reg("estr", estr.ESTRConfig, estr.estr, "Entropy-Scaled Trust Region mask on PPO (r = pi/mu).")
 
 
 def get_loss(name: str) -> LossSpec:
@@ -50,5 +62,5 @@ def compute_loss(name: str, inputs: LossInputs, config: LossConfig | dict | None
     return get_loss(name).fn(inputs, config)
 
 
-__all__ = ["LOSSES", "Aggregation", "LossConfig", "LossInputError", "LossInputs", "LossSpec",
+__all__ = ["LOSSES", "advantages", "Aggregation", "LossConfig", "LossInputError", "LossInputs", "LossSpec",
            "TokenLoss", "aggregate", "compute_loss", "get_loss", "register"]

@@ -41,6 +41,14 @@ def ppo_token_loss(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float 
                    eps_high: float | Tensor, dual_clip: float | None = None
                    ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token -S(exp(log_ratio), A), dual-clipped if asked, times mask; plus metrics."""
+    pg, _, metrics = ppo_token_loss_ex(log_ratio, adv, mask, eps_low, eps_high, dual_clip)
+    return pg, metrics
+
+
+def ppo_token_loss_ex(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
+                      eps_high: float | Tensor, dual_clip: float | None = None
+                      ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Like ppo_token_loss, also returning the clipped indicator [N] (detached, 0/1)."""
     ratio = safe_exp(log_ratio)
     s, clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)
     pg = -s
@@ -50,7 +58,7 @@ def ppo_token_loss(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float 
         neg = adv < 0
         metrics["dual_clipfrac"] = masked_mean((neg & (pg > cap)).to(pg.dtype), mask)
         pg = torch.where(neg, torch.minimum(pg, cap), pg)
-    return pg * mask, metrics
+    return pg * mask, clipped, metrics
 
 
 def _ppo(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:

@@ -1,0 +1,187 @@
+"""Decoupled corrections: the ratio decomposition pi/mu = r_d * r_s, proximal policies,
+AReaL's decoupled PPO and PPO-EWMA.
+
+r_d = pi_prox / mu  (training-inference discrepancy; detached weight M_d(r_d))
+r_s = pi / pi_prox  (staleness; PPO's asymmetric clip)
+loss_t = -M_d(r_d) * S(r_s, A; eps_low, eps_high)   (optionally dual-clipped)
+
+``ratio_mode`` picks pi_prox and r_d (arXiv 2605.12070 variants):
+* ``decoupled``: pi_prox = pi_old (``old_logprobs``: snapshot recompute, a dedicated
+  old-logit model, interruption-time logits, or EWMA weights), r_d weighted by M_d.
+* ``ppo``: pi_prox = pi_old, r_d = 1.
+* ``bypass``: pi_prox = mu, r_d = 1 (r_s = pi/mu).
+* ``loglinear``: AReaL's log-linear proximal from per-token versions:
+  log pi_prox = log mu + alpha (log pi - log mu), alpha = (v_prox - v_behave)/(v_theta -
+  v_behave), v_theta = learner_version, v_prox = v_theta - 1, alpha clamped to [0, 1] and 0
+  where v_theta <= v_behave or v_behave < 0; r_d = pi_prox/mu weighted by M_d.
+* ``linear_prox``: pi_prox = a mu + (1-a) pi (probability space), a = ``prox_mix`` or
+  1 - alpha from versions when prox_mix is None; r_d = 1.
+pi_prox is always detached (it is a fixed anchor, the gradient flows only through pi).
+
+M_d(r_d) (``discrepancy``): ``cap_mask`` (AReaL: r_d, or 0 where r_d > cap, cap 5),
+``mask`` (r_d inside [1/c, c], else 0), ``truncate`` (clamp(r_d, 1/c, c)), ``none`` (1).
+Zeroed tokens stay in the denominator (AReaL's token mean over the loss mask).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from .base import LossConfig, TokenLoss
+from .inputs import LossInputError, LossInputs
+from .ops import masked_mean, safe_exp
+from .ppo import ppo_token_loss_ex
+
+
+def version_alpha(versions: Tensor, learner_version: int) -> Tensor:
+    """alpha = (v_prox - v_behave)/(v_theta - v_behave), v_prox = v_theta - 1, in [0, 1].
+
+    0 where v_theta - v_behave <= 0 (fresh or future tokens) or v_behave < 0 (no version).
+    """
+    v_b = versions.to(torch.float64)
+    v_t = float(learner_version)
+    diff = v_t - v_b
+    ok = (diff > 0) & (versions >= 0)
+    alpha = torch.where(ok, (v_t - 1.0 - v_b) / torch.where(ok, diff, torch.ones_like(diff)),
+                        torch.zeros_like(v_b))
+    return alpha.clamp(0.0, 1.0)
+
+
+def loglinear_proximal(logprobs: Tensor, rollout_logprobs: Tensor, versions: Tensor,
+                       learner_version: int) -> tuple[Tensor, Tensor]:
+    """(log pi_prox detached, alpha) with log pi_prox = log mu + alpha (log pi - log mu)."""
+    alpha = version_alpha(versions, learner_version).to(logprobs.dtype)
+    mu = rollout_logprobs.detach()
+    return (mu + alpha * (logprobs.detach() - mu)), alpha
+
+
+def linear_proximal(logprobs: Tensor, rollout_logprobs: Tensor, a: Tensor | float
+                    ) -> Tensor:
+    """log pi_prox (detached) with pi_prox = a * mu + (1 - a) * pi, computed in log space."""
+    mu = rollout_logprobs.detach()
+    lp = logprobs.detach()
+    a_t = torch.as_tensor(a, dtype=lp.dtype, device=lp.device).clamp(0.0, 1.0)
+    # log(a e^mu + (1-a) e^lp) = logaddexp(log a + mu, log(1-a) + lp), safe at a in {0, 1}
+    return torch.logaddexp(mu + torch.log(a_t), lp + torch.log1p(-a_t))
+
+
+class DecoupledPPOConfig(LossConfig):
+    """AReaL decoupled PPO (Fu et al. 2025) with the r_d x r_s decomposition of arXiv
+    2605.12070. Defaults: eps 0.2 both sides, behavior weight cap 5 (cap_mask), no dual clip.
+    Aggregation: token mean over active tokens (masked/capped tokens stay in it)."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Clip of r_s below: 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0.0, description="Clip of r_s above: 1 + eps_high.")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual clip c: for A < 0 the token loss is capped at c*|A|.")
+    ratio_mode: Literal["decoupled", "ppo", "bypass", "loglinear", "linear_prox"] = Field(
+        "decoupled", description="How pi_prox and r_d are formed (see module docstring).")
+    discrepancy: Literal["cap_mask", "mask", "truncate", "none"] = Field(
+        "cap_mask", description="M_d applied to r_d = pi_prox/mu.")
+    behav_imp_weight_cap: float = Field(
+        5.0, gt=0.0, description="cap_mask: r_d above this gets weight 0 (AReaL default 5).")
+    discrepancy_c: float = Field(
+        2.0, gt=1.0, description="mask/truncate: keep r_d within [1/c, c].")
+    prox_mix: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="linear_prox: a in pi_prox = a*mu + (1-a)*pi; None = 1 - alpha(versions).")
+
+
+def proximal_logprobs(inputs: LossInputs, cfg: DecoupledPPOConfig
+                      ) -> tuple[Tensor, bool, dict[str, Tensor]]:
+    """(log pi_prox [N] detached, whether r_d is applied, extra metrics) for cfg.ratio_mode."""
+    mode = cfg.ratio_mode
+    logp = inputs.flat("logprobs")
+    mu = inputs.flat("rollout_logprobs").detach()
+    extra: dict[str, Tensor] = {}
+    if mode in ("decoupled", "ppo"):
+        inputs.require("old_logprobs")
+        return inputs.flat("old_logprobs").detach(), mode == "decoupled", extra
+    if mode == "bypass":
+        return mu, False, extra
+    need_versions = mode == "loglinear" or cfg.prox_mix is None
+    if need_versions and (inputs.versions is None or inputs.learner_version is None):
+        raise LossInputError(f"ratio_mode={mode!r} needs versions and learner_version")
+    if mode == "loglinear":
+        prox, alpha = loglinear_proximal(logp, mu, inputs.flat("versions"), inputs.learner_version)
+        extra["alpha_mean"] = masked_mean(alpha, inputs.mask)
+        return prox, True, extra
+    if cfg.prox_mix is not None:
+        a: Tensor | float = cfg.prox_mix
+    else:
+        a = 1.0 - version_alpha(inputs.flat("versions"), inputs.learner_version).to(logp.dtype)
+    return linear_proximal(logp, mu, a), False, extra
+
+
+def discrepancy_weight(log_rd: Tensor, cfg: DecoupledPPOConfig) -> tuple[Tensor, Tensor]:
+    """(M_d(r_d) detached, kept indicator) for the configured discrepancy rule."""
+    r_d = safe_exp(log_rd)
+    one = torch.ones_like(r_d)
+    if cfg.discrepancy == "none":
+        return one, one
+    if cfg.discrepancy == "cap_mask":
+        keep = (log_rd <= math.log(cfg.behav_imp_weight_cap)).to(r_d.dtype)
+        return r_d * keep, keep
+    lc = math.log(cfg.discrepancy_c)
+    if cfg.discrepancy == "mask":
+        keep = ((log_rd >= -lc) & (log_rd <= lc)).to(r_d.dtype)
+        return r_d * keep, keep
+    return torch.clamp(r_d, 1.0 / cfg.discrepancy_c, cfg.discrepancy_c), one  # truncate
+
+
+def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
+    m = inputs.mask
+    logp = inputs.flat("logprobs")
+    prox, use_rd, extra = proximal_logprobs(inputs, cfg)
+    pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
+                                             cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    metrics.update(extra)
+    if use_rd:
+        log_rd = (prox - inputs.flat("rollout_logprobs")).detach()
+        w, keep = discrepancy_weight(log_rd, cfg)
+        metrics["behav_weight_mean"] = masked_mean(w, m)
+        metrics["behav_mask_rate"] = masked_mean(1.0 - keep, m)
+        metrics["r_d_log_mean"] = masked_mean(log_rd, m)
+        pg = pg * w
+    else:
+        keep = torch.ones_like(m)
+    metrics["active_token_fraction"] = masked_mean(keep * (1.0 - clipped), m)
+    return TokenLoss(pg, m, metrics)
+
+
+class PPOEWMAConfig(LossConfig):
+    """PPO-EWMA (Hilton, Cobbe, Schulman 2021, "Batch size-invariance for policy
+    optimization"): -E[(pi_prox/mu) * S(pi/pi_prox, A)], pi_prox from the EWMA weights
+    (pass its logprobs as ``old_logprobs``, see old_logits.EwmaWeightTracker), total ratio
+    pi/mu capped at imp_samp_max = 100 by raising log mu to sg[log pi] - log(imp_samp_max).
+    Aggregation: token mean over active tokens."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Clip of pi/pi_prox below.")
+    eps_high: float = Field(0.2, ge=0.0, description="Clip of pi/pi_prox above.")
+    imp_samp_max: float | None = Field(
+        100.0, gt=1.0, description="Cap of the total ratio pi/mu; None disables it.")
+
+
+def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig) -> TokenLoss:
+    inputs.require("old_logprobs")
+    m = inputs.mask
+    logp = inputs.flat("logprobs")
+    prox = inputs.flat("old_logprobs").detach()
+    mu = inputs.flat("rollout_logprobs").detach()
+    mu_adj = mu
+    if cfg.imp_samp_max is not None:
+        mu_adj = torch.maximum(mu, logp.detach() - math.log(cfg.imp_samp_max))
+    w = safe_exp(prox - mu_adj)  # pi_prox / mu_adj, detached
+    pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
+                                             cfg.eps_low, cfg.eps_high)
+    metrics["behav_weight_mean"] = masked_mean(w, m)
+    if cfg.imp_samp_max is not None:
+        metrics["imp_samp_clipfrac"] = masked_mean(
+            (logp.detach() - mu > math.log(cfg.imp_samp_max)).to(m.dtype), m)
+    metrics["active_token_fraction"] = masked_mean(1.0 - clipped, m)
+    return TokenLoss(pg * w, m, metrics)

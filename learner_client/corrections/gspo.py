@@ -1,0 +1,62 @@
+"""GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level, length-normalized ratio.
+
+s_i = exp( (1/|y_i|) * sum_t log(pi_t / pi_old_t) ) over the active tokens of sequence i,
+loss_i = -S(s_i, A_i; 3e-4, 4e-4), averaged over sequences. A_i = mean of the sequence's
+active-token advantages (equal to the broadcast sequence advantage for GRPO-style data).
+GSPO-token: s_it = sg[s_i] * pi_t / sg[pi_t] (same value as s_i, token-wise gradient) with
+per-token A_it. pi_old = ``old_logprobs`` when given, else the behavior logprobs.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from torch import Tensor
+
+from .base import Aggregation, LossConfig, TokenLoss
+from .inputs import LossInputs
+from .ops import clipped_surrogate, masked_mean, safe_exp, seg_masked_mean
+
+
+class GSPOConfig(LossConfig):
+    """GSPO defaults from the paper (v2, section 5.1): eps_low 3e-4, eps_high 4e-4, no KL.
+    Aggregation: mean over sequences of the sequence loss (seq_mean_token_mean)."""
+
+    aggregation: Aggregation = Field("seq_mean_token_mean", description=LossConfig.model_fields[
+        "aggregation"].description)
+    eps_low: float = Field(3e-4, ge=0.0, lt=1.0, description="Lower clip of the sequence ratio.")
+    eps_high: float = Field(4e-4, ge=0.0, description="Upper clip of the sequence ratio.")
+
+
+def sequence_mean(x: Tensor, inputs: LossInputs) -> tuple[Tensor, Tensor]:
+    """(per-token broadcast of each sequence's active-token mean of x, per-seq mean [S])."""
+    idx, s = inputs.seq_index
+    per_seq, _ = seg_masked_mean(x, inputs.mask, idx, s)
+    return per_seq[idx], per_seq
+
+
+def _seq_metrics(log_s_tok: Tensor, clipped: Tensor, m: Tensor) -> dict[str, Tensor]:
+    return {
+        "clipfrac": masked_mean(clipped, m),
+        "seq_ratio_mean": masked_mean(safe_exp(log_s_tok.detach()), m),
+        "approx_kl": masked_mean(-log_s_tok.detach(), m),
+    }
+
+
+def gspo(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
+    m = inputs.mask
+    d = inputs.flat("logprobs") - inputs.behavior_or_old()
+    log_s, _ = sequence_mean(d, inputs)  # differentiable: grad flows to every token of seq i
+    adv_i, _ = sequence_mean(inputs.flat("advantages").detach(), inputs)
+    s, clipped = clipped_surrogate(safe_exp(log_s), adv_i, cfg.eps_low, cfg.eps_high)
+    return TokenLoss(-s * m, m, _seq_metrics(log_s, clipped, m))
+
+
+def gspo_token(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
+    m = inputs.mask
+    logp = inputs.flat("logprobs")
+    d = logp - inputs.behavior_or_old()
+    log_s, _ = sequence_mean(d.detach(), inputs)
+    log_s_it = log_s + logp - logp.detach()
+    s, clipped = clipped_surrogate(safe_exp(log_s_it), inputs.flat("advantages"),
+                                   cfg.eps_low, cfg.eps_high)
+    return TokenLoss(-s * m, m, _seq_metrics(log_s, clipped, m))

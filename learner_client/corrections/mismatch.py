@@ -1,0 +1,131 @@
+"""Training-inference mismatch corrections on top of PPO: TIS, MIS, IcePop.
+
+rho = pi_old / mu: the trainer's probability under the rollout weights over the engine's
+(behavior) probability; all weights are detached. They need ``old_logprobs``. The base
+surrogate is PPO's S(pi/pi_old, A; eps_low, eps_high).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor
+
+from .base import LossConfig, TokenLoss
+from .gspo import sequence_mean
+from .inputs import LossInputs
+from .ops import masked_mean, safe_exp, seg_sum
+from .ppo import ppo_token_loss
+
+
+def _rho_log(inputs: LossInputs) -> Tensor:
+    inputs.require("old_logprobs")
+    return (inputs.flat("old_logprobs") - inputs.flat("rollout_logprobs")).detach()
+
+
+class TISConfig(LossConfig):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"): w = min(pi_old/mu, C), detached, C = 2.
+    Aggregation: token mean over active tokens."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
+    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
+    cap: float = Field(2.0, gt=0.0, description="C: the importance weight is min(rho, C).")
+
+
+def tis(inputs: LossInputs, cfg: TISConfig) -> TokenLoss:
+    m = inputs.mask
+    rho = safe_exp(_rho_log(inputs))
+    w = torch.clamp(rho, max=cfg.cap)
+    lr = inputs.flat("logprobs") - inputs.flat("old_logprobs").detach()
+    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high)
+    metrics["tis_weight_mean"] = masked_mean(w, m)
+    metrics["tis_capped_frac"] = masked_mean((rho > cfg.cap).to(m.dtype), m)
+    metrics["rho_mean"] = masked_mean(rho, m)
+    return TokenLoss(pg * w, m, metrics)
+
+
+class MISConfig(LossConfig):
+    """Masked importance sampling (Liu, Li et al. 2025, "When speed kills stability"):
+    w = rho * 1[lower <= rho <= upper] at token level (rho_t), sequence level
+    (prod_t rho_t) or geometric level (exp(mean_t log rho_t)); a sequence is vetoed when any
+    of its tokens has rho_t < veto_threshold. Rejected tokens leave the denominator.
+    Aggregation: token mean over the accepted tokens."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
+    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="Where rho is measured: per token, sequence product, geometric mean.")
+    upper: float = Field(2.0, gt=0.0, description="C: reject when rho > upper.")
+    lower: float | None = Field(
+        None, ge=0.0, description="Two-sided mode: also reject when rho < lower (e.g. 1/C).")
+    veto_threshold: float | None = Field(
+        1e-4, ge=0.0, description="Veto a whole sequence if any token rho_t < this; None = off.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> MISConfig:
+        if self.lower is not None and self.lower > self.upper:
+            raise ValueError("MIS lower bound must not exceed upper bound")
+        return self
+
+
+def mis(inputs: LossInputs, cfg: MISConfig) -> TokenLoss:
+    m = inputs.mask
+    log_rho_t = _rho_log(inputs)
+    if cfg.level == "token":
+        log_rho = log_rho_t
+    elif cfg.level == "geometric":
+        log_rho, _ = sequence_mean(log_rho_t, inputs)
+    else:  # sequence: log of prod over the active tokens
+        idx, s = inputs.seq_index
+        log_rho = seg_sum(log_rho_t * m, idx, s)[idx]
+    rho = safe_exp(log_rho)
+    keep = log_rho <= math.log(cfg.upper)
+    if cfg.lower is not None and cfg.lower > 0:
+        keep &= log_rho >= math.log(cfg.lower)
+    vetoed = torch.zeros_like(m)
+    if cfg.veto_threshold is not None and cfg.veto_threshold > 0:
+        bad = ((log_rho_t < math.log(cfg.veto_threshold)).to(m.dtype) * m)
+        if inputs.has_sequences:
+            idx, s = inputs.seq_index
+            vetoed = (seg_sum(bad, idx, s) > 0).to(m.dtype)[idx]
+        else:  # no boundaries: the veto applies to the offending token only
+            vetoed = bad
+    accept = keep.to(m.dtype) * (1.0 - vetoed) * m
+    w = rho * accept
+    lr = inputs.flat("logprobs") - inputs.flat("old_logprobs").detach()
+    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high)
+    metrics["mis_reject_rate"] = masked_mean(1.0 - accept, m)
+    metrics["mis_veto_rate"] = masked_mean(vetoed, m)
+    metrics["mis_weight_mean"] = masked_mean(rho, accept)
+    metrics["mask_rate"] = metrics["mis_reject_rate"]
+    return TokenLoss(pg * w, accept, metrics)
+
+
+class IcePopConfig(LossConfig):
+    """IcePop (Ling team, Ring-1T 2025): k = pi_old/mu, M(k) = k if lo <= k <= hi else 0,
+    lo = 0.5, hi = 5. Masked tokens stay in the denominator (token mean over active tokens)
+    unless ``rejected_leave_denominator``."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
+    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
+    lo: float = Field(0.5, ge=0.0, description="Lower edge of the kept band of k.")
+    hi: float = Field(5.0, gt=0.0, description="Upper edge of the kept band of k.")
+    rejected_leave_denominator: bool = Field(
+        False, description="True: tokens with M(k)=0 are also removed from the normalizer.")
+
+
+def icepop(inputs: LossInputs, cfg: IcePopConfig) -> TokenLoss:
+    m = inputs.mask
+    k = safe_exp(_rho_log(inputs))
+    keep = ((k >= cfg.lo) & (k <= cfg.hi)).to(m.dtype)
+    w = k * keep
+    lr = inputs.flat("logprobs") - inputs.flat("old_logprobs").detach()
+    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high)
+    metrics["mask_rate"] = masked_mean(1.0 - keep, m)
+    metrics["k_mean"] = masked_mean(k, m)
+    denom = m * keep if cfg.rejected_leave_denominator else m
+    return TokenLoss(pg * w * m, denom, metrics)
