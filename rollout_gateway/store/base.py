@@ -17,6 +17,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from pydantic import BaseModel, Field
+
+from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.core.trajectory import Trajectory
 
 
@@ -26,6 +29,47 @@ class StoreStats:
     duplicates: int  # publishes ignored because the id was already stored
     backlog: int  # stored but not yet acknowledged by every group (max over groups)
     max_backlog: int  # configured bound on backlog
+    stale_dropped: int = 0  # deliveries dropped (acked unseen) by the staleness filter
+    stale_masked: int = 0  # deliveries flagged masked by the staleness filter
+    stale_recycled: int = 0  # deliveries whose prompt was queued for re-generation
+    dead_lettered: int = 0  # entries nacked max_deliveries times (acked, kept for audit)
+    redelivered: int = 0  # deliveries with delivery_count > 1 (lease expiry or nack)
+
+
+class StoreConfig(BaseModel):
+    """Semantics shared by every store implementation."""
+
+    max_backlog: int = Field(100_000, ge=1, description="publish raises ResourceExhausted "
+                             "when the backlog (max over groups) reaches this bound")
+    lease_seconds: float = Field(300.0, gt=0, le=86_400, description="a delivered, unacked "
+                                 "entry is re-claimable by another consumer after this long")
+    max_deliveries: int = Field(5, ge=1, le=1000, description="a nack of an entry already "
+                                "delivered this many times dead-letters it instead of requeueing")
+    retention_seconds: float = Field(3600.0, ge=0, description="acked entries (by every group) "
+                                     "are kept this long for audit/replay, then trimmed")
+    dedup_seconds: float = Field(86_400.0, gt=0, description="how long a trajectory_id is "
+                                 "remembered for idempotent publish (at least retention)")
+
+
+@dataclass(slots=True)
+class StoredEntry:
+    """One delivery of a stored trajectory: the serialized rollout.v1.Trajectory plus the
+    few facts the store needs without decoding it."""
+
+    entry_id: str  # the ack/nack handle
+    trajectory_id: str
+    data: bytes  # serialized rollout.v1.Trajectory, exactly as published
+    num_tokens: int  # prompt + output tokens (the unit of token credit)
+    min_version: int  # min policy_version over output tokens (-1 when empty)
+    max_version: int
+    delivery_count: int = 1
+    masked: bool = False  # outside the staleness bound, delivered under StalePolicy.MASK
+
+
+def entry_facts(traj: Trajectory) -> tuple[int, int, int]:
+    """(num_tokens, min_version, max_version) recorded next to the bytes."""
+    return (int(traj.prompt_token_ids.shape[0]) + traj.num_tokens,
+            traj.min_version, traj.max_version)
 
 
 class TrajectoryStore(abc.ABC):
@@ -48,3 +92,97 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections. Idempotent."""
+
+    # ---- learner side (used by the gRPC service) ----
+
+    @abc.abstractmethod
+    async def create_group(self, group: str, *, from_latest: bool = False) -> bool:
+        """Create a consumer group (one per learner job). Returns False if it existed.
+        A new group starts at the oldest retained entry unless from_latest."""
+
+    @abc.abstractmethod
+    async def has_group(self, group: str) -> bool:
+        """Whether the consumer group exists."""
+
+    @abc.abstractmethod
+    async def read(self, group: str, consumer: str, count: int, *,
+                   block_ms: int = 0) -> list[StoredEntry]:
+        """Lease up to ``count`` entries to ``consumer``: first entries whose lease
+        expired (or that were nacked), then new ones. Blocks up to block_ms when there
+        is nothing. Raises NotFound for an unknown group."""
+
+    @abc.abstractmethod
+    async def ack(self, group: str, entry_ids: list[str]) -> int:
+        """Acknowledge; returns how many were pending (re-acks count 0)."""
+
+    @abc.abstractmethod
+    async def nack(self, group: str, entry_ids: list[str]) -> tuple[int, int]:
+        """Make entries available again now; an entry already delivered max_deliveries
+        times is dead-lettered (acked, counted) instead. Returns (requeued, dead_lettered)."""
+
+    @abc.abstractmethod
+    async def group_backlog(self, group: str) -> int:
+        """Entries the group has not acknowledged (pending + not yet delivered)."""
+
+    @abc.abstractmethod
+    async def take_recycled(self, max_n: int) -> list[Trajectory]:
+        """Pop up to max_n trajectories whose prompts the staleness filter recycled; the
+        gateway re-generates their prompts (prompt_token_ids, group_id, metadata)."""
+
+    @abc.abstractmethod
+    async def _push_recycled(self, entries: list[StoredEntry]) -> None:
+        """Queue recycled entries' bytes for take_recycled."""
+
+    @abc.abstractmethod
+    async def _count(self, **counters: int) -> None:
+        """Add to the named StoreStats counters."""
+
+    async def pull(self, group: str, consumer: str, count: int, *, learner_version: int,
+                   max_lag: int | None, policy: StalePolicy, block_ms: int = 0,
+                   ) -> list[StoredEntry]:
+        """read() plus the staleness filter. An entry is stale when
+        learner_version - min_version > max_lag. DROP: acked, counted, not returned;
+        MASK: returned with masked=True, counted; RECYCLE: prompt queued for
+        take_recycled, acked, counted. Returns at most ``count`` entries."""
+        out: list[StoredEntry] = []
+        first = True
+        while len(out) < count:
+            got = await self.read(group, consumer, count - len(out),
+                                  block_ms=block_ms if first else 0)
+            first = False
+            if not got:
+                break
+            gone: list[StoredEntry] = []
+            masked = 0
+            for e in got:
+                if max_lag is None or e.min_version < 0 or learner_version - e.min_version <= max_lag:
+                    out.append(e)
+                elif policy == StalePolicy.MASK:
+                    e.masked = True
+                    masked += 1
+                    out.append(e)
+                else:
+                    gone.append(e)
+            redelivered = sum(1 for e in got if e.delivery_count > 1)
+            if policy == StalePolicy.RECYCLE and gone:
+                await self._push_recycled(gone)
+            if gone:
+                await self.ack(group, [e.entry_id for e in gone])
+            counts = {"stale_masked": masked, "redelivered": redelivered,
+                      "stale_dropped": len(gone) if policy == StalePolicy.DROP else 0,
+                      "stale_recycled": len(gone) if policy == StalePolicy.RECYCLE else 0}
+            counts = {k: v for k, v in counts.items() if v}
+            if counts:
+                await self._count(**counts)
+        return out
+
+
+def check_name(kind: str, value: str) -> str:
+    """Group and consumer names: 1-128 chars of [A-Za-z0-9_.:@-]."""
+    import re
+
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}", value):
+        from rollout_gateway.errors import InvalidArgument
+
+        raise InvalidArgument(f"{kind} must be 1-128 characters of [A-Za-z0-9_.:@-], got {value!r}")
+    return value

@@ -1,0 +1,295 @@
+"""Redis Streams trajectory store (the production default; shared by gateway replicas).
+
+Keys under ``prefix``: ``{p}:stream`` (entries: tid, d = serialized rollout.v1.Trajectory,
+n = prompt+output tokens, lo/hi = min/max policy_version), ``{p}:id:<tid>`` (idempotency
+marker, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
+``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list).
+Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAIM for
+entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
+past the lease so the next read re-claims it at once. Publish, group creation and ack are
+Lua scripts so the backlog bound and counters stay exact across replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from rollout_gateway.core.trajectory import Trajectory
+from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
+from rollout_gateway.store.base import (
+    StoreConfig,
+    StoredEntry,
+    StoreStats,
+    TrajectoryStore,
+    check_name,
+    entry_facts,
+)
+from rollout_gateway.transport import codec
+
+_PUBLISH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
+  return 0
+end
+local published = tonumber(redis.call('HGET', KEYS[3], 'published') or '0')
+local groups = redis.call('HGETALL', KEYS[4])
+local backlog = 0
+if #groups == 0 then
+  backlog = redis.call('XLEN', KEYS[2])
+else
+  for i = 1, #groups, 2 do
+    local b = published - tonumber(groups[i + 1]) - tonumber(redis.call('HGET', KEYS[5], groups[i]) or '0')
+    if b > backlog then backlog = b end
+  end
+end
+if backlog >= tonumber(ARGV[2]) then return -1 end
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+redis.call('HINCRBY', KEYS[3], 'published', 1)
+return 1
+"""
+
+_CREATE_GROUP = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], ARGV[2], 'MKSTREAM')
+local published = tonumber(redis.call('HGET', KEYS[3], 'published') or '0')
+local undelivered = 0
+if ARGV[2] == '0' then undelivered = redis.call('XLEN', KEYS[1]) end
+redis.call('HSET', KEYS[2], ARGV[1], published - undelivered)
+return 1
+"""
+
+_ACK = """
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], n) end
+return n
+"""
+
+_CHUNK = 1000
+
+
+def _parse_id(eid: str) -> tuple[int, int]:
+    try:
+        ms, seq = eid.split("-")
+        return int(ms), int(seq)
+    except ValueError:
+        raise InvalidArgument(f"malformed entry id {eid!r}") from None
+
+
+class RedisStore(TrajectoryStore):
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "rollout",
+                 config: StoreConfig | None = None, client: aioredis.Redis | None = None):
+        self.config = config or StoreConfig()
+        self.prefix = prefix
+        self._r = client or aioredis.Redis.from_url(url, decode_responses=False)
+        p = prefix
+        self._k_stream, self._k_groups = f"{p}:stream", f"{p}:groups"
+        self._k_acked, self._k_counters = f"{p}:acked", f"{p}:counters"
+        self._k_recycled = f"{p}:recycled"
+        self._publish = self._r.register_script(_PUBLISH)
+        self._create = self._r.register_script(_CREATE_GROUP)
+        self._ack = self._r.register_script(_ACK)
+        self._claim_cursor: dict[str, str] = {}
+        self._last_trim = 0.0
+        self._closed = False
+
+    @asynccontextmanager
+    async def _io(self, what: str):
+        if self._closed:
+            raise StoreError("store is closed")
+        try:
+            yield
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                raise NotFound(f"consumer group does not exist ({what}); create it first") from None
+            raise StoreError(f"redis {what} failed: {exc}") from exc
+        except RedisError as exc:
+            raise StoreError(f"redis {what} failed: {exc}") from exc
+
+    # ---- producer side ----
+
+    async def publish(self, trajectory: Trajectory) -> bool:
+        n, lo, hi = entry_facts(trajectory)
+        tid = trajectory.trajectory_id
+        data = codec.encode(trajectory)
+        async with self._io("publish"):
+            res = await self._publish(
+                keys=[f"{self.prefix}:id:{tid}", self._k_stream, self._k_counters,
+                      self._k_groups, self._k_acked],
+                args=[int(self.config.dedup_seconds * 1000), self.config.max_backlog, tid, data,
+                      n, lo, hi])
+        if res == -1:
+            raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
+                                    f"{self.config.max_backlog}; learners are behind")
+        return res == 1
+
+    async def _backlogs(self) -> dict[str, int]:
+        async with self._io("backlog"):
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hgetall(self._k_groups).hgetall(self._k_acked).hget(self._k_counters, "published")
+            pipe.xlen(self._k_stream)
+            groups, acked, published, xlen = await pipe.execute()
+        published = int(published or 0)
+        if not groups:
+            return {"": int(xlen)}
+        return {g.decode(): published - int(base) - int(acked.get(g, 0))
+                for g, base in groups.items()}
+
+    async def backlog(self) -> int:
+        return max((await self._backlogs()).values())
+
+    async def stats(self) -> StoreStats:
+        async with self._io("stats"):
+            c = {k.decode(): int(v) for k, v in (await self._r.hgetall(self._k_counters)).items()}
+        return StoreStats(published=c.get("published", 0), duplicates=c.get("duplicates", 0),
+                          backlog=await self.backlog(), max_backlog=self.config.max_backlog,
+                          stale_dropped=c.get("stale_dropped", 0),
+                          stale_masked=c.get("stale_masked", 0),
+                          stale_recycled=c.get("stale_recycled", 0),
+                          dead_lettered=c.get("dead_lettered", 0),
+                          redelivered=c.get("redelivered", 0))
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._r.aclose()
+
+    # ---- learner side ----
+
+    async def create_group(self, group: str, *, from_latest: bool = False) -> bool:
+        check_name("group", group)
+        async with self._io("create_group"):
+            res = await self._create(keys=[self._k_stream, self._k_groups, self._k_counters],
+                                     args=[group, "$" if from_latest else "0"])
+        return res == 1
+
+    async def has_group(self, group: str) -> bool:
+        check_name("group", group)
+        async with self._io("has_group"):
+            return bool(await self._r.hexists(self._k_groups, group))
+
+    @staticmethod
+    def _entry(eid: bytes, fields: dict[bytes, bytes], deliveries: int) -> StoredEntry:
+        return StoredEntry(entry_id=eid.decode(), trajectory_id=fields[b"tid"].decode(),
+                           data=fields[b"d"], num_tokens=int(fields[b"n"]),
+                           min_version=int(fields[b"lo"]), max_version=int(fields[b"hi"]),
+                           delivery_count=deliveries)
+
+    async def read(self, group: str, consumer: str, count: int, *,
+                   block_ms: int = 0) -> list[StoredEntry]:
+        check_name("group", group)
+        check_name("consumer", consumer)
+        if count <= 0:
+            return []
+        out: list[StoredEntry] = []
+        lease_ms = int(self.config.lease_seconds * 1000)
+        async with self._io("read"):
+            cursor = self._claim_cursor.get(group, "0-0")
+            nxt, claimed, *_ = await self._r.xautoclaim(self._k_stream, group, consumer,
+                                                        lease_ms, cursor, count=count)
+            self._claim_cursor[group] = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
+            claimed = [(eid, f) for eid, f in claimed if f]
+            if claimed:
+                ids = [eid for eid, _ in claimed]
+                pend = await self._r.xpending_range(self._k_stream, group, min=ids[0],
+                                                    max=ids[-1], count=len(ids) * 4 + 16,
+                                                    consumername=consumer)
+                counts = {p["message_id"]: int(p["times_delivered"]) for p in pend}
+                out = [self._entry(eid, f, counts.get(eid, 2)) for eid, f in claimed]
+            want = count - len(out)
+            if want > 0:
+                res = await self._r.xreadgroup(group, consumer, {self._k_stream: ">"},
+                                               count=want,
+                                               block=(block_ms if block_ms > 0 and not out
+                                                      else None))
+                for _stream, entries in res or []:
+                    out.extend(self._entry(eid, f, 1) for eid, f in entries if f)
+        return out
+
+    async def ack(self, group: str, entry_ids: list[str]) -> int:
+        check_name("group", group)
+        for e in entry_ids:
+            _parse_id(e)
+        n = 0
+        async with self._io("ack"):
+            for i in range(0, len(entry_ids), _CHUNK):
+                n += int(await self._ack(keys=[self._k_stream, self._k_acked],
+                                         args=[group, *entry_ids[i:i + _CHUNK]]))
+        if not await self.has_group(group):
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
+        await self._maybe_trim()
+        return n
+
+    async def nack(self, group: str, entry_ids: list[str]) -> tuple[int, int]:
+        check_name("group", group)
+        if not await self.has_group(group):
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
+        requeue, dead = [], []
+        async with self._io("nack"):
+            for eid in entry_ids:
+                _parse_id(eid)
+                p = await self._r.xpending_range(self._k_stream, group, min=eid, max=eid, count=1)
+                if not p:
+                    continue
+                times = int(p[0]["times_delivered"])
+                (dead if times >= self.config.max_deliveries else requeue).append((eid, times))
+            for eid, times in requeue:
+                await self._r.xclaim(self._k_stream, group, "__nacked__", 0, [eid],
+                                     idle=int(self.config.lease_seconds * 1000) + 1,
+                                     retrycount=times, justid=True)
+            if dead:
+                await self._ack(keys=[self._k_stream, self._k_acked],
+                                args=[group, *[e for e, _ in dead]])
+                await self._r.hincrby(self._k_counters, "dead_lettered", len(dead))
+        if requeue:
+            self._claim_cursor[group] = "0-0"
+        return len(requeue), len(dead)
+
+    async def group_backlog(self, group: str) -> int:
+        check_name("group", group)
+        b = await self._backlogs()
+        if group not in b:
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
+        return b[group]
+
+    async def take_recycled(self, max_n: int) -> list[Trajectory]:
+        async with self._io("take_recycled"):
+            got = await self._r.lpop(self._k_recycled, max_n) if max_n > 0 else None
+        return [codec.decode(d) for d in got or []]
+
+    async def _push_recycled(self, entries: list[StoredEntry]) -> None:
+        async with self._io("recycle"):
+            await self._r.rpush(self._k_recycled, *[e.data for e in entries])
+
+    async def _count(self, **counters: int) -> None:
+        async with self._io("count"):
+            pipe = self._r.pipeline(transaction=False)
+            for k, v in counters.items():
+                pipe.hincrby(self._k_counters, k, v)
+            await pipe.execute()
+
+    async def _maybe_trim(self) -> None:
+        """XTRIM MINID below the oldest entry some group still needs and the retention
+        horizon (at most once a second per store object)."""
+        now = time.time()
+        if now - self._last_trim < 1.0:
+            return
+        self._last_trim = now
+        async with self._io("trim"):
+            groups = await self._r.xinfo_groups(self._k_stream)
+            if not groups:
+                return
+            low = (int((now - self.config.retention_seconds) * 1000), 0)
+            for g in groups:
+                ms, seq = _parse_id(g["last-delivered-id"].decode())
+                keep = (ms, seq + 1)
+                if int(g["pending"]):
+                    summary = await self._r.xpending(self._k_stream, g["name"])
+                    keep = min(keep, _parse_id(summary["min"].decode()))
+                low = min(low, keep)
+            if low[0] > 0:
+                await self._r.xtrim(self._k_stream, minid=f"{low[0]}-{low[1]}", approximate=False)

@@ -1,0 +1,1 @@
+"""Trajectory transport: protobuf codec, the learner-facing gRPC service and server."""
