@@ -1,0 +1,1 @@
+"""SGLang engine adapters: response decoding (hot path), HTTP client, engine pool."""

@@ -1,0 +1,123 @@
+"""Incremental decoding of SGLang's streamed /generate (Server-Sent Events).
+
+Chunks are ``data: {json}\\n\\n``, ending with ``data: [DONE]``; errors come as
+``data: {"error": ...}``. Chunks are cumulative by default (each carries the whole output
+so far) and deltas with ``--incremental-streaming-output`` (0.5.13+). Each chunk is
+classified by its length against ``meta_info.completion_tokens`` (the running total in
+both modes), so no server flag needs to be known. ``feed`` returns only the new tokens, so
+stamping never sees a token twice. ``routed_experts`` arrives in the final chunk only and covers
+the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_generate
+from rollout_gateway.errors import EngineError
+
+
+@dataclass(slots=True)
+class _State:
+    seen: int = 0  # output tokens already emitted
+    finished: bool = False
+
+
+class StreamDecoder:
+    """Feed raw response bytes in any split; get back new-token deltas as Decoded."""
+
+    def __init__(self, opts: DecodeOptions | None = None, *,
+                 max_event_bytes: int = 1 << 30) -> None:
+        self.opts = opts or DecodeOptions()
+        self.max_event_bytes = max_event_bytes
+        self._buf = bytearray()
+        self._states: dict[object, _State] = {}
+        self.done = False  # saw data: [DONE]
+
+    @property
+    def finished(self) -> bool:
+        """True when [DONE] arrived or every output seen so far has a finish_reason."""
+        return self.done or (bool(self._states)
+                             and all(s.finished for s in self._states.values()))
+
+    def feed(self, data: bytes) -> list[Decoded]:
+        self._buf += data
+        out: list[Decoded] = []
+        while True:
+            cut, sep = _find_event_end(self._buf)
+            if cut < 0:
+                if len(self._buf) > self.max_event_bytes:
+                    raise EngineError("engine stream event exceeds the size limit")
+                return out
+            event = bytes(self._buf[:cut])
+            del self._buf[:cut + sep]
+            out.extend(self._event(event))
+
+    def close(self) -> list[Decoded]:
+        """Flush a final event not followed by a blank line (a stream cut short)."""
+        rest = bytes(self._buf).strip()
+        self._buf.clear()
+        return self._event(rest) if rest else []
+
+    def _event(self, event: bytes) -> list[Decoded]:
+        payload = _data_of(event)
+        if payload is None:
+            return []
+        if payload == b"[DONE]":
+            self.done = True
+            return []
+        if self.done:
+            raise EngineError("engine stream has data after [DONE]")
+        return [self._delta(d) for d in decode_generate(payload, self.opts)]
+
+    def _delta(self, d: Decoded) -> Decoded:
+        key = d.index if d.index is not None else d.rid
+        st = self._states.setdefault(key, _State())
+        if st.finished:
+            raise EngineError(f"engine stream sent output after output {key!r} finished")
+        total = d.completion_tokens
+        new = total - st.seen
+        if new < 0:
+            raise EngineError(f"engine stream went backwards: {total} tokens after {st.seen}")
+        d.output_ids = _tail(d.output_ids, st.seen, new, total, "output_ids")
+        if d.logprobs is not None:
+            d.logprobs = _tail(d.logprobs, st.seen, new, total, "output_token_logprobs")
+        d.entropy = _tail(d.entropy, st.seen, new, total, "entropy")
+        if d.entropy_error is not None:
+            d.entropy_error = _tail(d.entropy_error, st.seen, new, total, "entropy")
+            d.entropy_error_bound = float(d.entropy_error.max()) if new else 0.0
+        d.offset = st.seen
+        st.seen = total
+        st.finished = d.finish_reason is not None
+        return d
+
+
+def _tail(col: np.ndarray, seen: int, new: int, total: int, name: str) -> np.ndarray:
+    n = col.shape[0]
+    if n == new:
+        return col
+    if n == total:
+        return col[seen:]
+    raise EngineError(f"engine stream chunk has {n} {name} entries; expected {new} new or "
+                      f"{total} cumulative")
+
+
+def _find_event_end(buf: bytearray) -> tuple[int, int]:
+    """Index of the first blank-line separator and its length (-1 if none yet)."""
+    best, size = -1, 0
+    for sep in (b"\n\n", b"\r\n\r\n"):
+        i = buf.find(sep)
+        if i >= 0 and (best < 0 or i < best):
+            best, size = i, len(sep)
+    return best, size
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """Concatenated ``data:`` field of one SSE event (None for comments/other fields)."""
+    lines = [ln for ln in event.splitlines() if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    parts = [ln[5:][1:] if ln[5:6] == b" " else ln[5:] for ln in lines]
+    return b"\n".join(parts).strip()

@@ -1,0 +1,101 @@
+"""Streamed /generate (SSE): cumulative and incremental chunks, any byte split."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import orjson
+import pytest
+
+from rollout_gateway.core.trajectory import EntropyKind
+from rollout_gateway.engines.decode import DecodeOptions, RoutingSpec
+from rollout_gateway.engines.decode_stream import StreamDecoder
+from rollout_gateway.errors import EngineError
+
+IDS = [11, 22, 33, 44, 55]
+LPS = [-0.1, -0.2, -0.3, -0.4, -0.5]
+ENT = [1.0, 0.5, 0.25, 2.0, 0.0]
+PROMPT = 4
+ROUTED = (np.arange((PROMPT + len(IDS) - 1) * 2 * 2) % 8).astype("<i4")
+
+
+def _chunks(incremental: bool) -> list[dict]:
+    out, prev = [], 0
+    for end in (2, 3, 5):
+        lo = prev if incremental else 0
+        meta = {"id": "r1", "finish_reason": None, "prompt_tokens": PROMPT,
+                "weight_version": "2", "num_retractions": 0,
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(LPS[lo:end],
+                                                                          IDS[lo:end])],
+                "output_token_entropy": ENT[lo:end],
+                "completion_tokens": end, "cached_tokens": 0}
+        if end == 5:
+            meta["finish_reason"] = {"type": "length", "length": 5}
+            meta["routed_experts"] = base64.b64encode(ROUTED.tobytes()).decode()
+            meta["weight_versions"] = [{"version": "2", "start": 0, "end": 5}]
+        out.append({"text": None, "output_ids": IDS[lo:end], "meta_info": meta})
+        prev = end
+    return out
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("split", [1, 7, 100, 10_000])
+def test_deltas_cover_each_token_exactly_once(incremental, split):
+    raw = _sse(_chunks(incremental))
+    dec = StreamDecoder(DecodeOptions(routing=RoutingSpec(2, 2, 8)))
+    got = []
+    for i in range(0, len(raw), split):
+        got.extend(dec.feed(raw[i:i + split]))
+    assert dec.done and dec.finished
+    assert [d.offset for d in got] == [0, 2, 3]
+    np.testing.assert_array_equal(np.concatenate([d.output_ids for d in got]), IDS)
+    np.testing.assert_allclose(np.concatenate([d.logprobs for d in got]), LPS, rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate([d.entropy for d in got]), ENT)
+    assert all(d.entropy_kind == EntropyKind.EXACT for d in got)
+    last = got[-1]
+    assert last.finish_reason == {"type": "length", "length": 5}
+    assert last.routed.data.shape == (PROMPT + len(IDS) - 1, 2, 2)
+    np.testing.assert_array_equal(last.routed.data.reshape(-1), ROUTED)
+    assert got[0].routed is None
+
+
+def test_crlf_framing_and_comments():
+    raw = _sse(_chunks(True)).replace(b"\n\n", b"\r\n\r\n")
+    dec = StreamDecoder()
+    got = dec.feed(b": keep-alive\r\n\r\n" + raw)
+    assert sum(d.num_tokens for d in got) == 5 and dec.done
+
+
+def test_error_event_is_engine_error():
+    dec = StreamDecoder()
+    with pytest.raises(EngineError, match="boom"):
+        dec.feed(b'data: {"error": {"message": "boom", "code": 500}}\n\n')
+
+
+def test_inconsistent_chunk_lengths_are_rejected():
+    chunks = _chunks(True)
+    chunks[1]["meta_info"]["completion_tokens"] = 4  # claims 2 new tokens, sends 1
+    dec = StreamDecoder()
+    with pytest.raises(EngineError, match="expected"):
+        dec.feed(_sse(chunks))
+
+
+def test_going_backwards_is_rejected():
+    chunks = _chunks(False)
+    dec = StreamDecoder()
+    dec.feed(_sse(chunks[1:2])[: -len(b"data: [DONE]\n\n")])
+    with pytest.raises(EngineError, match="backwards"):
+        dec.feed(_sse(chunks[0:1]))
+
+
+def test_truncated_stream_close_flushes_last_event():
+    raw = _sse(_chunks(True)[:2])[: -len(b"\n\ndata: [DONE]\n\n")]
+    dec = StreamDecoder()
+    got = dec.feed(raw)
+    got += dec.close()
+    assert sum(d.num_tokens for d in got) == 3 and not dec.finished
