@@ -1,0 +1,129 @@
+"""Start a reference engine as a real subprocess (for tests, benchmarks and ``up``).
+
+No torch import here. Example::
+
+    with EngineProcess(seed=1) as eng:
+        httpx.post(eng.url + "/generate", json={...})
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+import rollout_gateway
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineStartError(RuntimeError):
+    """The engine process died or did not answer /health in time."""
+
+
+class EngineProcess:
+    """``python -m rollout_gateway engine ...`` on a free port; ``.url``, ``.port``, ``.pid``.
+
+    ``start()`` waits until ``/health`` answers 200 (``EngineStartError`` with the stderr
+    tail otherwise); ``stop()`` sends SIGTERM then SIGKILL; ``kill()`` SIGKILLs at once.
+    """
+
+    def __init__(self, *, seed: int = 0, checkpoint: str | os.PathLike | None = None,
+                 model_config: str | None = None, weight_version: str = "0",
+                 incremental_streaming_output: bool = False, max_running_requests: int = 64,
+                 port: int | None = None, host: str = "127.0.0.1", startup_timeout: float = 60.0,
+                 extra_args: list[str] | None = None) -> None:
+        self.host = host
+        self.port = port or free_port()
+        self.startup_timeout = startup_timeout
+        self.args = ["--host", host, "--port", str(self.port), "--seed", str(seed),
+                     "--weight-version", str(weight_version),
+                     "--max-running-requests", str(max_running_requests)]
+        if checkpoint:
+            self.args += ["--checkpoint", str(checkpoint)]
+        if model_config:
+            self.args += ["--model-config", model_config]
+        if incremental_streaming_output:
+            self.args.append("--incremental-streaming-output")
+        self.args += extra_args or []
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def _stderr_tail(self, n: int = 3000) -> str:
+        if not self._log:
+            return ""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")[-n:]
+
+    def start(self) -> EngineProcess:
+        env = dict(os.environ)
+        root = str(Path(rollout_gateway.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("MKL_NUM_THREADS", "1")
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="engine-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rollout_gateway", "engine", *self.args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"engine exited with code {self.proc.returncode}:\n"
+                                       f"{self._stderr_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise EngineStartError(f"engine did not answer /health within {self.startup_timeout}s:\n"
+                               f"{self._stderr_tail()}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._close_log()
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log:
+            self._log.close()
+            try:
+                os.unlink(self._log.name)
+            except OSError:
+                pass
+            self._log = None
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,216 @@
+"""A compact Qwen3-MoE causal LM in PyTorch with per-request KV caches.
+
+Parameter names equal transformers 5's in-memory ``Qwen3MoeForCausalLM`` names
+(``model.layers.{i}.mlp.experts.gate_up_proj`` is ``[E, 2*I, H]``, ``down_proj`` is
+``[E, H, I]``, the router is ``model.layers.{i}.mlp.gate.weight``). The on-disk format
+(per-expert Hub keys) is handled by :mod:`rollout_gateway.engine.checkpoint`.
+
+:meth:`Qwen3MoeLM.forward_chunks` runs several sequences at once: every new token of
+every sequence goes through the linear and MoE layers as one batch; attention runs per
+sequence against that sequence's own :class:`KVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_gateway.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=b)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (out [N, H], top-k expert ids [N, k])."""
+        probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        gu, dn = self.experts.gate_up_proj, self.experts.down_proj
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            g, u = F.linear(x[tok], gu[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, dn[e]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y)
+        return out, top_i
+
+
+class DenseMlp(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.is_moe = cfg.is_moe_layer(idx)
+        self.mlp: nn.Module = SparseMoe(cfg) if self.is_moe else DenseMlp(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class KVCache:
+    """One sequence's keys/values: per layer ``[num_kv_heads, T, head_dim]``."""
+
+    k: list[torch.Tensor | None] = field(default_factory=list)
+    v: list[torch.Tensor | None] = field(default_factory=list)
+    length: int = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.k) <= layer:
+            self.k.append(None)
+            self.v.append(None)
+        ok, ov = self.k[layer], self.v[layer]
+        self.k[layer] = k if ok is None else torch.cat((ok, k), dim=1)
+        self.v[layer] = v if ov is None else torch.cat((ov, v), dim=1)
+        return self.k[layer], self.v[layer]
+
+
+@dataclass
+class ChunkOutput:
+    """Result of one forward over new tokens of several sequences (rows concatenated)."""
+
+    hidden: torch.Tensor  # [N, H] final-normed hidden states of every new token
+    topk: torch.Tensor  # [N, num_layers, top_k] int64; zeros for dense layers
+    offsets: list[int]  # row offset of each sequence's first new token
+
+
+class Qwen3MoeLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        d = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward_chunks(self, ids: list[torch.Tensor], caches: list[KVCache]) -> ChunkOutput:
+        """Append ``ids[i]`` (1-D int64) to sequence i, whose past is ``caches[i]`` (updated)."""
+        cfg = self.config
+        lens = [int(t.numel()) for t in ids]
+        offsets = [0]
+        for n in lens[:-1]:
+            offsets.append(offsets[-1] + n)
+        pos = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, lens)])
+        freqs = pos[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [N, 1, d]
+        x = self.model.embed_tokens(torch.cat(ids))
+        n_tok = x.shape[0]
+        k_top = cfg.num_experts_per_tok
+        topk = torch.zeros(n_tok, cfg.num_hidden_layers, k_top, dtype=torch.long)
+        for li, layer in enumerate(self.model.layers):
+            att = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = att.q_norm(att.q_proj(h).view(n_tok, att.nh, att.d))
+            k = att.k_norm(att.k_proj(h).view(n_tok, att.nkv, att.d))
+            v = att.v_proj(h).view(n_tok, att.nkv, att.d)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            outs = []
+            for off, n, cache in zip(offsets, lens, caches):
+                qs = q[off:off + n].transpose(0, 1)  # [nh, n, d]
+                ks, vs = cache.append(li, k[off:off + n].transpose(0, 1), v[off:off + n].transpose(0, 1))
+                mask = None
+                if n > 1:
+                    t = ks.shape[1]
+                    qpos = torch.arange(t - n, t)[:, None]
+                    mask = torch.arange(t)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                                   enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(n, att.nh * att.d))
+            x = x + att.o_proj(torch.cat(outs))
+            h = layer.post_attention_layernorm(x)
+            if layer.is_moe:
+                y, ti = layer.mlp(h)
+                topk[:, li] = ti
+            else:
+                y = layer.mlp(h)
+            x = x + y
+        for cache, n in zip(caches, lens):
+            cache.length += n
+        return ChunkOutput(hidden=self.model.norm(x), topk=topk, offsets=offsets)
+
+    @torch.no_grad()
+    def forward_full(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole sequence from scratch: (logits [T, V] float32, router top-k [T, L, k])."""
+        out = self.forward_chunks([ids], [KVCache()])
+        return self.logits(out.hidden), out.topk

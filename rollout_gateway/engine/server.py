@@ -1,0 +1,345 @@
+"""FastAPI app of the reference engine: SGLang 0.5.23's HTTP protocol subset.
+
+``create_app(settings)`` builds the app; the model is built in the lifespan (no work at
+import). Endpoints: /generate, /pause_generation, /continue_generation, /abort_request,
+/update_weights_from_disk, /init_weights_update_group, /destroy_weights_update_group,
+/begin_weight_update, /end_weight_update, /update_weights_from_distributed,
+/update_weight_version, /flush_cache, /model_info (+/get_model_info), /server_info
+(+/get_server_info), /get_weight_version, /health, /health_generate, /ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import ORJSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_gateway.engine import checkpoint as ckpt
+from rollout_gateway.engine import distributed as dist_update
+from rollout_gateway.engine.config import ModelConfig
+from rollout_gateway.engine.protocol import ProtocolError, format_output, parse_generate
+from rollout_gateway.engine.request import Request as GenRequest
+from rollout_gateway.engine.scheduler import Scheduler
+from rollout_gateway.engine.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
+SGLANG_VERSION = "0.5.23"
+
+
+class EngineSettings(BaseModel):
+    """How one reference engine process is configured (filled from the CLI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig,
+                               description="Architecture (ignored when checkpoint is set).")
+    seed: int = Field(0, ge=0, description="Seed of the initial weights when no checkpoint.")
+    checkpoint: str | None = Field(None, description="Checkpoint dir to load at start.")
+    weight_version: str = Field("0", min_length=1, description="Initial weight version.")
+    incremental_streaming_output: bool = Field(
+        False, description="SSE chunks carry deltas instead of the cumulative output.")
+    max_running_requests: int = Field(64, ge=1, le=4096,
+                                      description="Requests decoded together per step.")
+
+
+def _json(content: Any, status: int = 200) -> ORJSONResponse:
+    return ORJSONResponse(content, status_code=status)
+
+
+def _bad(message: str) -> ORJSONResponse:
+    return _json({"error": {"message": message}}, 400)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"Invalid JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError("The request body must be a JSON object.")
+    return data
+
+
+def create_app(settings: EngineSettings | None = None) -> FastAPI:
+    settings = settings or EngineSettings()
+    tok = ByteTokenizer()
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        torch.set_num_threads(1)
+        if settings.checkpoint:
+            model = await asyncio.to_thread(ckpt.load_model, settings.checkpoint)
+        else:
+            model = ckpt.build_model(settings.model, settings.seed)
+        sched = Scheduler(model, settings.weight_version, settings.max_running_requests)
+        sched.start()
+        state["sched"] = sched
+        state["model_path"] = settings.checkpoint or f"reference-seed-{settings.seed}"
+        yield
+        await sched.stop()
+        dist_update.destroy(sched)
+
+    app = FastAPI(title="rollout-gateway reference engine", lifespan=lifespan)
+
+    def sched() -> Scheduler:
+        return state["sched"]
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(_: Request, exc: ProtocolError):
+        return _json(exc.body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return _json({"error": {"message": f"internal error: {type(exc).__name__}: {exc}"}}, 500)
+
+    # ------------------------------------------------------------------ generate
+    @app.post("/generate")
+    async def generate(request: Request):
+        s = sched()
+        cfg = s.cfg
+        parsed = parse_generate(await _body(request), tok, cfg.vocab_size,
+                                cfg.max_position_embeddings)
+        await s.wait_admissible()
+        for rid, _, _ in parsed.items:
+            if rid in s.requests:
+                raise ProtocolError(f"Duplicate request ID detected: {rid}")
+        reqs = []
+        for rid, prompt, params in parsed.items:
+            r = GenRequest(rid, prompt, params, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+            r.listeners.append(asyncio.Queue())
+            reqs.append(r)
+        for r in reqs:
+            s.submit(r)
+        if parsed.stream:
+            return StreamingResponse(_stream(s, reqs, settings.incremental_streaming_output),
+                                     media_type="text/event-stream")
+        try:
+            outs = await asyncio.gather(*(_wait_final(s, r) for r in reqs))
+        except asyncio.CancelledError:
+            await s.abort_many(reqs)
+            raise
+        return _json(outs if parsed.is_list else outs[0])
+
+    async def _wait_final(s: Scheduler, r: GenRequest) -> dict[str, Any]:
+        q = r.listeners[0]
+        while not r.finished:
+            await q.get()
+        return format_output(r, len(r.output), s.weight_version, tok, final=True)
+
+    async def _stream(s: Scheduler, reqs: list[GenRequest], incremental: bool):
+        sent = [0] * len(reqs)
+        pending = set(range(len(reqs)))
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            q = reqs[i].listeners[0]
+            while True:
+                n = await q.get()
+                await merged.put((i, n))
+                if reqs[i].finished:
+                    return
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(reqs))]
+        try:
+            while pending:
+                i, n = await merged.get()
+                r = reqs[i]
+                final = r.finished and n == len(r.output)
+                if i not in pending or (n == sent[i] and not final):
+                    continue
+                since = sent[i] if incremental else 0
+                chunk = format_output(r, n, s.weight_version, tok, since=since, final=final)
+                if len(reqs) > 1:
+                    chunk["index"] = i
+                sent[i] = n
+                if final:
+                    pending.discard(i)
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            if pending:  # client went away: abort what is left
+                await s.abort_many([reqs[i] for i in pending])
+
+    # ------------------------------------------------------------------ control
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await _body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise ProtocolError(f"mode must be one of abort, retract, in_place; got {mode!r}")
+        await sched().pause(mode)
+        return _json({"success": True, "message": f"Generation paused ({mode})."})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        await _body(request)
+        await sched().resume()
+        return _json({"success": True, "message": "Generation continued."})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _body(request)
+        rid = body.get("rid") or ""
+        if not isinstance(rid, str):
+            raise ProtocolError("rid must be a string.")
+        n = await sched().abort(rid, bool(body.get("abort_all", False)))
+        return _json({"success": True, "num_aborted": n})
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if sched().flush_cache():
+            return Response("Cache flushed.\nPlease check backend logs for more details. (When "
+                            "there are running or waiting requests, the operation will not be "
+                            "performed.)\n", status_code=200)
+        return Response("Cache not flushed because there are pending requests.\n",
+                        status_code=400)
+
+    # ------------------------------------------------------------------ weights
+    def _version(body: dict[str, Any], key: str = "weight_version") -> str | None:
+        v = body.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise ProtocolError(f"{key} must be a string.")
+        return str(v)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("model_path is required.")
+        s = sched()
+        if body.get("abort_all_requests", False):
+            await s.abort("", abort_all=True)
+        ok, msg = await s.update_from_disk(path, _version(body), bool(body.get("flush_cache", True)))
+        return _json({"success": ok, "message": msg, "num_paused_requests": 0}, 200 if ok else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await _body(request)
+        v = _version(body, "new_version")
+        if v is None:
+            raise ProtocolError("new_version is required.")
+        s = sched()
+        if body.get("abort_all_requests", True):
+            await s.abort("", abort_all=True)
+        await s.update_version(v)
+        return _json({"success": True, "message": f"Weight version updated to {v}.",
+                      "new_version": v})
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        await _body(request)
+        s = sched()
+        if s.update_session_open:
+            return _json({"success": False, "message": "a weight-update session is already open; "
+                          "call end_weight_update() first"}, 400)
+        s.update_session_open = True
+        return _json({"success": True, "message": "Success"})
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        await _body(request)
+        s = sched()
+        if not s.update_session_open:
+            return _json({"success": False, "message": "no weight-update session is open; call "
+                          "begin_weight_update() first"}, 400)
+        s.update_session_open = False
+        return _json({"success": True, "message": "Success"})
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _body(request)
+        ok, msg = await dist_update.init_group(sched(), body)
+        return _json({"success": ok, "message": msg}, 200 if ok else 400)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        await _body(request)
+        dist_update.destroy(sched())
+        return _json({"success": True, "message": "Succeeded to destroy the update group."})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _body(request)
+        ok, msg = await dist_update.update(sched(), body, _version(body))
+        return _json({"success": ok, "message": msg}, 200 if ok else 400)
+
+    # ------------------------------------------------------------------ info / health
+    def _model_info() -> dict[str, Any]:
+        s = sched()
+        return {"model_path": state["model_path"], "tokenizer_path": "byte-level",
+                "is_generation": True, "weight_version": s.weight_version,
+                "served_model_name": "reference-qwen3-moe", "load_format": "safetensors",
+                "model_config": s.cfg.to_hf_dict()}
+
+    @app.get("/model_info")
+    async def model_info():
+        return _json(_model_info())
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return _json(_model_info())
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return _json({"weight_version": sched().weight_version})
+
+    def _server_info() -> dict[str, Any]:
+        s = sched()
+        return {"version": SGLANG_VERSION, "reference_engine": True,
+                "engine": "rollout-gateway-reference", "weight_version": s.weight_version,
+                "incremental_streaming_output": settings.incremental_streaming_output,
+                "max_running_requests": settings.max_running_requests,
+                "enable_return_routed_experts": True, "paused": s.paused,
+                "num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
+                "decode_steps": s.steps}
+
+    @app.get("/server_info")
+    async def server_info():
+        return _json(_server_info())
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return _json(_server_info())
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if sched().paused else 200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        s = sched()
+        if s.paused:
+            return Response(status_code=503)
+        await s.wait_admissible()
+        r = GenRequest("HEALTH_CHECK_" + str(s.steps), [tok.bos_token_id],
+                       parse_generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+                                      tok, s.cfg.vocab_size, s.cfg.max_position_embeddings).items[0][2],
+                       s.cfg.num_hidden_layers, s.cfg.num_experts_per_tok)
+        r.rid = f"HEALTH_CHECK_{id(r)}"
+        r.listeners.append(asyncio.Queue())
+        s.submit(r)
+        await _wait_final(s, r)
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        return Response(status_code=200 if "sched" in state else 503)
+
+    return app
