@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SSE chunks carry deltas instead of cumulative output")
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="requests decoded together per step (default 64)")
+    p.add_argument("--step-delay-ms", type=float, default=0.0,
+                   help="sleep between decode steps (test knob; default 0)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         model=ModelConfig.from_arg(args.model_config), seed=args.seed,
         checkpoint=args.checkpoint, weight_version=str(args.weight_version),
         incremental_streaming_output=args.incremental_streaming_output,
-        max_running_requests=args.max_running_requests,
+        max_running_requests=args.max_running_requests, step_delay_ms=args.step_delay_ms,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=2)

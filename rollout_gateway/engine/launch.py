@@ -42,6 +42,7 @@ class EngineProcess:
     def __init__(self, *, seed: int = 0, checkpoint: str | os.PathLike | None = None,
                  model_config: str | None = None, weight_version: str = "0",
                  incremental_streaming_output: bool = False, max_running_requests: int = 64,
+                 step_delay_ms: float = 0.0,
                  port: int | None = None, host: str = "127.0.0.1", startup_timeout: float = 60.0,
                  extra_args: list[str] | None = None) -> None:
         self.host = host
@@ -49,7 +50,8 @@ class EngineProcess:
         self.startup_timeout = startup_timeout
         self.args = ["--host", host, "--port", str(self.port), "--seed", str(seed),
                      "--weight-version", str(weight_version),
-                     "--max-running-requests", str(max_running_requests)]
+                     "--max-running-requests", str(max_running_requests),
+                     "--step-delay-ms", str(step_delay_ms)]
         if checkpoint:
             self.args += ["--checkpoint", str(checkpoint)]
         if model_config:

@@ -42,12 +42,14 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
 
 
 class Scheduler:
-    def __init__(self, model: Qwen3MoeLM, weight_version: str, max_running: int = 64) -> None:
+    def __init__(self, model: Qwen3MoeLM, weight_version: str, max_running: int = 64,
+                 step_delay_s: float = 0.0) -> None:
         self.model = model
         self.cfg = model.config
         self.tok = ByteTokenizer()
         self.weight_version = str(weight_version)
         self.max_running = max_running
+        self.step_delay_s = step_delay_s  # test knob: pause between steps (never busy-waits)
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -116,7 +118,7 @@ class Scheduler:
                                          "status_code": 500, "err_type": "InternalServerError"})
                 self.steps += 1
                 self._publish(batch)
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.step_delay_s)
 
     def _publish(self, batch: list[Request]) -> None:
         for r in batch:

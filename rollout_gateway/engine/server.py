@@ -47,6 +47,9 @@ class EngineSettings(BaseModel):
         False, description="SSE chunks carry deltas instead of the cumulative output.")
     max_running_requests: int = Field(64, ge=1, le=4096,
                                       description="Requests decoded together per step.")
+    step_delay_ms: float = Field(0.0, ge=0, le=10_000,
+                                 description="Sleep between decode steps (tests use it to catch "
+                                 "requests mid-flight on fast machines); 0 in production.")
 
 
 def _json(content: Any, status: int = 200) -> ORJSONResponse:
@@ -82,7 +85,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             model = await asyncio.to_thread(ckpt.load_model, settings.checkpoint)
         else:
             model = ckpt.build_model(settings.model, settings.seed)
-        sched = Scheduler(model, settings.weight_version, settings.max_running_requests)
+        sched = Scheduler(model, settings.weight_version, settings.max_running_requests,
+                          settings.step_delay_ms / 1000.0)
         sched.start()
         state["sched"] = sched
         state["model_path"] = settings.checkpoint or f"reference-seed-{settings.seed}"
