@@ -1,0 +1,48 @@
+"""Version registry: learner version, engine versions, swap history, swap-leadership lease."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+from rollout_gateway.errors import InvalidArgument
+from rollout_gateway.registry.base import (
+    SWAP_MODES,
+    EngineSwapOutcome,
+    Lease,
+    SwapRecord,
+    VersionEvent,
+    VersionRegistry,
+    Watch,
+)
+from rollout_gateway.registry.memory import InMemoryRegistry
+
+__all__ = ["SWAP_MODES", "EngineSwapOutcome", "InMemoryRegistry", "Lease", "SwapRecord",
+           "VersionEvent", "VersionRegistry", "Watch", "create_registry"]
+
+
+def create_registry(url: str | None = None, *, prefix: str = "rollout",
+                    max_history: int = 1000) -> VersionRegistry:
+    """Build a registry from a URL, in the trajectory store's URL style.
+
+    ``None``/``""``/``memory://`` -> in-process. ``redis://host:port/db?prefix=rollout``
+    (also ``rediss://``, ``unix://``) -> Redis, keys under ``{prefix}:reg:``; a
+    ``prefix`` query parameter overrides the argument, so the store's URL can be reused.
+    """
+    if not url or url.startswith("memory://"):
+        return InMemoryRegistry(max_history=max_history)
+    parts = urlsplit(url)
+    if parts.scheme in ("redis", "rediss", "unix"):
+        from rollout_gateway.registry.redis_registry import RedisRegistry
+
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        prefix = query.pop("prefix", prefix)
+        for k in [k for k in query if k not in _REDIS_URL_OPTIONS]:
+            query.pop(k)  # store options (max_backlog, ...) do not concern the registry
+        rest = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
+        return RedisRegistry.from_url(rest, prefix=prefix, max_history=max_history)
+    raise InvalidArgument(f"registry URL must be memory:// or redis://..., got {url!r}")
+
+
+_REDIS_URL_OPTIONS = {"db", "password", "username", "socket_timeout", "socket_connect_timeout",
+                      "socket_keepalive", "retry_on_timeout", "max_connections",
+                      "health_check_interval", "ssl_cert_reqs", "client_name"}

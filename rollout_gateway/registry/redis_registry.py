@@ -1,0 +1,237 @@
+"""Redis version registry: the state several gateway replicas share.
+
+Keys under ``{prefix}:reg:``: ``learner`` (int), ``engines`` (hash engine -> version),
+``swaps`` (hash swap_id -> JSON), ``swap_order`` (zset by start time), ``lease`` (the
+leader's token, with a PX expiry). Changes are published on ``{prefix}:reg:events``.
+Check-and-set steps run as Lua scripts, so concurrent replicas cannot interleave them.
+Pub/sub is at-most-once: a watcher that reconnects should re-read ``snapshot()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from rollout_gateway.errors import FailedPrecondition, StoreError
+from rollout_gateway.registry.base import (
+    Lease,
+    SwapRecord,
+    VersionEvent,
+    VersionRegistry,
+    Watch,
+    check_version,
+    refuse_backwards,
+)
+
+T = TypeVar("T")
+
+_SET_LEARNER = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local new = tonumber(ARGV[1])
+if new < cur then return {0, cur} end
+if new ~= cur then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('PUBLISH', KEYS[2], ARGV[2])
+end
+return {1, cur}
+"""
+_SET_ENGINE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('PUBLISH', KEYS[2], ARGV[3])
+end
+return 1
+"""
+_REMOVE_ENGINE = """
+local n = redis.call('HDEL', KEYS[1], ARGV[1])
+if n == 1 then redis.call('PUBLISH', KEYS[2], ARGV[2]) end
+return n
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _event(kind: str, version: int | None, engine_id: str | None = None) -> bytes:
+    return orjson.dumps({"kind": kind, "version": version, "engine_id": engine_id,
+                         "at": time.time()})
+
+
+class RedisRegistry(VersionRegistry):
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "rg",
+                 max_history: int = 1000) -> None:
+        self._r = client
+        p = f"{prefix}:reg:"
+        self._k_learner, self._k_engines = p + "learner", p + "engines"
+        self._k_swaps, self._k_order, self._k_lease = p + "swaps", p + "swap_order", p + "lease"
+        self.channel = p + "events"
+        self._max_history = max_history
+        self._set_learner = client.register_script(_SET_LEARNER)
+        self._set_engine = client.register_script(_SET_ENGINE)
+        self._remove_engine = client.register_script(_REMOVE_ENGINE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str, **kw: Any) -> RedisRegistry:
+        return cls(aioredis.Redis.from_url(url), **kw)
+
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await fn()
+        except RedisError as exc:
+            raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
+
+    async def learner_version(self) -> int:
+        v = await self._call("read the learner version", lambda: self._r.get(self._k_learner))
+        return int(v) if v is not None else 0
+
+    async def set_learner_version(self, version: int) -> int:
+        check_version(version, "learner version")
+        ok, cur = await self._call("set the learner version", lambda: self._set_learner(
+            keys=[self._k_learner, self.channel],
+            args=[version, _event("learner", version)]))
+        if not ok:
+            refuse_backwards(int(cur), version)
+        return int(cur)
+
+    async def engine_versions(self) -> dict[str, int]:
+        h = await self._call("read engine versions", lambda: self._r.hgetall(self._k_engines))
+        return {k.decode(): int(v) for k, v in h.items()}
+
+    async def set_engine_version(self, engine_id: str, version: int) -> None:
+        check_version(version, "engine version")
+        await self._call("set an engine version", lambda: self._set_engine(
+            keys=[self._k_engines, self.channel],
+            args=[engine_id, version, _event("engine", version, engine_id)]))
+
+    async def remove_engine(self, engine_id: str) -> bool:
+        n = await self._call("remove an engine", lambda: self._remove_engine(
+            keys=[self._k_engines, self.channel],
+            args=[engine_id, _event("engine_removed", None, engine_id)]))
+        return bool(n)
+
+    async def record_swap(self, record: SwapRecord) -> None:
+        data = orjson.dumps(record.to_dict())
+
+        async def write() -> None:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hset(self._k_swaps, record.swap_id, data)
+                pipe.zadd(self._k_order, {record.swap_id: record.started_at})
+                pipe.zcard(self._k_order)
+                *_, count = await pipe.execute()
+            if count > self._max_history:
+                old = await self._r.zrange(self._k_order, 0, count - self._max_history - 1)
+                if old:
+                    async with self._r.pipeline(transaction=True) as pipe:
+                        pipe.hdel(self._k_swaps, *old)
+                        pipe.zrem(self._k_order, *old)
+                        await pipe.execute()
+
+        await self._call("record a swap", write)
+
+    async def get_swap(self, swap_id: str) -> SwapRecord | None:
+        raw = await self._call("read a swap", lambda: self._r.hget(self._k_swaps, swap_id))
+        return None if raw is None else SwapRecord.from_dict(orjson.loads(raw))
+
+    async def swaps(self, limit: int = 20) -> list[SwapRecord]:
+        if limit <= 0:
+            return []
+
+        async def read() -> list[Any]:
+            ids = await self._r.zrevrange(self._k_order, 0, limit - 1)
+            return await self._r.hmget(self._k_swaps, ids) if ids else []
+
+        raws = await self._call("read swaps", read)
+        return [SwapRecord.from_dict(orjson.loads(r)) for r in raws if r is not None]
+
+    async def acquire_lease(self, owner: str, ttl: float) -> Lease:
+        token = f"{owner}:{uuid.uuid4().hex}"
+        ms = max(1, int(ttl * 1000))
+        now = time.time()
+        got = await self._call("acquire the swap lease", lambda: self._r.set(
+            self._k_lease, token, nx=True, px=ms))
+        if not got:
+            holder = await self.lease_holder()
+            raise FailedPrecondition(f"a swap is being led by {holder!r}",
+                                     details={"leader": holder})
+        return Lease(owner=owner, token=token, ttl=ttl, expires_at=now + ttl)
+
+    async def renew_lease(self, lease: Lease) -> bool:
+        now = time.time()
+        ok = await self._call("renew the swap lease", lambda: self._renew(
+            keys=[self._k_lease], args=[lease.token, max(1, int(lease.ttl * 1000))]))
+        if ok:
+            lease.expires_at = now + lease.ttl
+            return True
+        lease.lost = True
+        return False
+
+    async def release_lease(self, lease: Lease) -> bool:
+        n = await self._call("release the swap lease", lambda: self._release(
+            keys=[self._k_lease], args=[lease.token]))
+        return bool(n)
+
+    async def lease_holder(self) -> str | None:
+        raw = await self._call("read the swap lease", lambda: self._r.get(self._k_lease))
+        return None if raw is None else raw.decode().rsplit(":", 1)[0]
+
+    def watch(self) -> Watch:
+        return _RedisWatch(self._r, self.channel)
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError):
+            await self._r.aclose()
+
+
+class _RedisWatch(Watch):
+    def __init__(self, client: aioredis.Redis, channel: str) -> None:
+        self._client = client
+        self._channel = channel
+        self._ps: Any = None
+
+    async def start(self) -> None:
+        self._ps = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await self._ps.subscribe(self._channel)
+        except RedisError as exc:
+            raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") from exc
+
+    async def stop(self) -> None:
+        if self._ps is not None:
+            ps, self._ps = self._ps, None
+            with contextlib.suppress(RedisError):
+                await ps.unsubscribe(self._channel)
+                await ps.aclose()
+
+    async def next(self, timeout: float | None = None) -> VersionEvent:
+        if self._ps is None:
+            raise StoreError("watch() must be entered before reading events")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - loop.time()))
+            try:
+                msg = await self._ps.get_message(timeout=wait)
+            except RedisError as exc:
+                raise StoreError(f"version registry (Redis) watch failed: {exc}") from exc
+            if msg is not None and msg.get("type") == "message":
+                d = orjson.loads(msg["data"])
+                return VersionEvent(d["kind"], d["version"], d["engine_id"], d["at"])
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError("no version change within the timeout")
