@@ -63,6 +63,7 @@ def build_model(config: ModelConfig, seed: int) -> Qwen3MoeLM:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=gen))
+    model.requires_grad_(False)
     model.eval()
     return model
 
@@ -192,5 +193,6 @@ def load_model(directory: str | Path) -> Qwen3MoeLM:
     """A model built from a checkpoint directory's config and weights."""
     model = Qwen3MoeLM(read_config(directory))
     model.load_state_dict(load_state_dict(directory, model))
+    model.requires_grad_(False)
     model.eval()
     return model

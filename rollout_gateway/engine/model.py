@@ -158,6 +158,7 @@ class Qwen3MoeLM(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
         self.register_buffer("inv_freq", inv, persistent=False)
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
