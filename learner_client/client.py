@@ -1,0 +1,369 @@
+"""Learner-side client of rollout.v1.TrajectoryService.
+
+``AsyncTrajectoryClient`` (asyncio) and ``TrajectoryClient`` (blocking; the same client
+driven on a private event-loop thread). One long-lived bidi Pull stream per client: a
+``pull(n)`` grants just enough credit to bring n trajectories (and at most max_tokens
+prompt+output tokens), then waits. Deliveries are leased to this consumer until
+``ack`` (call it after the optimizer step) or ``nack``; a lease that expires (learner
+died) is redelivered to another consumer with ``delivery_count > 1``. Broken streams and
+unreachable servers are retried with exponential backoff; NOT_FOUND, INVALID_ARGUMENT,
+UNAUTHENTICATED and PERMISSION_DENIED are raised at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from learner_client.errors import TrajectoryClientError
+from learner_client.wire import Rollout, decode_delivery
+from rollout_proto.rollout.v1 import service_pb2 as spb
+from rollout_proto.rollout.v1 import service_pb2_grpc
+
+_POLICY = {None: spb.STALE_POLICY_UNSPECIFIED, "drop": spb.STALE_POLICY_DROP,
+           "mask": spb.STALE_POLICY_MASK, "recycle": spb.STALE_POLICY_RECYCLE}
+
+
+@dataclass(frozen=True, slots=True)
+class TlsOptions:
+    """PEM bytes; all optional (None root_certs = system roots; cert+key = mutual TLS)."""
+
+    root_certs: bytes | None = None
+    cert_chain: bytes | None = None
+    private_key: bytes | None = None
+    server_name: str | None = None  # override the name checked in the server certificate
+
+
+def _error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> TrajectoryClientError:
+    return TrajectoryClientError(exc.code().name, exc.details() or "")
+
+
+class AsyncTrajectoryClient:
+    def __init__(self, target: str, group: str, consumer: str | None = None, *,
+                 learner_version: int = 0, max_lag: int | None = None,
+                 stale_policy: str | None = None, token: str | None = None,
+                 tls: TlsOptions | None = None, max_message_bytes: int = 128 << 20,
+                 backoff_initial: float = 0.1, backoff_max: float = 5.0,
+                 call_timeout: float = 30.0):
+        if stale_policy not in _POLICY:
+            raise ValueError(f"stale_policy must be one of drop/mask/recycle/None, "
+                             f"got {stale_policy!r}")
+        if max_lag is not None and max_lag < 0:
+            raise ValueError("max_lag must be >= 0")
+        self.target, self.group = target, group
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.learner_version, self.max_lag, self.stale_policy = learner_version, max_lag, stale_policy
+        self._meta = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls
+        self._opts = [("grpc.max_receive_message_length", max_message_bytes),
+                      ("grpc.max_send_message_length", 16 << 20),
+                      ("grpc.keepalive_time_ms", 30_000)]
+        if tls and tls.server_name:
+            self._opts.append(("grpc.ssl_target_name_override", tls.server_name))
+        self._backoff = (backoff_initial, backoff_max)
+        self._timeout = call_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.TrajectoryServiceStub | None = None
+        self._call = None
+        self._requests: asyncio.Queue | None = None
+        self._inbox: asyncio.Queue[Rollout | BaseException] | None = None
+        self._receiver: asyncio.Task | None = None
+        self._credit = [0, 0]  # outstanding (trajectories, tokens) granted, not yet received
+        self._buffer: list[Rollout] = []
+
+    # ---- connection ----
+
+    def _ensure_channel(self) -> service_pb2_grpc.TrajectoryServiceStub:
+        if self._stub is None:
+            if self._tls is not None:
+                creds = grpc.ssl_channel_credentials(self._tls.root_certs, self._tls.private_key,
+                                                     self._tls.cert_chain)
+                self._channel = grpc.aio.secure_channel(self.target, creds, options=self._opts)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=self._opts)
+            self._stub = service_pb2_grpc.TrajectoryServiceStub(self._channel)
+        return self._stub
+
+    async def _retry(self, fn, deadline: float | None = None):
+        """Call fn() (a coroutine factory), retrying retryable failures with backoff."""
+        delay = self._backoff[0]
+        deadline = deadline if deadline is not None else time.monotonic() + self._timeout
+        while True:
+            try:
+                return await fn()
+            except grpc.aio.AioRpcError as exc:
+                err = _error(exc)
+            except TrajectoryClientError as exc:
+                err = exc
+            if not err.retryable or time.monotonic() + delay > deadline:
+                raise err
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self._backoff[1])
+
+    async def _unary(self, method: str, request, deadline: float | None = None):
+        stub = self._ensure_channel()
+
+        async def call():
+            left = (deadline or time.monotonic() + self._timeout) - time.monotonic()
+            return await getattr(stub, method)(request, metadata=self._meta,
+                                               timeout=max(left, 0.05), wait_for_ready=True)
+        return await self._retry(call, deadline)
+
+    async def _open_stream(self) -> None:
+        stub = self._ensure_channel()
+        await self._close_stream()
+        self._requests = asyncio.Queue()
+        self._inbox = asyncio.Queue()
+        self._credit = [0, 0]
+        opened = spb.OpenStream(group=self.group, consumer=self.consumer,
+                                learner_version=self.learner_version,
+                                stale_policy=_POLICY[self.stale_policy])
+        if self.max_lag is not None:
+            opened.max_lag = self.max_lag
+        self._requests.put_nowait(spb.PullRequest(open=opened))
+        requests = self._requests
+
+        async def gen():
+            while True:
+                item = await requests.get()
+                if item is None:
+                    return
+                yield item
+
+        self._call = stub.Pull(gen(), metadata=self._meta, wait_for_ready=True)
+        self._receiver = asyncio.create_task(self._receive(self._call, self._inbox))
+
+    async def _receive(self, call, inbox: asyncio.Queue) -> None:
+        try:
+            async for batch in call:
+                for d in batch.deliveries:
+                    inbox.put_nowait(decode_delivery(d))
+            inbox.put_nowait(TrajectoryClientError("UNAVAILABLE", "pull stream ended"))
+        except grpc.aio.AioRpcError as exc:
+            inbox.put_nowait(_error(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to pull()
+            inbox.put_nowait(exc)
+
+    async def _close_stream(self) -> None:
+        if self._requests is not None:
+            self._requests.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            try:
+                await self._receiver
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._call = self._receiver = self._requests = self._inbox = None
+
+    # ---- pulling ----
+
+    def set_learner_version(self, version: int, max_lag: int | None = None) -> None:
+        """Move the staleness reference (sent with the next credit grant)."""
+        self.learner_version = version
+        if max_lag is not None:
+            self.max_lag = max_lag
+
+    async def pull(self, max_trajectories: int, max_tokens: int = 0,
+                   timeout: float = 10.0) -> list[Rollout]:
+        """Up to max_trajectories (and, if max_tokens > 0, at most max_tokens prompt+output
+        tokens). Returns when that many arrived or after ``timeout`` seconds (maybe fewer,
+        maybe none). Deliveries that arrive later are kept for the next pull."""
+        if max_trajectories < 1:
+            raise ValueError("max_trajectories must be >= 1")
+        deadline = time.monotonic() + timeout
+        delay = self._backoff[0]
+        while True:
+            try:
+                return await self._pull_once(max_trajectories, max_tokens, deadline)
+            except TrajectoryClientError as err:
+                if not err.retryable:
+                    await self._close_stream()
+                    raise
+                await self._close_stream()
+                if time.monotonic() + delay >= deadline:
+                    return self._take(max_trajectories, max_tokens)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self._backoff[1])
+
+    def _take(self, n: int, max_tokens: int) -> list[Rollout]:
+        out, used = [], 0
+        while self._buffer and len(out) < n:
+            r = self._buffer[0]
+            if max_tokens and used + r.seq_len > max_tokens:
+                break
+            out.append(self._buffer.pop(0))
+            used += r.seq_len
+        return out
+
+    async def _pull_once(self, n: int, max_tokens: int, deadline: float) -> list[Rollout]:
+        if self._call is None:
+            await self._open_stream()
+        buffered_tok = sum(r.seq_len for r in self._buffer)
+        want_n = n - len(self._buffer) - self._credit[0]
+        want_tok = (max_tokens - buffered_tok - self._credit[1]) if max_tokens else 0
+        if want_n > 0 and (not max_tokens or want_tok > 0):
+            grant = spb.CreditGrant(trajectories=want_n, tokens=max(want_tok, 0),
+                                    learner_version=self.learner_version)
+            if self.max_lag is not None:
+                grant.max_lag = self.max_lag
+            self._requests.put_nowait(spb.PullRequest(credit=grant))
+            self._credit[0] += want_n
+            self._credit[1] += max(want_tok, 0)
+        while len(self._buffer) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                item = await asyncio.wait_for(self._inbox.get(), timeout=left)
+            except TimeoutError:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            self._credit[0] = max(self._credit[0] - 1, 0)
+            self._credit[1] = max(self._credit[1] - item.seq_len, 0)
+            self._buffer.append(item)
+            if max_tokens and sum(r.seq_len for r in self._buffer) >= max_tokens:
+                break
+        return self._take(n, max_tokens)
+
+    # ---- acks and control ----
+
+    @staticmethod
+    def _entry_ids(items: Iterable[Rollout | str]) -> list[str]:
+        return [i if isinstance(i, str) else i.entry_id for i in items]
+
+    async def ack(self, items: Iterable[Rollout | str]) -> int:
+        """Acknowledge trained-on trajectories (after the optimizer step)."""
+        ids = self._entry_ids(items)
+        if not ids:
+            return 0
+        res = await self._unary("Ack", spb.AckRequest(group=self.group, entry_ids=ids))
+        return res.acked
+
+    async def nack(self, items: Iterable[Rollout | str], reason: str = "") -> tuple[int, int]:
+        """Reject: requeued now, or dead-lettered past the store's max deliveries."""
+        ids = self._entry_ids(items)
+        if not ids:
+            return 0, 0
+        res = await self._unary("Nack", spb.NackRequest(group=self.group, entry_ids=ids,
+                                                        reason=reason))
+        return res.requeued, res.dead_lettered
+
+    async def create_group(self, from_latest: bool = False) -> bool:
+        res = await self._unary("CreateGroup", spb.CreateGroupRequest(
+            group=self.group, from_latest=from_latest))
+        return res.created
+
+    async def status(self) -> spb.Status:
+        return await self._unary("GetStatus", spb.StatusRequest(group=self.group))
+
+    async def announce(self, version: int, uri: str, *, kind: str = "path",
+                       mode: str = "in_place", rolling: bool = False,
+                       options: dict[str, str] | None = None) -> spb.AnnounceResponse:
+        """Announce policy ``version`` (weights at ``uri``) and request the hot-swap."""
+        req = spb.AnnounceRequest(version=version, mode=mode, rolling=rolling,
+                                  source=spb.WeightSource(kind=kind, uri=uri,
+                                                          options=options or {}))
+        return await self._unary("AnnounceVersion", req)
+
+    async def watch_versions(self) -> AsyncIterator[spb.VersionEvent]:
+        stub = self._ensure_channel()
+        call = stub.WatchVersions(spb.WatchRequest(), metadata=self._meta, wait_for_ready=True)
+        try:
+            async for ev in call:
+                yield ev
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._close_stream()
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None
+
+    async def __aenter__(self) -> AsyncTrajectoryClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class TrajectoryClient:
+    """Blocking facade: the async client on a private event-loop thread."""
+
+    def __init__(self, target: str, group: str, consumer: str | None = None, **kwargs):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="trajectory-client")
+        self._thread.start()
+        self._client = self._run(self._make(target, group, consumer, kwargs))
+
+    @staticmethod
+    async def _make(target, group, consumer, kwargs) -> AsyncTrajectoryClient:
+        return AsyncTrajectoryClient(target, group, consumer, **kwargs)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def consumer(self) -> str:
+        return self._client.consumer
+
+    def set_learner_version(self, version: int, max_lag: int | None = None) -> None:
+        self._loop.call_soon_threadsafe(self._client.set_learner_version, version, max_lag)
+
+    def pull(self, max_trajectories: int, max_tokens: int = 0,
+             timeout: float = 10.0) -> list[Rollout]:
+        return self._run(self._client.pull(max_trajectories, max_tokens, timeout))
+
+    def ack(self, items: Iterable[Rollout | str]) -> int:
+        return self._run(self._client.ack(list(items)))
+
+    def nack(self, items: Iterable[Rollout | str], reason: str = "") -> tuple[int, int]:
+        return self._run(self._client.nack(list(items), reason))
+
+    def create_group(self, from_latest: bool = False) -> bool:
+        return self._run(self._client.create_group(from_latest))
+
+    def status(self) -> spb.Status:
+        return self._run(self._client.status())
+
+    def announce(self, version: int, uri: str, **kwargs) -> spb.AnnounceResponse:
+        return self._run(self._client.announce(version, uri, **kwargs))
+
+    def watch_versions(self) -> Iterator[spb.VersionEvent]:
+        agen = self._client.watch_versions()
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> TrajectoryClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

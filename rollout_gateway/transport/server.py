@@ -1,0 +1,171 @@
+"""The learner-facing gRPC server: TrajectoryService + grpc.health.v1 + reflection.
+
+``GrpcServer`` runs in the caller's event loop (the gateway's ``serve`` runs it next to
+uvicorn). Health is NOT_SERVING until ``set_serving(True)`` and again from the start of
+``stop()``. Standalone: ``python -m rollout_gateway.transport.server --store URL`` (SIGTERM
+/ SIGINT stop it gracefully within --grace seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.store.base import TrajectoryStore
+from rollout_gateway.transport.control import ControlPlane, InProcessControlPlane
+from rollout_gateway.transport.servicer import SERVICE_NAME, TrajectoryServicer, generic_handler
+
+log = logging.getLogger(__name__)
+
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on every call but health and reflection."""
+
+    def __init__(self, token: str):
+        self._want = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad bearer token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(_OPEN_METHODS):
+            return await continuation(details)
+        if dict(details.invocation_metadata or ()).get("authorization") == self._want:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+
+        async def deny_stream(request_or_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad bearer token")
+            yield b""  # pragma: no cover - abort raises
+
+        if handler.response_streaming:
+            make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
+                    else grpc.unary_stream_rpc_method_handler)
+            return make(deny_stream, request_deserializer=handler.request_deserializer)
+        make = (grpc.stream_unary_rpc_method_handler if handler.request_streaming
+                else grpc.unary_unary_rpc_method_handler)
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad bearer token")
+
+        return make(deny, request_deserializer=handler.request_deserializer)
+
+
+class GrpcServer:
+    def __init__(self, store: TrajectoryStore, control: ControlPlane, host: str = "127.0.0.1",
+                 port: int = 50051, *, default_policy: StalePolicy = StalePolicy.DROP,
+                 max_send_bytes: int = 64 << 20, max_receive_bytes: int = 4 << 20,
+                 auth_token: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, poll_ms: int = 200):
+        self.store = store
+        self.control = control
+        self.host = host
+        self.port = port
+        self.servicer = TrajectoryServicer(store, control, default_policy=default_policy,
+                                           max_batch_bytes=max_send_bytes - (64 << 10),
+                                           poll_ms=poll_ms)
+        self._opts = [("grpc.max_send_message_length", max_send_bytes),
+                      ("grpc.max_receive_message_length", max_receive_bytes),
+                      ("grpc.keepalive_time_ms", 30_000),
+                      ("grpc.http2.max_pings_without_data", 0),
+                      ("grpc.keepalive_permit_without_calls", 1)]
+        self._auth_token = auth_token
+        self._tls = (tls_cert, tls_key)
+        self._server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+
+    async def start(self) -> int:
+        """Bind and start (health NOT_SERVING). Returns the bound port."""
+        interceptors = [_TokenAuth(self._auth_token)] if self._auth_token else []
+        server = grpc.aio.server(options=self._opts, interceptors=interceptors)
+        server.add_generic_rpc_handlers((generic_handler(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        addr = f"{self.host}:{self.port}"
+        if self._tls[0]:
+            creds = grpc.ssl_server_credentials(
+                [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())])
+            self.port = server.add_secure_port(addr, creds)
+        else:
+            self.port = server.add_insecure_port(addr)
+        await self.set_serving(False)
+        await server.start()
+        self._server = server
+        log.info("learner gRPC service on %s:%d", self.host, self.port)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING, refuse new calls, let running ones finish for ``grace`` seconds."""
+        if self._server is None:
+            return
+        await self.set_serving(False)
+        await self._server.stop(grace)
+        self._server = None
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from rollout_gateway.store.factory import store_from_url
+
+    store = store_from_url(args.store)
+    control = InProcessControlPlane(version=args.version)
+    server = GrpcServer(store, control, args.host, args.port,
+                        default_policy=StalePolicy(args.stale_policy),
+                        auth_token=args.token or None)
+    port = await server.start()
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(args.port_file)
+    await server.set_serving(True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(args.grace)
+    await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="run the learner gRPC service standalone")
+    p.add_argument("--store", default="memory://", help="store URL (see store.factory)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port-file", default="", help="write the bound port here once listening")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds for in-flight calls on stop")
+    p.add_argument("--stale-policy", default="drop", choices=[x.value for x in StalePolicy])
+    p.add_argument("--version", type=int, default=0, help="initial policy version")
+    p.add_argument("--token", default="", help="require this bearer token")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

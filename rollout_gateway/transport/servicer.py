@@ -1,0 +1,277 @@
+"""rollout.v1.TrajectoryService: translates wire <-> store/control, nothing else.
+
+Errors leave as gRPC status codes (GatewayError -> grpc.StatusCode[err.code.value]);
+anything unexpected becomes INTERNAL with a generic message (logged here, never sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.errors import GatewayError, InvalidArgument, NotFound
+from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
+from rollout_gateway.transport.control import ControlPlane, WeightSource
+from rollout_gateway.transport.wire import delivery_size, encode_batch
+from rollout_proto.rollout.v1 import service_pb2 as spb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = spb.DESCRIPTOR.services_by_name["TrajectoryService"].full_name
+_POLICIES = {spb.STALE_POLICY_DROP: StalePolicy.DROP, spb.STALE_POLICY_MASK: StalePolicy.MASK,
+             spb.STALE_POLICY_RECYCLE: StalePolicy.RECYCLE}
+_MAX_IDS = 10_000
+
+
+async def _abort(context, exc: BaseException):
+    if isinstance(exc, GatewayError):
+        await context.abort(grpc.StatusCode[exc.code.value], exc.message)
+    log.exception("unexpected error in TrajectoryService", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error in the trajectory service")
+
+
+def _unary(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the single translation point
+            await _abort(context, exc)
+    return wrapper
+
+
+def _ids(ids) -> list[str]:
+    if len(ids) > _MAX_IDS:
+        raise InvalidArgument(f"at most {_MAX_IDS} entry ids per call, got {len(ids)}")
+    if any(not i for i in ids):
+        raise InvalidArgument("entry ids must be non-empty")
+    return list(ids)
+
+
+@dataclass(slots=True)
+class _Credit:
+    """Outstanding credit; a dimension that no grant has bounded yet is unbounded (None)."""
+
+    trajectories: int | None = None
+    tokens: int | None = None
+
+    def add(self, g: spb.CreditGrant) -> None:
+        if g.trajectories == 0 and g.tokens == 0:
+            raise InvalidArgument("a credit grant needs trajectories > 0 or tokens > 0")
+        if g.trajectories:
+            self.trajectories = (self.trajectories or 0) + g.trajectories
+        if g.tokens:
+            self.tokens = (self.tokens or 0) + g.tokens
+
+    @property
+    def granted(self) -> bool:
+        return self.trajectories is not None or self.tokens is not None
+
+    def open(self) -> bool:
+        return self.granted and self.trajectories != 0 and self.tokens != 0
+
+    def fits(self, e: StoredEntry) -> bool:
+        return (self.trajectories is None or self.trajectories >= 1) and (
+            self.tokens is None or e.num_tokens <= self.tokens)
+
+    def take(self, e: StoredEntry) -> None:
+        if self.trajectories is not None:
+            self.trajectories -= 1
+        if self.tokens is not None:
+            self.tokens -= e.num_tokens
+
+
+class TrajectoryServicer:
+    def __init__(self, store: TrajectoryStore, control: ControlPlane, *,
+                 default_policy: StalePolicy = StalePolicy.DROP, max_batch_bytes: int = 32 << 20,
+                 max_read: int = 64, poll_ms: int = 200):
+        self.store = store
+        self.control = control
+        self.default_policy = default_policy
+        self.max_batch_bytes = max_batch_bytes
+        self.max_read = max_read
+        self.poll_ms = poll_ms
+
+    # ---- Pull: bidi, credit-based ----
+
+    async def Pull(self, request_iterator, context):
+        held: list[StoredEntry] = []
+        group = ""
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("kind") != "open":
+                raise InvalidArgument("the first message on a Pull stream must be `open`")
+            o = first.open
+            group = check_name("group", o.group)
+            consumer = check_name("consumer", o.consumer or f"anon-{uuid.uuid4().hex[:8]}")
+            if not await self.store.has_group(group):
+                raise NotFound(f"consumer group {group!r} does not exist; call CreateGroup")
+            state = {"version": o.learner_version,
+                     "max_lag": o.max_lag if o.HasField("max_lag") else None}
+            if state["max_lag"] is not None and state["max_lag"] < 0:
+                raise InvalidArgument("max_lag must be >= 0")
+            policy = _POLICIES.get(o.stale_policy, self.default_policy)
+            credit = _Credit()
+            changed = asyncio.Event()
+            failure: list[BaseException] = []
+            reader = asyncio.create_task(
+                self._read_requests(request_iterator, credit, state, changed, failure))
+            try:
+                while not reader.done() or credit.open():
+                    if failure:
+                        raise failure[0]
+                    if not credit.open():
+                        changed.clear()
+                        await changed.wait()
+                        continue
+                    if not held:
+                        n = self.max_read if credit.trajectories is None else min(
+                            credit.trajectories, self.max_read)
+                        held = await self.store.pull(
+                            group, consumer, n, learner_version=state["version"],
+                            max_lag=state["max_lag"], policy=policy, block_ms=self.poll_ms)
+                        if not held:
+                            if reader.done() and not failure:
+                                break
+                            continue
+                    batch, size = [], 0
+                    while held and credit.fits(held[0]) and (
+                            not batch or size + delivery_size(held[0]) <= self.max_batch_bytes):
+                        e = held.pop(0)
+                        credit.take(e)
+                        batch.append(e)
+                        size += delivery_size(e)
+                    if batch:
+                        yield encode_batch(batch, credit.trajectories or 0, credit.tokens or 0)
+                    elif held:  # head does not fit the token credit: wait for more credit
+                        changed.clear()
+                        await changed.wait()
+                if failure:
+                    raise failure[0]
+            finally:
+                reader.cancel()
+        except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+        finally:
+            if held and group:  # leased but never sent: make them available again now
+                try:
+                    await self.store.nack(group, [e.entry_id for e in held])
+                except Exception:  # noqa: BLE001 - the lease expiry still covers them
+                    log.warning("could not release %d held entries", len(held))
+
+    @staticmethod
+    async def _read_requests(it, credit: _Credit, state: dict, changed: asyncio.Event,
+                             failure: list[BaseException]) -> None:
+        try:
+            async for req in it:
+                if req.WhichOneof("kind") != "credit":
+                    raise InvalidArgument("only `credit` messages may follow `open`")
+                g = req.credit
+                credit.add(g)
+                if g.HasField("learner_version"):
+                    state["version"] = g.learner_version
+                if g.HasField("max_lag"):
+                    if g.max_lag < 0:
+                        raise InvalidArgument("max_lag must be >= 0")
+                    state["max_lag"] = g.max_lag
+                changed.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced by Pull
+            failure.append(exc)
+        finally:
+            changed.set()
+
+    # ---- unary ----
+
+    @_unary
+    async def Ack(self, request, context):
+        n = await self.store.ack(check_name("group", request.group), _ids(request.entry_ids))
+        return spb.AckResponse(acked=n)
+
+    @_unary
+    async def Nack(self, request, context):
+        requeued, dead = await self.store.nack(check_name("group", request.group),
+                                               _ids(request.entry_ids))
+        return spb.NackResponse(requeued=requeued, dead_lettered=dead)
+
+    @_unary
+    async def CreateGroup(self, request, context):
+        created = await self.store.create_group(check_name("group", request.group),
+                                                from_latest=request.from_latest)
+        return spb.CreateGroupResponse(created=created)
+
+    @_unary
+    async def GetStatus(self, request, context):
+        st = await self.store.stats()
+        cs = await self.control.status()
+        store = spb.StoreStatus(
+            published=st.published, duplicates=st.duplicates, backlog=st.backlog,
+            max_backlog=st.max_backlog, stale_dropped=st.stale_dropped,
+            stale_masked=st.stale_masked, stale_recycled=st.stale_recycled,
+            dead_lettered=st.dead_lettered, redelivered=st.redelivered)
+        if request.group:
+            store.group_backlog = await self.store.group_backlog(check_name("group", request.group))
+        return spb.Status(
+            learner_version=cs.learner_version, max_engine_lag=cs.max_engine_lag,
+            swap_in_progress=cs.swap_in_progress, store=store,
+            engines=[spb.EngineVersion(engine_id=e.engine_id, version=e.version,
+                                       healthy=e.healthy) for e in cs.engines])
+
+    @_unary
+    async def AnnounceVersion(self, request, context):
+        src = request.source
+        res = await self.control.announce(
+            request.version, WeightSource(src.kind, src.uri, dict(src.options)),
+            request.mode, rolling=request.rolling)
+        return spb.AnnounceResponse(accepted=res.accepted, version=res.version,
+                                    message=res.message, pause_seconds=res.pause_seconds)
+
+    async def WatchVersions(self, request, context):
+        try:
+            async for ev in self.control.watch():
+                yield spb.VersionEvent(version=ev.version, kind=ev.kind, engine_id=ev.engine_id,
+                                       at=ev.at, message=ev.message)
+        except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+
+def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
+    """Method handlers; Pull's responses are pre-encoded bytes (identity serializer)."""
+    req = {m.name: m.input_type for m in spb.DESCRIPTOR.services_by_name[
+        "TrajectoryService"].methods}
+    import google.protobuf.message_factory as mf
+
+    def des(name):
+        return mf.GetMessageClass(req[name]).FromString
+
+    def ser(msg):
+        return msg.SerializeToString()
+
+    handlers = {
+        "Pull": grpc.stream_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=des("Pull"), response_serializer=None),
+        "WatchVersions": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchVersions, request_deserializer=des("WatchVersions"),
+            response_serializer=ser),
+    }
+    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion"):
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=des(name), response_serializer=ser)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,101 @@
+"""Tensor assembly from delivered rollouts, checked against a naive per-sequence loop."""
+
+import numpy as np
+import pytest
+import torch
+
+from learner_client.batch import collate
+from learner_client.wire import decode_delivery
+from rollout_gateway.store.base import StoredEntry
+from rollout_gateway.transport import codec
+from rollout_gateway.transport.synthetic import make_trajectory
+from rollout_gateway.transport.wire import encode_batch
+from rollout_proto.rollout.v1 import service_pb2
+
+
+def rollouts(specs, masked=()):
+    entries = []
+    for i, (p, t, versions, layers) in enumerate(specs):
+        tr = make_trajectory(f"t{i}", prompt_len=p, num_tokens=t, versions=versions,
+                             num_layers=layers, top_k=2, num_experts=16, seed=i,
+                             old_logprobs=(i == 0), reward=None if i == 1 else float(i))
+        entries.append(StoredEntry(str(i + 1), tr.trajectory_id, codec.encode(tr), p + t,
+                                   tr.min_version, tr.max_version, 1, masked=i in masked))
+    msg = service_pb2.Batch.FromString(encode_batch(entries, 0, 0))
+    return [decode_delivery(d) for d in msg.deliveries]
+
+
+SPECS = [(3, 5, (4, 6), 3), (2, 0, (6,), 3), (4, 7, (2, 5, 6), 3)]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_collate_matches_naive_assembly(layout):
+    rs = rollouts(SPECS, masked={2})
+    b = collate(rs, learner_version=6, layout=layout, max_lag=1)
+    assert b.num_sequences == 3 and b.num_tokens == 8 + 2 + 11
+    assert b.cu_seqlens.tolist() == [0, 8, 10, 21]
+    for i, r in enumerate(rs):
+        p, t = len(r.prompt_token_ids), r.num_tokens
+        if layout == "padded":
+            def row(x, i=i, n=p + t):
+                return x[i, :n]
+            assert not b.attention_mask[i, p + t:].any() and b.attention_mask[i, :p + t].all()
+        else:
+            def row(x, i=i):
+                return x[int(b.cu_seqlens[i]):int(b.cu_seqlens[i + 1])]
+        assert row(b.input_ids).tolist() == [*r.prompt_token_ids, *r.token_ids]
+        assert row(b.position_ids).tolist() == list(range(p + t))
+        np.testing.assert_array_equal(row(b.rollout_logprobs)[p:].numpy(), r.logprobs)
+        np.testing.assert_array_equal(row(b.entropy)[p:].numpy(), r.entropy)
+        assert row(b.versions)[:p].eq(-1).all()
+        np.testing.assert_array_equal(row(b.versions)[p:].numpy(), r.policy_version)
+        np.testing.assert_array_equal(row(b.kv_versions)[p:].numpy(), r.kv_version)
+        np.testing.assert_array_equal(row(b.lags)[p:].numpy(), 6 - r.policy_version)
+        want_mask = np.ones(t, np.float32)
+        if i == 2:  # masked delivery: tokens with lag > 1 get no loss
+            want_mask = (6 - r.policy_version <= 1).astype(np.float32)
+        assert row(b.loss_mask)[:p].eq(0).all()
+        np.testing.assert_array_equal(row(b.loss_mask)[p:].numpy(), want_mask)
+        re = row(b.routed_experts)
+        assert re.dtype == torch.uint8 and re.shape[1:] == (3, 2)
+        np.testing.assert_array_equal(re[:p + t - 1].numpy(), r.routed_experts)
+        assert row(b.routed_mask).tolist() == [True] * (p + t - 1) + [False]
+        if i == 0:
+            np.testing.assert_array_equal(row(b.old_logprobs)[p:].numpy(), r.old_logprobs)
+        else:
+            assert torch.isnan(row(b.old_logprobs)[p:]).all()
+    assert b.loss_mask.sum().item() == 5 + 0 + 5  # t2: its 2 version-2 tokens are masked
+    assert torch.isnan(b.rewards[1]) and b.rewards[2].item() == 2.0
+
+
+def test_loss_inputs_from_batch():
+    rs = rollouts(SPECS)
+    for layout in ("padded", "packed"):
+        b = collate(rs, learner_version=6, layout=layout)
+        logp = torch.zeros_like(b.rollout_logprobs, requires_grad=True)
+        li = b.loss_inputs(logp, torch.tensor([1.0, 2.0, 3.0]))
+        assert li.logprobs.shape == b.input_ids.shape
+        assert torch.equal(li.loss_mask, b.loss_mask)
+        assert li.learner_version == 6
+        if layout == "packed":
+            assert li.cu_seqlens.tolist() == [0, 8, 10, 21]
+            assert li.advantages[8:10].eq(2.0).all()
+        else:
+            assert li.advantages[2].eq(3.0).all()
+
+
+def test_pack_samples_for_megatron():
+    rs = rollouts(SPECS, masked={2})
+    b = collate(rs, learner_version=6, layout="packed", max_lag=1)
+    samples = b.pack_samples(advantages=[1.0, 2.0, 3.0])
+    assert len(samples) == 3
+    np.testing.assert_array_equal(samples[2].columns["loss_mask"],
+                                  (6 - rs[2].policy_version <= 1).astype(np.float32))
+    assert samples[0].routed_experts.shape == (7, 3, 2)
+
+
+def test_collate_rejects_empty_and_bad_layout():
+    with pytest.raises(ValueError):
+        collate([], 0)
+    with pytest.raises(ValueError):
+        collate(rollouts(SPECS[:1]), 0, layout="ragged")
