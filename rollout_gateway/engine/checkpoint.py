@@ -128,6 +128,8 @@ def apply_named_tensors(state: dict[str, torch.Tensor], named: dict[str, torch.T
                 f"{name!r}: shape {tuple(t.shape)} != expected {tuple(state[name].shape)}")
         state[name].copy_(t.to(state[name].dtype))
         touched.add(name)
+    if config.tie_word_embeddings and "lm_head.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # keep the tie
     for target, parts in expert_parts.items():
         kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
         if all((e, k) in parts for e in range(state[target].shape[0]) for k in kinds):
