@@ -121,20 +121,32 @@ class Backbone(nn.Module):
 
 @dataclass
 class KVCache:
-    """One sequence's keys/values: per layer ``[num_kv_heads, T, head_dim]``."""
+    """One sequence's keys/values: per layer a ``[num_kv_heads, capacity, head_dim]`` buffer
+    that grows by doubling (no per-step copy of the whole cache); ``length`` tokens valid."""
 
-    k: list[torch.Tensor | None] = field(default_factory=list)
-    v: list[torch.Tensor | None] = field(default_factory=list)
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
     length: int = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        while len(self.k) <= layer:
-            self.k.append(None)
-            self.v.append(None)
-        ok, ov = self.k[layer], self.v[layer]
-        self.k[layer] = k if ok is None else torch.cat((ok, k), dim=1)
-        self.v[layer] = v if ov is None else torch.cat((ov, v), dim=1)
-        return self.k[layer], self.v[layer]
+        """Store ``k``/``v`` ``[nkv, n, d]`` after the first ``length`` positions of ``layer``;
+        return views of all keys/values so far (``length + n`` positions)."""
+        n = k.shape[1]
+        end = self.length + n
+        if layer == len(self.k):
+            cap = max(16, 2 * end)
+            self.k.append(k.new_empty(k.shape[0], cap, k.shape[2]))
+            self.v.append(v.new_empty(v.shape[0], cap, v.shape[2]))
+        elif end > self.k[layer].shape[1]:
+            cap = 2 * end
+            for buf in (self.k, self.v):
+                old = buf[layer]
+                grown = old.new_empty(old.shape[0], cap, old.shape[2])
+                grown[:, : self.length] = old[:, : self.length]
+                buf[layer] = grown
+        self.k[layer][:, self.length:end] = k
+        self.v[layer][:, self.length:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
 
 
 @dataclass
