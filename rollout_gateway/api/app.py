@@ -1,0 +1,42 @@
+"""FastAPI app factory. The lifespan starts and stops the :class:`Gateway`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from rollout_gateway import __version__
+from rollout_gateway.api.errors import install_error_handlers
+from rollout_gateway.api.state import Gateway
+from rollout_gateway.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | None = None,
+               store: Any = None, registry: Any = None, manage_gateway: bool = True) -> FastAPI:
+    """Build the app. Pass ``gateway`` to share one with the gRPC server (then the caller
+    starts/stops it unless ``manage_gateway``)."""
+    if gateway is None:
+        gateway = Gateway(settings or GatewaySettings(), store=store, registry=registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_gateway:
+            await gateway.start()
+        try:
+            yield
+        finally:
+            if manage_gateway:
+                await gateway.stop()
+
+    app = FastAPI(title="rollout-gateway", version=__version__, lifespan=lifespan)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    from rollout_gateway.api import routes
+    from rollout_gateway.api.generate import router as generate_router
+
+    for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router):
+        app.include_router(r)
+    return app

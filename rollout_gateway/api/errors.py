@@ -1,0 +1,58 @@
+"""The HTTP boundary's error mapping: every failure becomes ``{"error": {...}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rollout_gateway.errors import GatewayError
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, code: str, message: str, details: dict | None = None) -> ORJSONResponse:
+    body: dict = {"code": code, "message": message}
+    if details:
+        body["details"] = details
+    return ORJSONResponse({"error": body}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict]]:
+    errs = []
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        msg = str(e.get("msg", "invalid"))
+        parts.append(f"{loc}: {msg}" if loc else msg)
+        errs.append({"loc": loc, "msg": msg})
+    return "; ".join(parts) or "invalid request", errs
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway(_req: Request, exc: GatewayError) -> ORJSONResponse:
+        if exc.http_status >= 500:
+            log.warning("request failed: %s", exc.message)
+        return ORJSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError) -> ORJSONResponse:
+        msg, errs = _validation_message(exc)
+        # malformed JSON is a 400; well-formed but invalid fields are 422
+        status = 400 if any(e.get("type") == "json_invalid" for e in exc.errors()) else 422
+        return error_response(status, "INVALID_ARGUMENT", msg, {"errors": errs})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+        code = {404: "NOT_FOUND", 405: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED",
+                403: "PERMISSION_DENIED"}.get(exc.status_code, "INVALID_ARGUMENT")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception) -> ORJSONResponse:
+        log.exception("unexpected error")
+        return error_response(500, "INTERNAL", f"internal error ({type(exc).__name__})")

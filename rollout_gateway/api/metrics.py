@@ -1,0 +1,73 @@
+"""Prometheus text exposition of the gateway's counters and gauges (no client library)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollout_gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from rollout_gateway.api.state import Gateway
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_esc(str(v))}"' for k, v in labels.items())
+            self.lines.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+
+
+async def render(gw: Gateway) -> str:
+    o = _Out()
+    c = gw.rollouts.counters
+    for key, help_ in (("rollouts", "Rollout requests started"),
+                       ("samples", "Samples finished"), ("tokens", "Output tokens stamped"),
+                       ("published", "Trajectories published to the store"),
+                       ("duplicates", "Publishes ignored as duplicates"),
+                       ("failed_samples", "Samples that failed"),
+                       ("failovers", "Segments resumed on another engine after a failure"),
+                       ("abort_resumes", "Segments resumed after an abort_resume swap")):
+        o.metric(f"rollout_gateway_{key}_total", "counter", help_, [({}, c[key])])
+    o.metric("rollout_gateway_inflight_samples", "gauge", "Samples generating now",
+             [({}, gw.rollouts.inflight_samples)])
+    engines = gw.pool.list()
+    o.metric("rollout_gateway_engine_outstanding_requests", "gauge", "Requests in flight per engine",
+             [({"engine": e.id}, e.outstanding_requests) for e in engines])
+    o.metric("rollout_gateway_engine_outstanding_tokens", "gauge",
+             "Max new tokens of requests in flight per engine",
+             [({"engine": e.id}, e.outstanding_tokens) for e in engines])
+    o.metric("rollout_gateway_engine_weight_version", "gauge", "Weight version each engine runs",
+             [({"engine": e.id}, e.version if e.version is not None else -1) for e in engines])
+    o.metric("rollout_gateway_engine_up", "gauge", "1 when the engine is in rotation",
+             [({"engine": e.id, "state": e.state.value}, int(e.routable)) for e in engines])
+    try:
+        lv = await gw.registry.learner_version()
+    except GatewayError:
+        lv = None
+    o.metric("rollout_gateway_learner_version", "gauge", "Current learner weight version",
+             [({}, lv if lv is not None else -1)])
+    if lv is not None:
+        o.metric("rollout_gateway_engine_version_lag", "gauge", "learner version - engine version",
+                 [({"engine": e.id}, lv - e.version) for e in engines if e.version is not None])
+    try:
+        st = await gw.store.stats()
+        o.metric("rollout_gateway_store_backlog", "gauge", "Published, not yet acknowledged",
+                 [({}, st.backlog)])
+        o.metric("rollout_gateway_store_published_total", "counter", "Trajectories stored",
+                 [({}, st.published)])
+    except GatewayError:
+        pass
+    gk = getattr(gw.gatekeeper, "counters", None)
+    if gk:
+        o.metric("rollout_gateway_stale_total", "counter", "Trajectories past the staleness bound",
+                 [({"action": k}, v) for k, v in gk.items()])
+    return "\n".join(o.lines) + "\n"

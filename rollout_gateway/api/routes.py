@@ -1,0 +1,141 @@
+"""HTTP routes: rollouts, weights/versions, engines admin, health, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import ORJSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_gateway.api.serialize import trajectory_to_json
+from rollout_gateway.api.state import Gateway
+from rollout_gateway.errors import EngineError, GatewayError, Unauthenticated
+from rollout_gateway.rollouts.models import RolloutRequest
+from rollout_gateway.settings import EngineSpec
+from rollout_gateway.swap.models import SwapRequest
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def require_admin(request: Request) -> None:
+    key = request.app.state.gateway.settings.admin_api_key
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise Unauthenticated("admin route: send 'Authorization: Bearer <admin key>'")
+
+
+def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for ev in events:
+                yield b"data: " + orjson.dumps(ev) + b"\n\n"
+        except GatewayError as exc:
+            yield b"data: " + orjson.dumps({"type": "error", "error": exc.to_dict()}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+rollouts = APIRouter(tags=["rollouts"])
+
+
+@rollouts.post("/v1/rollouts")
+async def create_rollout(req: RolloutRequest, gw: Gateway = Depends(gateway)) -> Response:
+    """n samples of one prompt, stamped per token and published to the store."""
+    if req.stream:
+        events = await gw.rollouts.open_stream(req)  # admission errors: plain 4xx
+
+        async def rendered() -> AsyncIterator[dict[str, Any]]:
+            async for ev in events:
+                if ev["type"] == "trajectory":
+                    ev = {"type": "trajectory", "sample_index": ev["sample_index"],
+                          "trajectory": trajectory_to_json(ev["trajectory"])}
+                yield ev
+        return sse(rendered())
+    trajs = await gw.rollouts.run(req)
+    return ORJSONResponse({"trajectories": [trajectory_to_json(t) for t in trajs],
+                           "learner_version": await gw.registry.learner_version()})
+
+
+weights = APIRouter(tags=["weights"])
+
+
+@weights.post("/v1/weights", dependencies=[Depends(require_admin)])
+async def swap_weights(req: SwapRequest, gw: Gateway = Depends(gateway)) -> Response:
+    """Announce a new version; with a source, hot-swap the engines to it."""
+    rec = await gw.swaps.swap(req)
+    body = rec.to_dict()
+    body["ok"] = rec.status == "succeeded"
+    # a swap that left engines out of rotation is still a completed swap: 200 with the
+    # per-engine outcome; only "no engine took the version" is an error status
+    if rec.status == "failed":
+        raise EngineError(f"no engine took version {rec.version}: {rec.message}",
+                          details={"swap": body})
+    return ORJSONResponse(body)
+
+
+@weights.get("/v1/versions")
+async def versions(gw: Gateway = Depends(gateway)) -> Response:
+    snap = await gw.registry.snapshot()
+    snap = dict(snap)
+    snap["engines_live"] = {e.id: {"weight_version": e.version, "state": e.state.value}
+                            for e in gw.pool.list()}
+    return ORJSONResponse(snap)
+
+
+engines = APIRouter(tags=["engines"])
+
+
+class RegisterEngine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str
+    api_key: str | None = None
+
+
+@engines.get("/v1/engines")
+async def list_engines(gw: Gateway = Depends(gateway)) -> Response:
+    return ORJSONResponse({"engines": [e.to_dict() for e in gw.pool.list()]})
+
+
+@engines.post("/v1/engines", dependencies=[Depends(require_admin)], status_code=201)
+async def register_engine(body: RegisterEngine, gw: Gateway = Depends(gateway)) -> Response:
+    spec = EngineSpec(id=body.id, url=body.url, api_key=body.api_key)
+    eng = await gw.pool.register(spec.id, spec.url, spec.api_key)
+    await gw._sync_engine_version(eng.id, eng.version)
+    return ORJSONResponse(eng.to_dict(), status_code=201)
+
+
+@engines.get("/v1/engines/{engine_id}")
+async def get_engine(engine_id: str, gw: Gateway = Depends(gateway)) -> Response:
+    return ORJSONResponse(gw.pool.get(engine_id).to_dict())
+
+
+@engines.delete("/v1/engines/{engine_id}", dependencies=[Depends(require_admin)])
+async def deregister_engine(engine_id: str, gw: Gateway = Depends(gateway)) -> Response:
+    eng = await gw.pool.deregister(engine_id)
+    await gw.registry.remove_engine(engine_id)
+    return ORJSONResponse(eng.to_dict())
+
+
+ops = APIRouter(tags=["ops"])
+
+
+@ops.get("/health")
+async def health(gw: Gateway = Depends(gateway)) -> Response:
+    routable = [e.id for e in gw.pool.list() if e.routable]
+    ok = gw.serving and bool(routable)
+    return ORJSONResponse({"status": "ok" if ok else "unavailable", "serving": gw.serving,
+                           "engines_routable": routable}, status_code=200 if ok else 503)
+
+
+@ops.get("/metrics")
+async def metrics(gw: Gateway = Depends(gateway)) -> Response:
+    from rollout_gateway.api.metrics import render
+
+    return PlainTextResponse(await render(gw), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,277 @@
+"""SGLang HTTP adapter: one engine's endpoints, version-aware, with per-phase timeouts.
+
+Every transport failure or unusable answer becomes :class:`EngineError` (or
+:class:`Timeout`) here, at the adapter; nothing above sees httpx exceptions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import httpx
+import orjson
+
+from rollout_gateway.errors import EngineError, Timeout
+from rollout_gateway.settings import Timeouts
+
+#: first SGLang version with begin/end_weight_update and weight_versions spans
+SPANS_SINCE = (0, 5, 21)
+#: first SGLang version with pause modes (abort | retract | in_place)
+PAUSE_MODES_SINCE = (0, 5, 6)
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.5.23.post1' -> (0, 5, 23). Unparseable -> EngineError."""
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not m:
+        raise EngineError(f"cannot parse engine version {text!r}")
+    return tuple(int(g or 0) for g in m.groups())
+
+
+def parse_weight_version(value: Any) -> int | None:
+    """SGLang keeps weight_version as a string; ours are integers. None/'default' -> None."""
+    if value is None or value == "default" or value == "":
+        return None
+    try:
+        return int(str(value))
+    except ValueError as exc:
+        raise EngineError(f"engine weight_version {value!r} is not an integer") from exc
+
+
+class Health(StrEnum):
+    OK = "ok"
+    PAUSED = "paused"  # 503 while paused: alive, not serving new work
+    DOWN = "down"
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What we learned from /server_info and /model_info."""
+
+    version: tuple[int, ...] = (0, 0, 0)
+    version_text: str = "unknown"
+    weight_version: int | None = None
+    num_layers: int | None = None
+    top_k: int | None = None
+    num_experts: int | None = None
+    incremental_stream: bool = False  # --incremental-streaming-output: chunks are deltas
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_spans(self) -> bool:
+        return self.version >= SPANS_SINCE
+
+    @property
+    def has_pause_modes(self) -> bool:
+        return self.version >= PAUSE_MODES_SINCE
+
+
+def _json(resp: httpx.Response, what: str) -> Any:
+    try:
+        return orjson.loads(resp.content)
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(f"{what}: engine answered non-JSON (HTTP {resp.status_code}): "
+                          f"{resp.content[:200]!r}") from exc
+
+
+class EngineClient:
+    """Async client for one SGLang-protocol engine."""
+
+    def __init__(self, engine_id: str, url: str, *, timeouts: Timeouts | None = None,
+                 api_key: str | None = None) -> None:
+        self.engine_id = engine_id
+        self.url = url.rstrip("/")
+        self.t = timeouts or Timeouts()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
+                                       limits=httpx.Limits(max_connections=1024,
+                                                           max_keepalive_connections=256))
+        self.info = EngineInfo()
+
+    def _timeout(self, read: float) -> httpx.Timeout:
+        return httpx.Timeout(connect=self.t.connect_s, read=read, write=self.t.control_s,
+                             pool=self.t.connect_s)
+
+    async def _call(self, method: str, path: str, *, read: float, body: Any = None,
+                    ok_statuses: tuple[int, ...] = (200,)) -> httpx.Response:
+        try:
+            resp = await self._http.request(
+                method, path, content=orjson.dumps(body) if body is not None else None,
+                headers={"Content-Type": "application/json"} if body is not None else None,
+                timeout=self._timeout(read))
+        except httpx.TimeoutException as exc:
+            raise Timeout(f"engine {self.engine_id} {path}: timed out ({type(exc).__name__})",
+                          details={"engine_id": self.engine_id}) from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.engine_id} {path}: {type(exc).__name__}: {exc}",
+                              details={"engine_id": self.engine_id}) from exc
+        if resp.status_code not in ok_statuses:
+            raise EngineError(f"engine {self.engine_id} {path}: HTTP {resp.status_code}: "
+                              f"{resp.content[:300].decode('utf-8', 'replace')}",
+                              details={"engine_id": self.engine_id, "status": resp.status_code})
+        return resp
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        resp = await self._call("GET", path, read=self.t.control_s)
+        data = _json(resp, path)
+        if not isinstance(data, dict):
+            raise EngineError(f"engine {self.engine_id} {path}: expected a JSON object")
+        return data
+
+    async def _post_json(self, path: str, body: dict[str, Any], *, read: float | None = None) -> Any:
+        resp = await self._call("POST", path, read=read or self.t.control_s, body=body)
+        return _json(resp, path) if resp.content.strip() else {}
+
+    # ---- discovery -------------------------------------------------------------------
+    async def detect(self) -> EngineInfo:
+        """Read /server_info (SGLang version) and /model_info (weight version, shape)."""
+        server = await self._get_json("/server_info")
+        vtext = server.get("version")
+        if vtext is None:
+            raise EngineError(f"engine {self.engine_id}: /server_info has no 'version'")
+        model = await self._get_json("/model_info")
+        info = EngineInfo(version=parse_version(vtext), version_text=str(vtext),
+                          weight_version=parse_weight_version(model.get("weight_version")),
+                          incremental_stream=bool(server.get("incremental_streaming_output")))
+        cfg = model.get("model_config") or model.get("hf_config") or {}
+        cfg = cfg if isinstance(cfg, dict) else {}
+        for key, attr in (("num_hidden_layers", "num_layers"), ("num_experts_per_tok", "top_k"),
+                          ("num_experts", "num_experts")):
+            v = cfg.get(key, model.get(key, server.get(key)))
+            if isinstance(v, int) and v > 0:
+                setattr(info, attr, v)
+        self.info = info
+        return info
+
+    async def weight_version(self) -> int | None:
+        model = await self._get_json("/model_info")
+        v = parse_weight_version(model.get("weight_version"))
+        self.info.weight_version = v
+        return v
+
+    async def health(self) -> Health:
+        try:
+            resp = await self._http.get("/health", timeout=httpx.Timeout(self.t.health_s))
+        except httpx.HTTPError:
+            return Health.DOWN
+        if resp.status_code == 200:
+            return Health.OK
+        if resp.status_code == 503:
+            return Health.PAUSED
+        return Health.DOWN
+
+    # ---- generation ------------------------------------------------------------------
+    async def generate(self, payload: dict[str, Any]) -> bytes:
+        """Non-streaming /generate; returns the raw JSON body."""
+        resp = await self._call("POST", "/generate", read=self.t.generate_s, body=payload,
+                                ok_statuses=(200, 400))
+        if resp.status_code == 400:
+            raise EngineError(f"engine {self.engine_id} rejected the request: "
+                              f"{resp.content[:300].decode('utf-8', 'replace')}",
+                              details={"engine_id": self.engine_id, "status": 400})
+        return resp.content
+
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
+
+        A dropped connection raises EngineError after the payloads received so far were
+        yielded, so the caller keeps the partial output of a cumulative stream.
+        """
+        body = dict(payload, stream=True)
+        try:
+            async with self._http.stream("POST", "/generate", content=orjson.dumps(body),
+                                         headers={"Content-Type": "application/json"},
+                                         timeout=self._timeout(self.t.generate_s)) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread())[:300].decode("utf-8", "replace")
+                    raise EngineError(f"engine {self.engine_id} /generate: HTTP "
+                                      f"{resp.status_code}: {text}",
+                                      details={"engine_id": self.engine_id,
+                                               "status": resp.status_code})
+                buf = b""
+                async for chunk in resp.aiter_bytes():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        for line in event.split(b"\n"):
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                return
+                            if data.startswith(b'{"error"'):
+                                raise EngineError(f"engine {self.engine_id} stream error: "
+                                                  f"{data[:300].decode('utf-8', 'replace')}",
+                                                  details={"engine_id": self.engine_id})
+                            yield data
+        except httpx.TimeoutException as exc:
+            raise Timeout(f"engine {self.engine_id} /generate stream timed out",
+                          details={"engine_id": self.engine_id}) from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.engine_id} /generate stream broke: "
+                              f"{type(exc).__name__}: {exc}",
+                              details={"engine_id": self.engine_id, "dropped": True}) from exc
+        raise EngineError(f"engine {self.engine_id} /generate stream ended without [DONE]",
+                          details={"engine_id": self.engine_id, "dropped": True})
+
+    # ---- control ---------------------------------------------------------------------
+    async def pause(self, mode: str) -> None:
+        body = {"mode": mode} if self.info.has_pause_modes else {}
+        await self._post_json("/pause_generation", body)
+
+    async def resume(self) -> None:
+        await self._post_json("/continue_generation", {})
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        await self._post_json("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    # ---- weights ---------------------------------------------------------------------
+    @staticmethod
+    def _check_success(data: Any, what: str, engine_id: str) -> dict[str, Any]:
+        if not isinstance(data, dict) or "success" not in data:
+            raise EngineError(f"engine {engine_id} {what}: unexpected answer {str(data)[:200]}")
+        if not data["success"]:
+            raise EngineError(f"engine {engine_id} {what} failed: {data.get('message', '')}",
+                              details={"engine_id": engine_id, "message": data.get("message")})
+        return data
+
+    async def update_weights_from_disk(self, model_path: str, version: int, *,
+                                       flush_cache: bool) -> dict[str, Any]:
+        data = await self._post_json("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": str(version),
+            "flush_cache": flush_cache, "abort_all_requests": False,
+        }, read=self.t.weight_load_s)
+        return self._check_success(data, "update_weights_from_disk", self.engine_id)
+
+    async def begin_weight_update(self) -> None:
+        if self.info.has_spans:
+            await self._post_json("/begin_weight_update", {"selector": "all"})
+
+    async def end_weight_update(self) -> None:
+        if self.info.has_spans:
+            await self._post_json("/end_weight_update", {})
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, group_name: str,
+                                        backend: str) -> dict[str, Any]:
+        data = await self._post_json("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend}, read=self.t.weight_load_s)
+        return self._check_success(data, "init_weights_update_group", self.engine_id)
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              version: int, flush_cache: bool) -> dict[str, Any]:
+        data = await self._post_json("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": str(version)},
+            read=self.t.weight_load_s)
+        return self._check_success(data, "update_weights_from_distributed", self.engine_id)
+
+    async def close(self) -> None:
+        await self._http.aclose()

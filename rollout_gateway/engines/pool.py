@@ -1,0 +1,284 @@
+"""The engine pool: registration, health, gates (swap fences), load-aware sticky routing.
+
+Each engine has a *gate*: closed while a swap fences it, so new engine requests wait
+(or go to another engine whose gate is open, in rolling swaps). Outstanding requests and
+tokens are counted per engine for routing and for drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from rollout_gateway.core.trajectory import Transition
+from rollout_gateway.engines.client import EngineClient, Health
+from rollout_gateway.errors import AlreadyExists, GatewayError, NotFound, Unavailable
+from rollout_gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(StrEnum):
+    HEALTHY = "healthy"
+    PAUSED = "paused"  # answered 503 on /health (paused by us or someone): alive
+    UNHEALTHY = "unhealthy"  # failed probes or requests; out of rotation until it recovers
+    FAILED_LOAD = "failed_load"  # a weight update failed: out of rotation until re-registered
+    DEREGISTERED = "deregistered"
+
+
+@dataclass(eq=False)
+class Engine:
+    """One engine as the pool sees it."""
+
+    id: str
+    client: EngineClient
+    state: EngineState = EngineState.HEALTHY
+    version: int | None = None  # weight version it reports (verified after each swap)
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    probe_failures: int = 0
+    last_error: str | None = None
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    #: version -> how it was installed under running requests (for kv stamping)
+    installed_by: dict[int, Transition] = field(default_factory=dict)
+    #: bumped whenever a swap aborts this engine's requests (abort_resume) or it fails
+    abort_epoch: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    registered_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+        self.idle.set()
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    @property
+    def routable(self) -> bool:
+        return self.state in (EngineState.HEALTHY, EngineState.PAUSED)
+
+    def to_dict(self) -> dict[str, Any]:
+        info = self.client.info
+        return {"id": self.id, "url": self.url, "state": self.state.value,
+                "weight_version": self.version, "sglang_version": info.version_text,
+                "outstanding_requests": self.outstanding_requests,
+                "outstanding_tokens": self.outstanding_tokens,
+                "fenced": not self.gate.is_set(), "last_error": self.last_error}
+
+
+class EnginePool:
+    """All engines of one gateway replica."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self._engines: dict[str, Engine] = {}
+        self._changed = asyncio.Condition()
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ---- registration ------------------------------------------------------------------
+    async def register(self, engine_id: str, url: str, api_key: str | None = None) -> Engine:
+        if engine_id in self._engines:
+            raise AlreadyExists(f"engine {engine_id!r} is already registered",
+                                details={"engine_id": engine_id})
+        client = EngineClient(engine_id, url, timeouts=self.settings.timeouts, api_key=api_key)
+        try:
+            info = await client.detect()
+        except GatewayError:
+            await client.close()
+            raise
+        eng = Engine(id=engine_id, client=client, version=info.weight_version)
+        self._engines[engine_id] = eng
+        await self._notify()
+        log.info("registered engine %s at %s (sglang %s, weights v%s)", engine_id, url,
+                 info.version_text, info.weight_version)
+        return eng
+
+    async def register_offline(self, engine_id: str, url: str, api_key: str | None,
+                               why: str) -> Engine:
+        """Register an engine that does not answer yet; the health loop brings it in."""
+        if engine_id in self._engines:
+            raise AlreadyExists(f"engine {engine_id!r} is already registered")
+        client = EngineClient(engine_id, url, timeouts=self.settings.timeouts, api_key=api_key)
+        eng = Engine(id=engine_id, client=client, state=EngineState.UNHEALTHY, last_error=why)
+        self._engines[engine_id] = eng
+        return eng
+
+    async def deregister(self, engine_id: str) -> Engine:
+        eng = self.get(engine_id)
+        del self._engines[engine_id]
+        eng.state = EngineState.DEREGISTERED
+        eng.gate.set()
+        await eng.client.close()
+        await self._notify()
+        return eng
+
+    def get(self, engine_id: str) -> Engine:
+        try:
+            return self._engines[engine_id]
+        except KeyError:
+            raise NotFound(f"unknown engine {engine_id!r}", details={"engine_id": engine_id}) from None
+
+    def list(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def notify(self) -> None:
+        """Wake routers waiting for an engine (gate reopened, state changed)."""
+        await self._notify()
+
+    # ---- health ------------------------------------------------------------------------
+    async def probe(self, eng: Engine) -> EngineState:
+        h = await eng.client.health()
+        if eng.state in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):
+            return eng.state
+        if h is Health.DOWN:
+            eng.probe_failures += 1
+            if eng.probe_failures >= self.settings.unhealthy_after:
+                self.mark_unhealthy(eng, "health probe failed")
+        else:
+            was = eng.state
+            eng.probe_failures = 0
+            eng.state = EngineState.HEALTHY if h is Health.OK else EngineState.PAUSED
+            if was is EngineState.UNHEALTHY:
+                try:  # it may have restarted: re-detect version and weights
+                    info = await eng.client.detect()
+                    eng.version = info.weight_version
+                    eng.last_error = None
+                except GatewayError as exc:
+                    eng.state = EngineState.UNHEALTHY
+                    eng.last_error = exc.message
+                await self._notify()
+        return eng.state
+
+    def mark_unhealthy(self, eng: Engine, why: str) -> None:
+        if eng.state not in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):
+            eng.state = EngineState.UNHEALTHY
+        eng.last_error = why
+        eng.abort_epoch += 1
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            for eng in list(self._engines.values()):
+                try:
+                    await self.probe(eng)
+                except Exception:  # noqa: BLE001 - the loop must survive anything
+                    log.exception("health probe of %s failed", eng.id)
+
+    def start(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for eng in list(self._engines.values()):
+            await eng.client.close()
+        self._engines.clear()
+
+    # ---- routing -----------------------------------------------------------------------
+    def _candidates(self, exclude: Iterable[str]) -> list[Engine]:
+        ex = set(exclude)
+        return [e for e in self._engines.values() if e.routable and e.id not in ex]
+
+    def choose(self, *, sticky_key: str | None = None, prefer: str | None = None,
+               exclude: Iterable[str] = ()) -> Engine | None:
+        """Pick an engine now (None if none is routable).
+
+        Open gates first; ``prefer`` (same engine after abort_resume) if routable;
+        else the sticky engine for ``sticky_key`` (rendezvous hash) unless it carries
+        ``sticky_imbalance`` more requests than the least loaded; else least load.
+        A fenced engine is returned only when every candidate is fenced (we then wait at
+        its gate rather than fail)."""
+        cands = self._candidates(exclude)
+        if not cands:
+            return None
+        if prefer is not None:
+            for e in cands:
+                if e.id == prefer:
+                    return e
+        open_ = [e for e in cands if e.gate.is_set()] or cands
+
+        def load(e: Engine) -> tuple[int, int]:
+            return (e.outstanding_requests, e.outstanding_tokens)
+
+        least = min(open_, key=load)
+        if sticky_key is not None:
+            sticky = max(open_, key=lambda e: hashlib.blake2b(
+                f"{sticky_key}|{e.id}".encode(), digest_size=8).digest())
+            if sticky.outstanding_requests - least.outstanding_requests <= self.settings.sticky_imbalance:
+                return sticky
+        return least
+
+    async def acquire(self, *, sticky_key: str | None = None, prefer: str | None = None,
+                      exclude: Iterable[str] = (), why: str | None = None) -> Engine:
+        """Wait until an engine is routable and its gate open; return it (not yet leased).
+
+        Waits up to ``timeouts.drain_s`` for a fenced engine to reopen, and up to
+        ``timeouts.no_engine_s`` for any engine to come into rotation."""
+        exclude = set(exclude)
+        t = self.settings.timeouts
+        start = time.monotonic()
+        while True:
+            eng = self.choose(sticky_key=sticky_key, prefer=prefer, exclude=exclude)
+            if eng is not None and eng.gate.is_set():
+                return eng
+            waited = time.monotonic() - start
+            limit = t.no_engine_s if eng is None else t.drain_s
+            if waited >= limit:
+                if eng is None:
+                    msg = "no engine available"
+                    if exclude:
+                        msg += f" (failed: {', '.join(sorted(exclude))})"
+                    if why:
+                        msg += f"; last error: {why}"
+                    raise Unavailable(msg, details={"excluded": sorted(exclude)})
+                raise Unavailable(f"engine {eng.id} stayed fenced for {limit}s",
+                                  details={"engine_id": eng.id})
+            async with self._changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(),
+                                           timeout=min(limit - waited, 0.25))
+
+    @contextlib.asynccontextmanager
+    async def lease(self, eng: Engine, tokens: int) -> AsyncIterator[Engine]:
+        """Count one outstanding request of ``tokens`` expected tokens on ``eng``."""
+        eng.outstanding_requests += 1
+        eng.outstanding_tokens += tokens
+        eng.idle.clear()
+        try:
+            yield eng
+        finally:
+            eng.outstanding_requests -= 1
+            eng.outstanding_tokens -= tokens
+            if eng.outstanding_requests == 0:
+                eng.idle.set()
+
+    # ---- fences (used by the swap orchestrator) -----------------------------------------
+    def close_gate(self, eng: Engine) -> None:
+        eng.gate.clear()
+
+    async def open_gate(self, eng: Engine) -> None:
+        eng.gate.set()
+        await self._notify()
+
+    def totals(self) -> dict[str, int]:
+        return {"outstanding_requests": sum(e.outstanding_requests for e in self._engines.values()),
+                "outstanding_tokens": sum(e.outstanding_tokens for e in self._engines.values())}

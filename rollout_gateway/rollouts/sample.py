@@ -1,0 +1,263 @@
+"""One sample of a rollout: engine requests until it finishes, stamped and assembled.
+
+Each sample is its own engine request with its own rid. It continues across swaps:
+an ``abort_resume`` swap ends the request with finish_reason abort and partial output,
+and we resubmit prompt + output so far (same engine preferred); a dead engine (broken
+stream, connection refused) or one that failed a weight load loses its request, and we
+resubmit prompt + the output received so far to another engine. Output tokens are only
+ever appended: none is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout_gateway.core.stamping import Span, normalize_spans, stamp_request, stitch_routing
+from rollout_gateway.core.trajectory import (
+    EntropyKind,
+    FinishReason,
+    RoutedExperts,
+    Segment,
+    TokenColumns,
+    Trajectory,
+    Transition,
+)
+from rollout_gateway.engines.decode import DecodeOptions, RoutingSpec, decode_one
+from rollout_gateway.engines.pool import Engine, EnginePool
+from rollout_gateway.errors import EngineError, GatewayError, Timeout, Unavailable
+from rollout_gateway.rollouts.models import RolloutRequest
+from rollout_gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+_KIND_RANK = {EntropyKind.EXACT: 0, EntropyKind.TOPK_ESTIMATE: 1, EntropyKind.NONE: 2}
+
+
+@dataclass(slots=True)
+class Piece:
+    """One engine request's decoded, stamped output."""
+
+    engine_id: str
+    input_len: int
+    cols: TokenColumns
+    segments: list[Segment]
+    entropy_kind: EntropyKind
+    entropy_bound: float
+    finish: dict[str, Any] | None
+    routing: np.ndarray | None  # [R, L, K] (narrow uint) with R = input_len + n - 1
+    num_experts: int = 0
+    text: str = ""
+
+
+@dataclass(slots=True)
+class SampleState:
+    """What a sample has so far (also what a stream reports)."""
+
+    trajectory_id: str
+    prompt_ids: np.ndarray | None
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        return sum(len(p.cols) for p in self.pieces)
+
+    def output_ids(self) -> np.ndarray:
+        if not self.pieces:
+            return np.zeros(0, np.int32)
+        return np.concatenate([p.cols.token_ids for p in self.pieces])
+
+
+def decode_options(eng: Engine, settings: GatewaySettings) -> DecodeOptions:
+    """Routing shape from settings, else from what the engine reported."""
+    info = eng.client.info
+    layers = settings.model.num_layers or info.num_layers
+    top_k = settings.model.top_k or info.top_k
+    n_exp = settings.model.num_experts or info.num_experts
+    spec = RoutingSpec(layers, top_k, n_exp) if layers and top_k and n_exp else None
+    return DecodeOptions(routing=spec, routed_experts_start_len=0)
+
+
+class SampleRunner:
+    """Runs one sample to completion against the pool."""
+
+    def __init__(self, pool: EnginePool, settings: GatewaySettings) -> None:
+        self.pool = pool
+        self.settings = settings
+
+    def _payload(self, req: RolloutRequest, state: SampleState, rid: str, remaining: int,
+                 *, want_prompt_ids: bool) -> dict[str, Any]:
+        p: dict[str, Any] = {
+            "rid": rid,
+            "sampling_params": req.sampling_params.to_engine(remaining),
+            "return_logprob": True,
+            "logprob_start_len": 0 if want_prompt_ids else -1,
+            "top_logprobs_num": self.settings.top_logprobs_num,
+            "return_entropy": True,
+        }
+        if req.return_routed_experts:
+            p["return_routed_experts"] = True
+            p["routed_experts_start_len"] = 0
+        if state.prompt_ids is None:
+            p["text"] = req.prompt
+        else:
+            p["input_ids"] = np.concatenate([state.prompt_ids, state.output_ids()]).tolist()
+        return p
+
+    async def _call(self, eng: Engine, payload: dict[str, Any], on_chunk) -> tuple[bytes | None, GatewayError | None]:
+        """Returns (last payload, error). A broken stream keeps its last payload."""
+        if not self.settings.stream_from_engines:
+            try:
+                return await eng.client.generate(payload), None
+            except GatewayError as exc:
+                return None, exc
+        last: bytes | None = None
+        try:
+            async for data in eng.client.generate_stream(payload):
+                last = data
+                if on_chunk is not None:
+                    await on_chunk(data)
+        except GatewayError as exc:
+            return last, exc
+        return last, None
+
+    async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
+                  *, sticky_key: str | None, prompt_ids: np.ndarray | None,
+                  on_piece=None, on_chunk=None) -> tuple[Trajectory, str]:
+        """Run to completion; returns the trajectory and its output text (as the engines
+        detokenized it, concatenated over requests)."""
+        state = SampleState(trajectory_id, prompt_ids)
+        created = time.time()
+        budget = req.sampling_params.max_new_tokens
+        began = Transition.START
+        prefer: str | None = None
+        exclude: set[str] = set()
+        finish: dict[str, Any] | None = None
+        attempts = 0
+        last_error: str | None = None
+        while True:
+            remaining = budget - state.generated
+            if remaining <= 0:
+                finish = {"type": "length", "length": budget}
+                break
+            attempts += 1
+            if attempts > self.settings.max_attempts:
+                raise Unavailable(f"sample {trajectory_id}: gave up after "
+                                  f"{self.settings.max_attempts} engine attempts",
+                                  details={"trajectory_id": trajectory_id,
+                                           "tokens_so_far": state.generated})
+            eng = await self.pool.acquire(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
+                                          why=last_error)
+            prefer = None
+            rid = f"{trajectory_id}.{attempts}"
+            want_ids = state.prompt_ids is None
+            payload = self._payload(req, state, rid, remaining, want_prompt_ids=want_ids)
+            input_len = len(payload.get("input_ids", ()))
+            epoch = eng.abort_epoch
+            t0 = time.time()
+            async with self.pool.lease(eng, remaining):
+                body, err = await self._call(eng, payload, on_chunk)
+            t1 = time.time()
+            dec = None
+            if body is not None:
+                try:
+                    dec = decode_one(body, decode_options(eng, self.settings))
+                except GatewayError as exc:
+                    err = err or exc
+                    dec = None
+            if dec is not None and want_ids:
+                ids = dec.input_token_ids
+                if ids is None or len(ids) == 0:
+                    raise EngineError(f"engine {eng.id} did not return the prompt's token ids")
+                state.prompt_ids = np.asarray(ids, np.int32)
+                input_len = len(ids)
+            if dec is not None and len(dec.output_ids) > 0:
+                if state.prompt_ids is None:
+                    raise EngineError(f"engine {eng.id} returned output but no prompt ids")
+                piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
+                state.pieces.append(piece)
+                if on_piece is not None:
+                    await on_piece(state, piece)
+            fin = dec.finish_reason if dec is not None else None
+            if err is None and fin is not None and fin.get("type") != "abort":
+                finish = fin
+                break
+            if err is None and dec is None:
+                err = EngineError(f"engine {eng.id} answered /generate with no output at all",
+                                  details={"engine_id": eng.id})
+            if err is not None:
+                if not isinstance(err, EngineError | Timeout) or self._engine_rejected(err):
+                    raise err
+                log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id,
+                            eng.id, err.message)
+                self.pool.mark_unhealthy(eng, err.message)
+                last_error = err.message
+                exclude.add(eng.id)
+                began = Transition.FAILOVER
+                continue
+            if eng.abort_epoch != epoch:  # a swap aborted us (abort_resume) or its load failed
+                if eng.routable:
+                    began, prefer = Transition.ABORT_RESUME, eng.id
+                else:
+                    began = Transition.FAILOVER
+                    exclude.add(eng.id)
+                continue
+            finish = fin or {"type": "abort", "message": "engine ended the request without reason"}
+            break
+        text = "".join(p.text for p in state.pieces)
+        return self._assemble(req, state, group_id, index, finish, created), text
+
+    @staticmethod
+    def _engine_rejected(err: GatewayError) -> bool:
+        """A 4xx from the engine means our request is bad: failing over would not help."""
+        status = err.details.get("status") if err.details else None
+        return isinstance(status, int) and 400 <= status < 500
+
+    def _piece(self, eng: Engine, dec, began: Transition, offset: int, input_len: int,
+               t0: float, t1: float) -> Piece:
+        n = len(dec.output_ids)
+        spans = normalize_spans([Span(int(v), int(s), int(e)) for v, s, e in dec.spans], n,
+                                dec.weight_version)
+        st = stamp_request(spans, offset=offset, engine_id=eng.id, began=began,
+                           installed_by=eng.installed_by, started_at=t0, ended_at=t1)
+        if dec.logprobs is None:
+            raise EngineError(f"engine {eng.id} returned no output_token_logprobs")
+        cols = TokenColumns(token_ids=dec.output_ids, logprobs=dec.logprobs, entropy=dec.entropy,
+                            policy_version=st.policy_version, kv_version=st.kv_version)
+        return Piece(engine_id=eng.id, input_len=input_len, cols=cols, segments=st.segments,
+                     entropy_kind=EntropyKind(dec.entropy_kind),
+                     entropy_bound=float(dec.entropy_error_bound), finish=dec.finish_reason,
+                     routing=dec.routed.data if dec.routed is not None else None,
+                     num_experts=dec.routed.num_experts if dec.routed is not None else 0,
+                     text=dec.text or "")
+
+    def _assemble(self, req: RolloutRequest, state: SampleState, group_id: str, index: int,
+                  finish: dict[str, Any], created: float) -> Trajectory:
+        segments: list[Segment] = []
+        for i, p in enumerate(state.pieces):
+            if segments and p.segments:
+                segments[-1].ended = p.segments[0].began
+            segments.extend(p.segments)
+        fr = FinishReason.from_sglang(finish)
+        if segments:
+            segments[-1].ended = Transition.ABORTED if fr.type == "abort" else Transition.FINISHED
+        kind = max((p.entropy_kind for p in state.pieces), key=_KIND_RANK.__getitem__,
+                   default=EntropyKind.EXACT)
+        bound = max((p.entropy_bound for p in state.pieces), default=0.0)
+        routed = None
+        rows = stitch_routing([(p.input_len, p.routing) for p in state.pieces])
+        num_experts = max((p.num_experts for p in state.pieces), default=0)
+        if rows is not None and num_experts:
+            routed = RoutedExperts(data=rows, num_experts=num_experts)
+        return Trajectory(
+            trajectory_id=state.trajectory_id,
+            prompt_token_ids=state.prompt_ids if state.prompt_ids is not None else np.zeros(0, np.int32),
+            tokens=TokenColumns.concat([p.cols for p in state.pieces]),
+            finish_reason=fr, segments=segments, group_id=group_id, sample_index=index,
+            entropy_kind=kind, entropy_error_bound=bound if kind is EntropyKind.TOPK_ESTIMATE else 0.0,
+            routed_experts=routed, created_at=created, finished_at=time.time(),
+            metadata=dict(req.metadata))

@@ -1,0 +1,1 @@
+"""Process entry points: serve (gateway) and up (everything on one machine)."""

@@ -1,0 +1,125 @@
+"""``rollout-gateway serve``: HTTP API (uvicorn) + learner gRPC service in one process.
+
+SIGTERM/SIGINT: health goes off (HTTP /health 503, gRPC NOT_SERVING), in-flight rollouts
+get ``drain_grace_s`` to finish and publish, then both servers stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("rollout_gateway.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config file (.toml/.json/.yaml); env ROLLOUT_GATEWAY_* wins")
+    p.add_argument("--host", help="HTTP bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-host", help="gRPC bind address (default 0.0.0.0)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
+    p.add_argument("--engine", action="append", default=[], metavar="[ID=]URL",
+                   help="an engine to register (repeatable)")
+    p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
+    p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--log-level", default="info")
+
+
+def settings_from_args(args: argparse.Namespace, **extra: Any):
+    from rollout_gateway.settings import load_settings
+
+    over: dict[str, Any] = dict(extra)
+    for attr, key in (("host", "http_host"), ("port", "http_port"), ("grpc_host", "grpc_host"),
+                      ("grpc_port", "grpc_port"), ("store", "store_url"),
+                      ("registry", "registry_url")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            over[key] = v
+    if getattr(args, "engine", None):
+        engines = []
+        for i, spec in enumerate(args.engine):
+            eid, sep, url = spec.partition("=")
+            engines.append({"id": eid, "url": url} if sep and not eid.startswith("http")
+                           else {"id": f"engine-{i}", "url": spec})
+        over["engines"] = engines
+    return load_settings(getattr(args, "config", None), **over)
+
+
+async def serve_async(settings, *, ready: Callable[[int, int], None] | None = None,
+                      stop_event: asyncio.Event | None = None) -> None:
+    """Run until ``stop_event`` (or SIGTERM/SIGINT); then shut down gracefully."""
+    import uvicorn
+
+    from rollout_gateway.api.app import create_app
+    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.transport.server import GrpcServer
+
+    gw = Gateway(settings)
+    await gw.start()
+    app = create_app(gateway=gw, manage_gateway=False)
+    grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
+                             default_policy=settings.stale_policy)
+    grpc_port = await grpc_server.start()
+    config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
+                            log_level="warning", lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # we handle signals ourselves
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    http_task = asyncio.create_task(server.serve())
+    while not server.started and not http_task.done():
+        await asyncio.sleep(0.02)
+    if http_task.done():  # failed to bind etc.
+        await grpc_server.stop(0)
+        await gw.stop()
+        http_task.result()
+        raise SystemExit(f"HTTP server did not start on {settings.http_host}:{settings.http_port}")
+    http_port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.http_port
+    await grpc_server.set_serving(True)
+    log.info("gateway HTTP on %s:%d, learner gRPC on %s:%d", settings.http_host, http_port,
+             settings.grpc_host, grpc_port)
+    if ready:
+        ready(http_port, grpc_port)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({http_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    # graceful shutdown: health off, drain, stop
+    log.info("shutting down: draining in-flight rollouts (up to %ss)", settings.drain_grace_s)
+    gw.serving = False
+    await grpc_server.set_serving(False)
+    drained = await gw.rollouts.wait_idle(settings.drain_grace_s)
+    if not drained:
+        log.warning("%d samples still in flight after %ss; stopping anyway",
+                    gw.rollouts.inflight_samples, settings.drain_grace_s)
+    server.should_exit = True
+    await grpc_server.stop(grace=min(5.0, settings.drain_grace_s))
+    with contextlib.suppress(asyncio.CancelledError):
+        await http_task
+    stopper.cancel()
+    await gw.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollout_gateway.errors import GatewayError
+
+    try:
+        settings = settings_from_args(args)
+    except GatewayError as exc:
+        print(f"rollout-gateway serve: {exc.message}")
+        return 2
+
+    def ready(http_port: int, grpc_port: int) -> None:
+        print(f"gateway: http://{settings.http_host}:{http_port}  learner gRPC: "
+              f"{settings.grpc_host}:{grpc_port}", flush=True)
+
+    asyncio.run(serve_async(settings, ready=ready))
+    return 0

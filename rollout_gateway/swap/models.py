@@ -1,0 +1,64 @@
+"""Hot-swap requests and results."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SwapMode(StrEnum):
+    """What happens to requests in flight while the weights change."""
+
+    IN_PLACE = "in_place"  # pause keeping KV; continue on new weights over the old KV
+    RETRACT = "retract"  # pause dropping KV; re-prefilled under the new weights
+    ABORT_RESUME = "abort_resume"  # abort; the gateway resubmits prompt + partial output
+    DRAIN = "drain"  # stop admitting, let in-flight requests finish on the old weights
+
+
+class DiskSource(BaseModel):
+    """A checkpoint directory every engine can read (shared storage)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["disk"] = "disk"
+    path: str = Field(min_length=1, max_length=4096, description="Checkpoint directory.")
+    load_format: str | None = Field(default=None, max_length=64, description="SGLang load_format.")
+
+
+class DistributedSource(BaseModel):
+    """A torch.distributed group the learner broadcasts the named tensors into (rank 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["distributed"] = "distributed"
+    master_address: str = Field(min_length=1, description="Rendezvous host (the learner).")
+    master_port: int = Field(ge=1, le=65535, description="Rendezvous port.")
+    group_name: str = Field(default="weight_update", min_length=1, description="Group name.")
+    backend: str = Field(default="nccl", description="nccl (GPU) or gloo (CPU).")
+    world_size: int = Field(ge=2, le=65536, description="1 learner rank + all engine ranks.")
+    rank_offsets: dict[str, int] | None = Field(
+        default=None, description="engine id -> first rank; default 1, 2, ... in pool order.")
+    names: list[str] = Field(min_length=1, description="Tensor names, in broadcast order.")
+    dtypes: list[str] = Field(min_length=1, description="Their dtypes (e.g. bfloat16).")
+    shapes: list[list[int]] = Field(min_length=1, description="Their shapes.")
+    init_group: bool = Field(default=True, description="Call /init_weights_update_group first.")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> DistributedSource:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        return self
+
+
+class SwapRequest(BaseModel):
+    """``POST /v1/weights``: the learner announces ``version`` with a weight source."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0, le=2**31 - 1, description="New weight version (must increase).")
+    source: DiskSource | DistributedSource | None = Field(
+        default=None, description="Where the weights are; None only announces the learner's "
+        "version (engines keep theirs).")
+    mode: SwapMode = Field(default=SwapMode.ABORT_RESUME, description="Interruption mode.")
+    rolling: bool = Field(default=False,
+                          description="Update engines one at a time while the rest keep serving.")
+    engines: list[str] | None = Field(default=None, description="Subset of engines (default all).")

@@ -1,0 +1,233 @@
+"""Hot-swap: fence the pool, update every engine, verify, resume, record.
+
+Guarantees:
+* an engine is resumed only after it reports the new version (``/model_info``); until
+  then its gate stays closed, so no new request reaches it;
+* an engine whose load fails (error, ``success: false``, wrong version reported) leaves
+  rotation: its requests are aborted and fail over to engines that did load, so no token
+  is stamped with a version the engine did not run;
+* kv stamping learns how each version was installed (``Engine.installed_by``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from rollout_gateway.core.trajectory import Transition
+from rollout_gateway.engines.pool import Engine, EnginePool, EngineState
+from rollout_gateway.errors import (
+    FailedPrecondition,
+    GatewayError,
+    NotFound,
+    Timeout,
+    Unavailable,
+)
+from rollout_gateway.registry.base import EngineSwapOutcome, SwapRecord, VersionRegistry
+from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapMode, SwapRequest
+
+log = logging.getLogger(__name__)
+
+_PAUSE_MODE = {SwapMode.IN_PLACE: "in_place", SwapMode.RETRACT: "retract",
+               SwapMode.ABORT_RESUME: "abort"}
+_INSTALLED = {SwapMode.IN_PLACE: Transition.IN_PLACE, SwapMode.RETRACT: Transition.RETRACT,
+              SwapMode.ABORT_RESUME: Transition.ABORT_RESUME, SwapMode.DRAIN: Transition.DRAIN}
+
+
+class SwapOrchestrator:
+    """One swap at a time per replica; across replicas, the registry's lease decides."""
+
+    def __init__(self, pool: EnginePool, registry: VersionRegistry, settings: GatewaySettings,
+                 holder: str = "gateway") -> None:
+        self.pool = pool
+        self.registry = registry
+        self.settings = settings
+        self.holder = holder
+        self._lock = asyncio.Lock()
+        self.in_progress: SwapRequest | None = None
+
+    async def current_version(self) -> int:
+        return await self.registry.learner_version()
+
+    async def swap(self, req: SwapRequest) -> SwapRecord:
+        """Run one swap; returns its record (``status``: succeeded | partial | failed)."""
+        if self._lock.locked():
+            raise FailedPrecondition("a weight swap is already in progress",
+                                     details={"version": self.in_progress.version
+                                              if self.in_progress else None})
+        async with self._lock:
+            self.in_progress = req
+            try:
+                async with self.registry.swap_lease(self.holder) as lease:
+                    return await self._swap(req, lease)
+            finally:
+                self.in_progress = None
+
+    def _targets(self, req: SwapRequest) -> list[Engine]:
+        if req.engines is not None:
+            engines = [self.pool.get(e) for e in req.engines]  # NotFound for unknown ids
+        else:
+            engines = self.pool.list()
+        return [e for e in engines if e.routable]
+
+    async def _swap(self, req: SwapRequest, lease: Any) -> SwapRecord:
+        current = await self.registry.learner_version()
+        if req.version <= current:
+            raise FailedPrecondition(
+                f"version {req.version} does not increase the current version {current}",
+                details={"current_version": current, "requested_version": req.version})
+        source = ""
+        if isinstance(req.source, DiskSource):
+            source = req.source.path
+        elif isinstance(req.source, DistributedSource):
+            source = f"distributed:{req.source.group_name}@{req.source.master_address}:" \
+                     f"{req.source.master_port}"
+        rec = SwapRecord(version=req.version, mode=req.mode.value, rolling=req.rolling,
+                         source=source, leader=self.holder)
+        if req.source is not None:
+            targets = self._targets(req)
+            if req.engines is None and not targets:
+                raise Unavailable("no engine in rotation to update")
+            for e in targets:
+                if e.version is not None and e.version >= req.version:
+                    raise FailedPrecondition(
+                        f"engine {e.id} already runs version {e.version} >= {req.version}",
+                        details={"engine_id": e.id, "engine_version": e.version})
+            if req.mode is not SwapMode.DRAIN and not all(
+                    e.client.info.has_pause_modes for e in targets):
+                raise FailedPrecondition("an engine predates pause modes (SGLang < 0.5.6); use "
+                                         "mode=drain")
+            for e in targets:
+                rec.engines[e.id] = EngineSwapOutcome(engine_id=e.id, version_before=e.version,
+                                                      version_after=e.version)
+            await self.registry.record_swap(rec)
+            groups = [[e] for e in targets] if req.rolling else [targets]
+            for g in groups:
+                lease.check()
+                await self._swap_group(g, req, rec)
+            if not req.rolling and targets:
+                rec.paused_at = min((o.paused_at for o in rec.engines.values() if o.paused_at),
+                                    default=None)
+                rec.resumed_at = max((o.resumed_at for o in rec.engines.values()
+                                      if o.resumed_at), default=None)
+        await self.registry.set_learner_version(req.version)
+        oks = [o.ok for o in rec.engines.values()]
+        rec.status = ("succeeded" if all(oks) else "failed" if not any(oks) else "partial")
+        failed = [o.engine_id for o in rec.engines.values() if not o.ok]
+        rec.message = (f"{sum(oks)}/{len(oks)} engine(s) now run version {req.version}"
+                       + (f"; out of rotation: {', '.join(failed)}" if failed else ""))
+        rec.finished_at = time.time()
+        await self.registry.record_swap(rec)
+        return rec
+
+    async def _swap_group(self, group: list[Engine], req: SwapRequest, rec: SwapRecord) -> None:
+        res = {e.id: rec.engines[e.id] for e in group}
+        for e in group:
+            self.pool.close_gate(e)
+        try:
+            await asyncio.gather(*(self._fence(e, req, res[e.id]) for e in group))
+            if isinstance(req.source, DistributedSource):
+                await self._load_distributed(group, req, res)
+            else:
+                await asyncio.gather(*(self._load_disk(e, req, res[e.id]) for e in group))
+            await asyncio.gather(*(self._verify(e, req, res[e.id]) for e in group))
+        finally:
+            await asyncio.gather(*(self._finish(e, req, res[e.id]) for e in group))
+
+    async def _fence(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        try:
+            if req.mode is SwapMode.DRAIN:
+                try:
+                    await asyncio.wait_for(e.idle.wait(), self.settings.timeouts.drain_s)
+                except asyncio.TimeoutError as exc:
+                    raise Timeout(f"engine {e.id} did not drain within "
+                                  f"{self.settings.timeouts.drain_s}s") from exc
+                r.paused_at = time.time()
+                return
+            # record how the version is installed *before* any token can be sampled with it
+            e.installed_by[req.version] = _INSTALLED[req.mode]
+            if req.mode is SwapMode.ABORT_RESUME:
+                e.abort_epoch += 1  # rollouts seeing an abort now resubmit
+            await e.client.pause(_PAUSE_MODE[req.mode])
+            r.paused_at = time.time()
+        except GatewayError as exc:
+            r.error = f"fence: {exc.message}"
+
+    async def _load_disk(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        if r.error:
+            return
+        assert isinstance(req.source, DiskSource)
+        try:
+            await e.client.update_weights_from_disk(
+                req.source.path, req.version, flush_cache=req.mode is not SwapMode.IN_PLACE)
+        except GatewayError as exc:
+            r.error = f"load: {exc.message}"
+
+    async def _load_distributed(self, group: list[Engine], req: SwapRequest,
+                                res: dict[str, EngineSwapOutcome]) -> None:
+        src = req.source
+        assert isinstance(src, DistributedSource)
+        offsets = src.rank_offsets or {e.id: i + 1 for i, e in enumerate(self.pool.list())}
+
+        async def one(e: Engine) -> None:
+            r = res[e.id]
+            if r.error:
+                return
+            try:
+                await e.client.begin_weight_update()
+                if src.init_group:
+                    if e.id not in offsets:
+                        raise NotFound(f"no rank offset for engine {e.id}")
+                    await e.client.init_weights_update_group(
+                        master_address=src.master_address, master_port=src.master_port,
+                        rank_offset=offsets[e.id], world_size=src.world_size,
+                        group_name=src.group_name, backend=src.backend)
+                await e.client.update_weights_from_distributed(
+                    names=src.names, dtypes=src.dtypes, shapes=src.shapes,
+                    group_name=src.group_name, version=req.version,
+                    flush_cache=req.mode is not SwapMode.IN_PLACE)
+            except GatewayError as exc:
+                r.error = f"load: {exc.message}"
+            finally:
+                with contextlib.suppress(GatewayError):
+                    await e.client.end_weight_update()
+
+        await asyncio.gather(*(one(e) for e in group))
+
+    async def _verify(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        if r.error:
+            return
+        try:
+            got = await e.client.weight_version()
+        except GatewayError as exc:
+            r.error = f"verify: {exc.message}"
+            return
+        r.version_after = got
+        if got != req.version:
+            r.error = f"verify: engine reports version {got}, expected {req.version}"
+        else:
+            r.ok = True
+
+    async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        if r.ok:
+            e.version = req.version
+            with contextlib.suppress(GatewayError):
+                await self.registry.set_engine_version(e.id, req.version)
+        else:
+            # out of rotation first, so rollouts that see their request end fail over
+            e.state = EngineState.FAILED_LOAD
+            e.last_error = r.error
+            e.abort_epoch += 1
+            e.installed_by.pop(req.version, None)
+            with contextlib.suppress(GatewayError):
+                await e.client.abort(abort_all=True)
+            log.error("engine %s failed to take version %s: %s", e.id, req.version, r.error)
+        if req.mode is not SwapMode.DRAIN or not r.ok:
+            with contextlib.suppress(GatewayError):
+                await e.client.resume()
+        r.resumed_at = time.time()
+        await self.pool.open_gate(e)

@@ -1,0 +1,232 @@
+"""The gateway as a real process in front of real reference engines: rollouts, stamps
+checked against ground truth, publishing to Redis, the SGLang pass-through, bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from rollout_gateway.engine.launch import free_port
+
+from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
+
+pytestmark = pytest.mark.integration
+
+SEED = 1  # the shared ``engine`` fixture's weights (version 0)
+
+
+@pytest.fixture(scope="module")
+def urls():
+    return redis_urls()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine, urls):
+    from rollout_gateway.engine.launch import EngineProcess
+
+    with EngineProcess(seed=SEED, weight_version="0") as second:
+        with GatewayProcess({"e0": engine.url, "e1": second.url}, store_url=urls[0],
+                            registry_url=urls[1]) as gw:
+            yield gw
+
+
+@pytest.fixture(scope="module")
+def models(reference_model):
+    from rollout_gateway.engine.config import ModelConfig
+
+    return {0: reference_model((ModelConfig(), SEED))}
+
+
+def test_rollout_stamps_match_ground_truth_and_publish(gateway, models, urls):
+    body = rollout(gateway.url, [1, 2, 3, 4, 5], n=3, max_new_tokens=10, group_id="g-1",
+                   metadata={"task": "t"})
+    trajs = body["trajectories"]
+    assert len(trajs) == 3 and [t["sample_index"] for t in trajs] == [0, 1, 2]
+    assert len({t["trajectory_id"] for t in trajs}) == 3
+    for t in trajs:
+        assert t["group_id"] == "g-1" and t["metadata"] == {"task": "t"}
+        assert t["num_tokens"] == 10 and t["finish_reason"]["type"] == "length"
+        assert t["entropy_kind"] == "exact" and all(e is not None and e >= 0 for e in t["entropy"])
+        check_against_ground_truth(t, models)
+        r = t["routed_experts"]
+        assert r["dtype"] == "|u1" and r["shape"] == [5 + 10 - 1, 4, 2]
+        data = np.frombuffer(base64.b64decode(r["data_b64"]), np.uint8).reshape(r["shape"])
+        assert data.max() < 8
+    # sticky by group: every sample of the group ran on one engine
+    assert len({t["segments"][0]["engine_id"] for t in trajs}) == 1
+
+    import asyncio
+
+    from rollout_gateway.store.factory import store_from_url
+
+    async def stats():
+        store = store_from_url(urls[0])
+        try:
+            return await store.stats()
+        finally:
+            await store.close()
+
+    assert asyncio.run(stats()).published == 3
+
+
+def test_text_prompt_and_idempotent_request_id(gateway, models):
+    body = {"prompt": "hi!", "n": 1, "request_id": "req-abc",
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+    r1 = httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=60).json()
+    t = r1["trajectories"][0]
+    assert t["trajectory_id"] == "req-abc:0"
+    assert t["prompt_token_ids"] == list(b"hi!")
+    check_against_ground_truth(t, models)
+    before = httpx.get(gateway.url + "/metrics").text
+    httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=60)
+    after = httpx.get(gateway.url + "/metrics").text
+    dup = [line for line in after.splitlines() if line.startswith("rollout_gateway_duplicates_total")]
+    assert dup and float(dup[0].split()[-1]) >= 1, (before, after)
+
+
+def test_stream_gives_stamped_chunks_then_trajectories(gateway, models):
+    body = {"input_ids": [7, 8, 9], "n": 2, "stream": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", gateway.url + "/v1/rollouts", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    evs = [json.loads(e) for e in events[:-1]]
+    chunks = [e for e in evs if e["type"] == "chunk"]
+    finals = [e for e in evs if e["type"] == "trajectory"]
+    assert len(finals) == 2 and len(chunks) >= 2
+    for f in finals:
+        t = f["trajectory"]
+        check_against_ground_truth(t, models)
+        mine = [c for c in chunks if c["trajectory_id"] == t["trajectory_id"]]
+        assert sum(len(c["token_ids"]) for c in mine) == t["num_tokens"]
+        assert [x for c in mine for x in c["policy_version"]] == t["policy_version"]
+
+
+def test_generate_passthrough_is_sglang_shaped_and_stamped(gateway, models):
+    body = {"input_ids": [10, 11, 12, 13], "rid": "slime-1",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 2},
+            "return_logprob": True, "return_routed_experts": True}
+    r = httpx.post(gateway.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 2
+    for o in outs:
+        m = o["meta_info"]
+        assert len(o["output_ids"]) == 6 == m["completion_tokens"]
+        assert [row[1] for row in m["output_token_logprobs"]] == o["output_ids"]
+        assert m["policy_versions"] == [0] * 6 and m["kv_versions"] == [0] * 6
+        assert m["weight_version"] == "0" and m["finish_reason"]["type"] == "length"
+        flat = np.frombuffer(base64.b64decode(m["routed_experts"]), "<i4")
+        assert flat.size == (4 + 6 - 1) * 4 * 2
+        traj = {"prompt_token_ids": body["input_ids"], "token_ids": o["output_ids"],
+                "num_tokens": 6, "policy_version": m["policy_versions"],
+                "kv_version": m["kv_versions"],
+                "logprobs": [row[0] for row in m["output_token_logprobs"]],
+                "segments": m["segments"]}
+        check_against_ground_truth(traj, models)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"input_ids": [1], "n": 100000}, 400, "n=100000"),
+    ({"prompt": "x", "input_ids": [1]}, 422, "exactly one"),
+    ({"input_ids": []}, 422, "must not be empty"),
+    ({"input_ids": "abc"}, 422, "input_ids"),
+    ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 422, "bogus"),
+    ({"input_ids": [-5]}, 422, "non-negative"),
+])
+def test_bad_rollout_requests_are_clear_4xx(gateway, body, status, needle):
+    r = httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and "Traceback" not in r.text
+
+
+def test_malformed_json_and_unknown_engine(gateway):
+    r = httpx.post(gateway.url + "/v1/rollouts", content=b"{nope",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_ARGUMENT"
+    r = httpx.get(gateway.url + "/v1/engines/nope")
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    r = httpx.delete(gateway.url + "/v1/engines/nope")
+    assert r.status_code == 404
+    r = httpx.post(gateway.url + "/generate", content=b"[1,2", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/generate", json={"text": ["a", "b"]}, timeout=30)
+    assert r.status_code == 400 and "batched" in r.json()["error"]["message"]
+
+
+def test_version_going_backwards_is_refused(gateway):
+    r = httpx.post(gateway.url + "/v1/weights", json={"version": 0}, timeout=30)
+    assert r.status_code == 409, r.text
+    assert "does not increase" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/v1/weights", json={"version": -1}, timeout=30)
+    assert r.status_code == 422
+
+
+def test_engines_admin_and_versions(gateway, engine):
+    r = httpx.get(gateway.url + "/v1/engines").json()
+    assert {e["id"] for e in r["engines"]} == {"e0", "e1"}
+    assert all(e["state"] == "healthy" and e["weight_version"] == 0 for e in r["engines"])
+    r = httpx.post(gateway.url + "/v1/engines", json={"id": "e0", "url": engine.url})
+    assert r.status_code == 409
+    r = httpx.post(gateway.url + "/v1/engines", json={"id": "dead", "url": f"http://127.0.0.1:{free_port()}"})
+    assert r.status_code == 503 and "dead" in r.json()["error"]["message"]
+    v = httpx.get(gateway.url + "/v1/versions").json()
+    assert v["learner_version"] == 0 and set(v["engines"]) == {"e0", "e1"}
+    m = httpx.get(gateway.url + "/metrics").text
+    assert 'rollout_gateway_engine_weight_version{engine="e0"} 0' in m
+
+
+class _Garbage(BaseHTTPRequestHandler):
+    """Answers discovery correctly and /generate with garbage."""
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/server_info":
+            self._send(200, orjson.dumps({"version": "0.5.23"}))
+        elif self.path == "/model_info":
+            self._send(200, orjson.dumps({"weight_version": "0"}))
+        else:
+            self._send(200, b"{}")
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self._send(200, b'data: {"text": 5, "meta_info": "garbage"}\n\ndata: [DONE]\n\n')
+
+    def log_message(self, *a):
+        pass
+
+
+def test_engine_answering_garbage_is_a_clean_error(urls):
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), _Garbage)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        with GatewayProcess({"junk": f"http://127.0.0.1:{srv.server_address[1]}"},
+                            env={"ROLLOUT_GATEWAY_TIMEOUTS__NO_ENGINE_S": "0.5"}) as gw:
+            r = httpx.post(gw.url + "/v1/rollouts", json={"input_ids": [1, 2]}, timeout=60)
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "UNAVAILABLE" and "Traceback" not in r.text
+            r = httpx.post(gw.url + "/generate", json={"input_ids": [1, 2]}, timeout=60)
+            assert r.status_code == 503 and "error" in r.json()
+    finally:
+        srv.shutdown()
