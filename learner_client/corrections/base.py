@@ -87,7 +87,7 @@ def aggregate(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig) -> tuple[Tens
         loss = tok.loss.sum() / norm
     elif cfg.aggregation == "seq_mean_token_mean":
         idx, s = inputs.seq_index
-        cnt = seg_sum(m, idx, s)
+        cnt = inputs.seq_active_counts if m is inputs.mask else seg_sum(m, idx, s)
         per_seq = seg_sum(tok.loss, idx, s) / cnt.clamp_min(1.0)
         live = (cnt > 0).to(per_seq.dtype)
         norm = live.sum().clamp_min(1.0)

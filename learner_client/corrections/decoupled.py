@@ -118,39 +118,44 @@ def proximal_logprobs(inputs: LossInputs, cfg: DecoupledPPOConfig
     return linear_proximal(logp, mu, a), False, extra
 
 
-def discrepancy_weight(log_rd: Tensor, cfg: DecoupledPPOConfig) -> tuple[Tensor, Tensor]:
-    """(M_d(r_d) detached, kept indicator) for the configured discrepancy rule."""
-    r_d = safe_exp(log_rd)
-    one = torch.ones_like(r_d)
+def discrepancy_weight(log_rd: Tensor, cfg: DecoupledPPOConfig) -> tuple[Tensor, Tensor | None]:
+    """(M_d(r_d) detached, dropped indicator 0/1 or None) for the configured rule."""
     if cfg.discrepancy == "none":
-        return one, one
+        return torch.ones_like(log_rd), None
+    r_d = safe_exp(log_rd)
     if cfg.discrepancy == "cap_mask":
-        keep = (log_rd <= math.log(cfg.behav_imp_weight_cap)).to(r_d.dtype)
-        return r_d * keep, keep
+        drop = log_rd > math.log(cfg.behav_imp_weight_cap)
+        return r_d.masked_fill_(drop, 0.0), drop.to(r_d.dtype)
     lc = math.log(cfg.discrepancy_c)
     if cfg.discrepancy == "mask":
-        keep = ((log_rd >= -lc) & (log_rd <= lc)).to(r_d.dtype)
-        return r_d * keep, keep
-    return torch.clamp(r_d, 1.0 / cfg.discrepancy_c, cfg.discrepancy_c), one  # truncate
+        drop = log_rd.abs() > lc
+        return r_d.masked_fill_(drop, 0.0), drop.to(r_d.dtype)
+    return torch.clamp(r_d, 1.0 / cfg.discrepancy_c, cfg.discrepancy_c), None  # truncate
 
 
 def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
     m = inputs.mask
+    n_act = inputs.mask_count
     logp = inputs.flat("logprobs")
     prox, use_rd, extra = proximal_logprobs(inputs, cfg)
     pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
-                                             cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+                                             cfg.eps_low, cfg.eps_high, cfg.dual_clip, n_act)
     metrics.update(extra)
+    drop = None
     if use_rd:
-        log_rd = (prox - inputs.flat("rollout_logprobs")).detach()
-        w, keep = discrepancy_weight(log_rd, cfg)
-        metrics["behav_weight_mean"] = masked_mean(w, m)
-        metrics["behav_mask_rate"] = masked_mean(1.0 - keep, m)
-        metrics["r_d_log_mean"] = masked_mean(log_rd, m)
+        log_rd = prox - inputs.flat("rollout_logprobs").detach()
+        w, drop = discrepancy_weight(log_rd, cfg)
+        metrics["behav_weight_mean"] = masked_mean(w, m, n_act)
         pg = pg * w
+    if drop is not None:
+        rate = masked_mean(drop, m, n_act)
+        metrics["behav_mask_rate"] = rate
+        # kept and not clipped = 1 - dropped - clipped + dropped-and-clipped
+        both = masked_mean(drop * clipped, m, n_act)
+        metrics["active_token_fraction"] = 1.0 - rate - metrics["clipfrac"] + both
     else:
-        keep = torch.ones_like(m)
-    metrics["active_token_fraction"] = masked_mean(keep * (1.0 - clipped), m)
+        metrics["behav_mask_rate"] = torch.zeros((), dtype=m.dtype)
+        metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
     return TokenLoss(pg, m, metrics)
 
 
@@ -178,10 +183,10 @@ def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig) -> TokenLoss:
         mu_adj = torch.maximum(mu, logp.detach() - math.log(cfg.imp_samp_max))
     w = safe_exp(prox - mu_adj)  # pi_prox / mu_adj, detached
     pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
-                                             cfg.eps_low, cfg.eps_high)
-    metrics["behav_weight_mean"] = masked_mean(w, m)
+                                             cfg.eps_low, cfg.eps_high, count=inputs.mask_count)
+    metrics["behav_weight_mean"] = masked_mean(w, m, inputs.mask_count)
     if cfg.imp_samp_max is not None:
         metrics["imp_samp_clipfrac"] = masked_mean(
             (logp.detach() - mu > math.log(cfg.imp_samp_max)).to(m.dtype), m)
-    metrics["active_token_fraction"] = masked_mean(1.0 - clipped, m)
+    metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
     return TokenLoss(pg * w, m, metrics)

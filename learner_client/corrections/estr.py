@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .base import LossConfig, TokenLoss
 from .inputs import LossInputs
-from .ops import masked_mean, masked_quantile, seg_sum
+from .ops import masked_mean, masked_quantile
 from .ppo import ppo_token_loss_ex
 
 
@@ -43,48 +43,57 @@ class ESTRConfig(LossConfig):
 
 
 def estr_scores(delta: Tensor, entropy: Tensor, eps_h: float) -> Tensor:
-    return delta.detach() ** 2 / (entropy.detach() + eps_h)
+    """delta^2 / (H + eps_h), detached (NaN where H is NaN)."""
+    return delta.detach().square() / (entropy.detach() + eps_h)
 
 
 def version_spread(inputs: LossInputs) -> dict[str, Tensor]:
-    """Mean intra (v_last - v_first) and inter (v_target - v_last) over sequences."""
+    """Mean intra (v_last - v_first) and inter (v_target - v_last) over sequences that have
+    active tokens; v_first / v_last = min / max policy_version over the active tokens."""
     if inputs.versions is None or not inputs.has_sequences:
         return {}
-    idx, s = inputs.seq_index
-    m = inputs.mask
-    v = inputs.flat("versions").to(torch.float64)
-    live = m > 0
-    big = torch.finfo(torch.float64).max
-    v_first = torch.full((s,), big, dtype=torch.float64).scatter_reduce(
-        0, idx[live], v[live], reduce="amin")
-    v_last = torch.full((s,), -big, dtype=torch.float64).scatter_reduce(
-        0, idx[live], v[live], reduce="amax")
-    has = seg_sum(m.to(torch.float64), idx, s) > 0
-    if not bool(has.any()):
+    inactive = inputs.mask <= 0
+    v = inputs.flat("versions").to(torch.float32)
+    big = 3.0e38
+    if inputs.logprobs.dim() == 2:  # one row per sequence: plain row reductions
+        b, t = inputs.logprobs.shape
+        v_first = v.masked_fill(inactive, big).view(b, t).amin(1)
+        v_last = v.masked_fill(inactive, -big).view(b, t).amax(1)
+    else:
+        idx, s = inputs.seq_index
+        v_first = torch.full((s,), big).scatter_reduce(0, idx, v.masked_fill(inactive, big),
+                                                       "amin")
+        v_last = torch.full((s,), -big).scatter_reduce(0, idx, v.masked_fill(inactive, -big),
+                                                       "amax")
+    has = (v_first < big).to(torch.float32)
+    n = has.sum()
+    if float(n) == 0.0:
         return {}
-    out = {"intra_mean": (v_last - v_first)[has].mean().float()}
+    v_first = v_first.masked_fill(has == 0, 0.0)
+    v_last = v_last.masked_fill(has == 0, 0.0)
+    out = {"intra_mean": torch.dot(v_last - v_first, has) / n}
     if inputs.learner_version is not None:
-        out["inter_mean"] = (float(inputs.learner_version) - v_last[has]).mean().float()
+        out["inter_mean"] = float(inputs.learner_version) - torch.dot(v_last, has) / n
     return out
 
 
 def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     inputs.require("entropy")
     m = inputs.mask
+    n_act = inputs.mask_count
     d = inputs.flat("logprobs") - inputs.flat("rollout_logprobs").detach()
     h = inputs.flat("entropy")
-    missing = torch.isnan(h)
-    score = estr_scores(d, torch.nan_to_num(h, nan=0.0), cfg.eps_h)
+    score = estr_scores(d, h, cfg.eps_h)  # NaN where the entropy is missing
+    missing = torch.isnan(h).to(m.dtype)
     if cfg.tau is not None:
         tau = torch.tensor(cfg.tau, dtype=score.dtype)
     else:
-        valid = m * (~missing).to(m.dtype)
-        tau = masked_quantile(score, valid, 1.0 - cfg.target_mask_rate)
-    keep = ((score <= tau) | missing).to(m.dtype)
+        tau = masked_quantile(score, m * (1.0 - missing), 1.0 - cfg.target_mask_rate)
+    drop = score > tau  # NaN > tau is False: missing entropy is never masked
     pg, _, metrics = ppo_token_loss_ex(d, inputs.flat("advantages"), m, cfg.eps_low,
-                                       cfg.eps_high)
-    metrics["mask_rate"] = masked_mean(1.0 - keep, m)
+                                       cfg.eps_high, count=n_act)
+    metrics["mask_rate"] = masked_mean(drop.to(m.dtype), m, n_act)
     metrics["tau"] = tau.detach().to(torch.float32)
-    metrics["entropy_missing_rate"] = masked_mean(missing.to(m.dtype), m)
+    metrics["entropy_missing_rate"] = masked_mean(missing, m, n_act)
     metrics.update(version_spread(inputs))
-    return TokenLoss(pg * keep, m, metrics)
+    return TokenLoss(pg.masked_fill(drop, 0.0), m, metrics)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputs
-from .ops import clipped_surrogate, masked_mean, safe_exp, seg_masked_mean
+from .ops import broadcast, clipped_surrogate, masked_mean, safe_exp, seg_masked_mean, seg_sum
 
 
 class GSPOConfig(LossConfig):
@@ -30,8 +30,8 @@ class GSPOConfig(LossConfig):
 def sequence_mean(x: Tensor, inputs: LossInputs) -> tuple[Tensor, Tensor]:
     """(per-token broadcast of each sequence's active-token mean of x, per-seq mean [S])."""
     idx, s = inputs.seq_index
-    per_seq, _ = seg_masked_mean(x, inputs.mask, idx, s)
-    return per_seq[idx], per_seq
+    per_seq, _ = seg_masked_mean(x, inputs.mask, idx, s, inputs.seq_active_counts)
+    return broadcast(per_seq, idx), per_seq
 
 
 def _seq_metrics(log_s_tok: Tensor, clipped: Tensor, m: Tensor) -> dict[str, Tensor]:
@@ -42,13 +42,29 @@ def _seq_metrics(log_s_tok: Tensor, clipped: Tensor, m: Tensor) -> dict[str, Ten
     }
 
 
+def sequence_stats(inputs: LossInputs, d: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(log s_i [S] differentiable, A_i [S], active counts [S], token->seq index [N])."""
+    idx, s = inputs.seq_index
+    cnt = inputs.seq_active_counts
+    m = inputs.mask
+    log_s = seg_sum(d * m, idx, s) / cnt.clamp_min(1.0)
+    adv_i = seg_sum(inputs.flat("advantages").detach() * m, idx, s) / cnt.clamp_min(1.0)
+    return log_s, adv_i, cnt, idx
+
+
 def gspo(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
     m = inputs.mask
     d = inputs.flat("logprobs") - inputs.behavior_or_old()
-    log_s, _ = sequence_mean(d, inputs)  # differentiable: grad flows to every token of seq i
-    adv_i, _ = sequence_mean(inputs.flat("advantages").detach(), inputs)
-    s, clipped = clipped_surrogate(safe_exp(log_s), adv_i, cfg.eps_low, cfg.eps_high)
-    return TokenLoss(-s * m, m, _seq_metrics(log_s, clipped, m))
+    log_s, adv_i, cnt, idx = sequence_stats(inputs, d)  # grad flows to every token of seq i
+    s_i, clipped, r = clipped_surrogate(log_s, adv_i, cfg.eps_low, cfg.eps_high)
+    live = (cnt > 0).to(m.dtype)
+    n_seq = live.sum()
+    metrics = {
+        "clipfrac": masked_mean(clipped, live, n_seq),  # share of sequences clipped
+        "seq_ratio_mean": masked_mean(r, live, n_seq),
+        "approx_kl": -masked_mean(log_s.detach(), live, n_seq),
+    }
+    return TokenLoss(broadcast(-s_i, idx) * m, m, metrics)
 
 
 def gspo_token(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
@@ -57,6 +73,6 @@ def gspo_token(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
     d = logp - inputs.behavior_or_old()
     log_s, _ = sequence_mean(d.detach(), inputs)
     log_s_it = log_s + logp - logp.detach()
-    s, clipped = clipped_surrogate(safe_exp(log_s_it), inputs.flat("advantages"),
-                                   cfg.eps_low, cfg.eps_high)
+    s, clipped, _ = clipped_surrogate(log_s_it, inputs.flat("advantages"),
+                                      cfg.eps_low, cfg.eps_high)
     return TokenLoss(-s * m, m, _seq_metrics(log_s, clipped, m))

@@ -95,6 +95,18 @@ class LossInputs:
         """Active-token mask as float [N] in logprobs' dtype (detached)."""
         return self.loss_mask.reshape(-1).to(dtype=self.logprobs.dtype).detach()
 
+    @cached_property
+    def mask_count(self) -> Tensor:
+        """Number of active tokens (0-dim tensor, float)."""
+        return self.mask.sum()
+
+    @cached_property
+    def seq_active_counts(self) -> Tensor:
+        """Active tokens per sequence [S] (float, detached)."""
+        idx, s = self.seq_index
+        return torch.zeros(s, dtype=self.mask.dtype, device=self.mask.device).index_add_(
+            0, idx, self.mask)
+
     @property
     def has_sequences(self) -> bool:
         return self.logprobs.dim() == 2 or self.seq_ids is not None or self.cu_seqlens is not None

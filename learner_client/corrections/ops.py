@@ -1,6 +1,14 @@
-"""Small pure tensor helpers shared by the losses (all [N] tensors, no N x vocab)."""
+"""Small pure tensor helpers shared by the losses (all [N] tensors, no N x vocab).
+
+Speed: every op here touches [N] tensors only; the clipped surrogate is one autograd
+Function whose backward is a single multiply (the eager graph of min/clamp/exp would
+record ~10 extra [N] ops), and the quantile is an exact selection that sorts only a
+small bracket around the target rank.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -17,29 +25,52 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of x over mask (0 when the mask is empty). Detach the result for metrics."""
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """Mean of x over mask (0 when the mask is empty). ``count`` = mask.sum() if known."""
+    if x.dtype != mask.dtype:
+        x = x.to(mask.dtype)
+    num = torch.dot(x.reshape(-1), mask.reshape(-1)) if x.dim() <= 1 else (x * mask).sum()
+    den = mask.sum() if count is None else count
+    return num / den.clamp_min(1.0)
 
 
-def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: Tensor | float,
-                      eps_high: Tensor | float) -> tuple[Tensor, Tensor]:
-    """PPO's S(r, A; lo, hi) = min(r*A, clip(r, 1-lo, 1+hi)*A) and the clipped indicator.
+class _ClippedSurrogate(torch.autograd.Function):
+    """S = min(r*A, clip(r, lo, hi)*A), r = exp(d); dS/dd = r*A where the unclipped
+    branch is the min (ties count as unclipped), else 0. Gradient only w.r.t. d."""
 
-    ``eps_low``/``eps_high`` may be per-token tensors (SAT). Returns (S, clipped) where
-    clipped is 1.0 where the clipped branch is strictly the smaller one (the gradient is 0).
+    @staticmethod
+    def forward(ctx, d, adv, lo, hi):  # type: ignore[override]
+        r = safe_exp(d)
+        un = r * adv
+        rc = torch.clamp(r, min=lo, max=hi)
+        cl = rc.mul_(adv)
+        clipped = cl < un
+        s = torch.minimum(un, cl)
+        ctx.save_for_backward(un.masked_fill_(clipped, 0.0))
+        ctx.mark_non_differentiable(clipped, r)
+        return s, clipped, r
+
+    @staticmethod
+    def backward(ctx, grad_s, _g_clipped, _g_r):  # type: ignore[override]
+        (g,) = ctx.saved_tensors
+        return grad_s * g, None, None, None
+
+
+def clipped_surrogate(ratio_log: Tensor, adv: Tensor, eps_low: Tensor | float,
+                      eps_high: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's S(r, A; lo, hi) for r = exp(ratio_log): (S, clipped 0/1 float, r detached).
+
+    ``eps_low``/``eps_high`` may be per-token tensors (SAT). ``clipped`` is 1 where the
+    clipped branch is strictly the smaller one (the token's gradient is 0 there).
     """
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
-    if isinstance(lo, Tensor) or isinstance(hi, Tensor):
-        clipped_ratio = torch.minimum(torch.maximum(ratio, torch.as_tensor(lo, dtype=ratio.dtype)),
-                                      torch.as_tensor(hi, dtype=ratio.dtype))
-    else:
-        clipped_ratio = torch.clamp(ratio, lo, hi)
-    unclipped = ratio * adv
-    clipped = clipped_ratio * adv
-    s = torch.minimum(unclipped, clipped)
-    return s, (clipped < unclipped).to(ratio.dtype).detach()
+    if isinstance(lo, Tensor):
+        lo = lo.detach().to(ratio_log.dtype)
+    if isinstance(hi, Tensor):
+        hi = hi.detach().to(ratio_log.dtype)
+    s, clipped, r = _ClippedSurrogate.apply(ratio_log, adv.detach().to(ratio_log.dtype), lo, hi)
+    return s, clipped.to(ratio_log.dtype), r
 
 
 def seg_sum(x: Tensor, index: Tensor, num: int) -> Tensor:
@@ -47,27 +78,93 @@ def seg_sum(x: Tensor, index: Tensor, num: int) -> Tensor:
     return torch.zeros(num, dtype=x.dtype, device=x.device).index_add(0, index, x)
 
 
-def seg_masked_mean(x: Tensor, mask: Tensor, index: Tensor, num: int) -> tuple[Tensor, Tensor]:
+def seg_masked_mean(x: Tensor, mask: Tensor, index: Tensor, num: int,
+                    counts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(per-segment mean of x over active tokens [S], active count per segment [S])."""
-    cnt = seg_sum(mask, index, num)
+    cnt = seg_sum(mask, index, num) if counts is None else counts
     return seg_sum(x * mask, index, num) / cnt.clamp_min(1.0), cnt
 
 
-def masked_quantile(x: Tensor, mask: Tensor, q: float) -> Tensor:
-    """q-quantile (linear interpolation, like torch.quantile) of x over active tokens.
+def broadcast(per_seg: Tensor, index: Tensor) -> Tensor:
+    """per_seg[index] via index_select (faster than advanced indexing; differentiable)."""
+    return torch.index_select(per_seg, 0, index)
 
-    Uses kthvalue on the selected values (torch.quantile caps its input at 16M elements
-    and sorts; kthvalue is a selection). Returns 0 when no token is active.
+
+_EXACT_BELOW = 65536  # below this many tokens the quantile just uses kthvalue
+_SAMPLE = 8192
+
+
+def _select(xa: Tensor, ranks: list[int]) -> list[Tensor]:
+    """Values at 0-based ``ranks`` of xa in ascending order (exact)."""
+    n = xa.numel()
+    if n <= _EXACT_BELOW:
+        return [torch.kthvalue(xa, r + 1).values for r in ranks]
+    step = max(n // _SAMPLE, 1)
+    sample = torch.sort(xa[::step]).values
+    s = sample.numel()
+    p_lo, p_hi = ranks[0] / n, ranks[-1] / n
+    slack = 4.0 * math.sqrt(max(p_lo * (1 - p_lo), 1.0 / s) / s) + 2.0 / s
+    i_lo = int((p_lo - slack) * s)
+    i_hi = int(math.ceil((p_hi + slack) * s))
+    lo_v = sample[i_lo] if i_lo > 0 else None
+    hi_v = sample[i_hi] if i_hi < s else None
+    below = int((xa < lo_v).sum()) if lo_v is not None else 0
+    band = None
+    if lo_v is not None:
+        band = xa >= lo_v
+    if hi_v is not None:
+        band = (xa <= hi_v) if band is None else band & (xa <= hi_v)
+    cand = xa if band is None else xa[band]
+    if below <= ranks[0] and ranks[-1] < below + cand.numel():
+        vals = torch.sort(cand).values
+        return [vals[r - below] for r in ranks]
+    return [torch.kthvalue(xa, r + 1).values for r in ranks]  # bracket missed: exact fallback
+
+
+def masked_quantile(x: Tensor, mask: Tensor, q: float) -> Tensor:
+    """q-quantile (linear interpolation, like torch.quantile / numpy) of x over active tokens.
+
+    Exact. Inactive tokens are pushed to -inf so no compaction copy is needed. Returns 0 when
+    no token is active.
     """
-    vals = x.detach()[mask > 0]
-    n = vals.numel()
+    x = x.detach().reshape(-1)
+    active = mask.reshape(-1) > 0
+    n = int(active.sum())
     if n == 0:
         return torch.zeros((), dtype=x.dtype, device=x.device)
+    n_inactive = x.numel() - n
+    xa = x if n_inactive == 0 else x.masked_fill(~active, float("-inf"))
     pos = q * (n - 1)
-    lo_i = int(pos)
-    frac = pos - lo_i
-    lo_v = torch.kthvalue(vals, lo_i + 1).values
-    if frac == 0.0 or lo_i + 1 >= n:
-        return lo_v
-    hi_v = torch.kthvalue(vals, lo_i + 2).values
+    k = int(pos)
+    frac = pos - k
+    if frac == 0.0 or k + 1 >= n:
+        return _select(xa, [n_inactive + k])[0]
+    lo_v, hi_v = _select(xa, [n_inactive + k, n_inactive + k + 1])
     return lo_v + (hi_v - lo_v) * frac
+
+
+def weighted_run_quantile(values: Tensor, counts: Tensor, q: float) -> Tensor:
+    """q-quantile (linear interpolation) of the multiset where values[i] appears counts[i]
+    times: equal to masked_quantile of the broadcast token tensor, computed on [S] values."""
+    v = values.detach().reshape(-1)
+    c = counts.detach().reshape(-1).to(torch.float64)
+    keep = c > 0
+    v, c = v[keep], c[keep]
+    n = int(c.sum().item())
+    if n == 0:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    order = torch.argsort(v)
+    v, cum = v[order], torch.cumsum(c[order], 0)
+    pos = q * (n - 1)
+    k = int(pos)
+    frac = pos - k
+
+    def at(rank: int) -> Tensor:
+        j = int(torch.searchsorted(cum, torch.tensor(float(rank), dtype=torch.float64),
+                                   right=True).item())
+        return v[min(j, v.numel() - 1)]
+
+    lo = at(k)
+    if frac == 0.0 or k + 1 >= n:
+        return lo
+    return lo + (at(k + 1) - lo) * frac

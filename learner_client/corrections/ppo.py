@@ -27,36 +27,36 @@ class PPOClipConfig(LossConfig):
                     "-c*A. None disables it.")
 
 
-def ratio_metrics(log_ratio: Tensor, clipped: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """clipfrac and approx_kl (mean of log pi_old - log pi, verl's ppo_kl) over active tokens."""
-    lr = log_ratio.detach()
-    return {
-        "clipfrac": masked_mean(clipped, mask),
-        "approx_kl": masked_mean(-lr, mask),
-        "ratio_mean": masked_mean(safe_exp(lr), mask),
-    }
-
-
 def ppo_token_loss(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
-                   eps_high: float | Tensor, dual_clip: float | None = None
-                   ) -> tuple[Tensor, dict[str, Tensor]]:
+                   eps_high: float | Tensor, dual_clip: float | None = None,
+                   count: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token -S(exp(log_ratio), A), dual-clipped if asked, times mask; plus metrics."""
-    pg, _, metrics = ppo_token_loss_ex(log_ratio, adv, mask, eps_low, eps_high, dual_clip)
+    pg, _, metrics = ppo_token_loss_ex(log_ratio, adv, mask, eps_low, eps_high, dual_clip, count)
     return pg, metrics
 
 
 def ppo_token_loss_ex(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
-                      eps_high: float | Tensor, dual_clip: float | None = None
+                      eps_high: float | Tensor, dual_clip: float | None = None,
+                      count: Tensor | None = None
                       ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Like ppo_token_loss, also returning the clipped indicator [N] (detached, 0/1)."""
-    ratio = safe_exp(log_ratio)
-    s, clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)
+    """Like ppo_token_loss, also returning the clipped indicator [N] (detached, 0/1).
+
+    Metrics: clipfrac (share of active tokens whose clipped branch is the min), approx_kl
+    (mean of log pi_old - log pi over active tokens, verl's ppo_kl), ratio_mean.
+    """
+    s, clipped, r = clipped_surrogate(log_ratio, adv, eps_low, eps_high)
+    if count is None:
+        count = mask.sum()
+    metrics = {
+        "clipfrac": masked_mean(clipped, mask, count),
+        "approx_kl": -masked_mean(log_ratio.detach(), mask, count),
+        "ratio_mean": masked_mean(r, mask, count),
+    }
     pg = -s
-    metrics = ratio_metrics(log_ratio, clipped, mask)
     if dual_clip is not None:
         cap = -dual_clip * adv
         neg = adv < 0
-        metrics["dual_clipfrac"] = masked_mean((neg & (pg > cap)).to(pg.dtype), mask)
+        metrics["dual_clipfrac"] = masked_mean((neg & (pg > cap)).to(pg.dtype), mask, count)
         pg = torch.where(neg, torch.minimum(pg, cap), pg)
     return pg * mask, clipped, metrics
 
@@ -65,7 +65,7 @@ def _ppo(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:
     m = inputs.mask
     lr = inputs.flat("logprobs") - inputs.behavior_or_old()
     tok, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
-                                  cfg.dual_clip)
+                                  cfg.dual_clip, inputs.mask_count)
     return TokenLoss(tok, m, metrics)
 
 

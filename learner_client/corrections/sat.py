@@ -20,9 +20,10 @@ from pydantic import Field
 from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
-from .gspo import sequence_mean
+from .gspo import sequence_stats
 from .inputs import LossInputs
-from .ops import masked_mean, masked_quantile, safe_exp
+from .ops import (broadcast, clipped_surrogate, masked_mean, masked_quantile,
+                  weighted_run_quantile)
 from .ppo import ppo_token_loss_ex
 
 
@@ -45,35 +46,69 @@ class SATGSPOConfig(SATConfig):
 
 
 def sat_factors(d_sg: Tensor, mask: Tensor, cfg: SATConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """(c_minus, c_plus, q) for detached log-ratios d_sg [N]."""
+    """(c_minus, c_plus, q) as full [N] tensors for detached log-ratios d_sg [N] (reference
+    form, used by tests and diagnostics; the loss uses the gated-subset form below)."""
     a = d_sg.abs()
     q = masked_quantile(a, mask, cfg.quantile)
     one = torch.ones_like(d_sg)
     if float(q) <= 0.0:
         return one, one, q
-    gate = a > q
-    u_plus = d_sg.clamp_min(0.0)
-    u_minus = (-d_sg).clamp_min(0.0)
-    p = cfg.kernel_power
-    c_plus = torch.where(gate, 1.0 / (1.0 + (u_plus / q) ** p), one)
-    c_minus = torch.where(gate, 1.0 / (1.0 + (u_minus / q) ** p), one)
+    c_minus, c_plus = _factors(d_sg, q, cfg)
     return c_minus, c_plus, q
 
 
+def _factors(d_sg: Tensor, q: Tensor, cfg: SATConfig) -> tuple[Tensor, Tensor]:
+    """(c_minus, c_plus): psi(u-; q), psi(u+; q) where |d| > q > 0, else 1."""
+    one = torch.ones_like(d_sg)
+    if float(q) <= 0.0:
+        return one, one
+    gate = d_sg.abs() > q
+    psi_plus = 1.0 / (1.0 + (d_sg.clamp_min(0.0) / q) ** cfg.kernel_power)
+    psi_minus = 1.0 / (1.0 + ((-d_sg).clamp_min(0.0) / q) ** cfg.kernel_power)
+    return torch.where(gate, psi_minus, one), torch.where(gate, psi_plus, one)
+
+
 def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> TokenLoss:
+    """SAT surrogate. Only the gated tail (|d| > q, ~10% of tokens) gets per-token bounds,
+    so the factors are computed on that subset and written into constant bound tensors."""
     m = inputs.mask
-    c_minus, c_plus, q = sat_factors(d.detach(), m, cfg)
-    eps_lo = cfg.eps_low * c_minus
-    eps_hi = cfg.eps_high * c_plus
-    pg, _, metrics = ppo_token_loss_ex(d, adv, m, eps_lo, eps_hi)
-    c_min = torch.minimum(c_minus, c_plus)
+    n_act = inputs.mask_count
+    d_sg = d.detach()
+    a = d_sg.abs()
+    q = masked_quantile(a, m, cfg.quantile)
+    lo = torch.full_like(d_sg, 1.0 - cfg.eps_low)
+    hi = torch.full_like(d_sg, 1.0 + cfg.eps_high)
+    qf = float(q)
+    if qf > 0.0:
+        idx = (a > q).nonzero().reshape(-1)
+        d_g = d_sg[idx]
+        psi = 1.0 / (1.0 + (d_g.abs() / qf) ** cfg.kernel_power)
+        pos = d_g > 0
+        one = torch.ones_like(psi)
+        c_plus_g = torch.where(pos, psi, one)
+        c_minus_g = torch.where(pos, one, psi)
+        hi.index_put_((idx,), 1.0 + cfg.eps_high * c_plus_g)
+        lo.index_put_((idx,), 1.0 - cfg.eps_low * c_minus_g)
+        m_g = m[idx]
+        gate_act = m_g.sum()
+        # means over active tokens: ungated tokens keep eps; gated ones have eps * c
+        eps_hi_mean = (cfg.eps_high * (n_act - gate_act) + cfg.eps_high *
+                       torch.dot(c_plus_g, m_g)) / n_act.clamp_min(1.0)
+        eps_lo_mean = (cfg.eps_low * (n_act - gate_act) + cfg.eps_low *
+                       torch.dot(c_minus_g, m_g)) / n_act.clamp_min(1.0)
+        c_min = psi[m_g > 0].min() if bool(gate_act > 0) else torch.ones((), dtype=d.dtype)
+    else:
+        gate_act = torch.zeros((), dtype=d.dtype)
+        eps_hi_mean = torch.tensor(cfg.eps_high, dtype=d.dtype)
+        eps_lo_mean = torch.tensor(cfg.eps_low, dtype=d.dtype)
+        c_min = torch.ones((), dtype=d.dtype)
+    pg, _, metrics = ppo_token_loss_ex(d, adv, m, 1.0 - lo, hi - 1.0, count=n_act)
     metrics.update({
         "sat_q": q.detach(),
-        "eps_low_mean": masked_mean(eps_lo, m),
-        "eps_high_mean": masked_mean(eps_hi, m),
-        "gate_rate": masked_mean((c_min < 1.0).to(m.dtype), m),
-        "c_min": torch.where(m > 0, c_min, torch.ones_like(c_min)).min() if m.numel() else
-        torch.ones(()),
+        "eps_low_mean": eps_lo_mean,
+        "eps_high_mean": eps_hi_mean,
+        "gate_rate": gate_act / n_act.clamp_min(1.0),
+        "c_min": c_min,
     })
     return TokenLoss(pg, m, metrics)
 
@@ -84,9 +119,31 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
 
 
 def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
+    """SAT on the GSPO base. The token-level 0.9-quantile of the broadcast sequence
+    log-ratio equals the count-weighted quantile over sequences, so everything runs on [S]."""
+    m = inputs.mask
+    n_act = inputs.mask_count
     d = inputs.flat("logprobs") - inputs.flat("rollout_logprobs").detach()
-    d_seq, _ = sequence_mean(d, inputs)
-    adv_i, _ = sequence_mean(inputs.flat("advantages").detach(), inputs)
-    tl = _sat_core(d_seq, inputs, adv_i, cfg)
-    tl.metrics["seq_ratio_mean"] = masked_mean(safe_exp(d_seq.detach()), inputs.mask)
-    return tl
+    log_s, adv_i, cnt, idx = sequence_stats(inputs, d)
+    d_sg = log_s.detach()
+    q = weighted_run_quantile(d_sg.abs(), cnt, cfg.quantile)
+    c_minus, c_plus = _factors(d_sg, q, cfg)
+    eps_lo = cfg.eps_low * c_minus
+    eps_hi = cfg.eps_high * c_plus
+    s_i, clipped, r = clipped_surrogate(log_s, adv_i, eps_lo, eps_hi)
+    den = n_act.clamp_min(1.0)
+    c_min_all = torch.minimum(c_minus, c_plus)
+    gated = (c_min_all < 1.0) & (cnt > 0)
+    live = (cnt > 0).to(m.dtype)
+    n_seq = live.sum()
+    metrics = {
+        "clipfrac": masked_mean(clipped, live, n_seq),
+        "seq_ratio_mean": masked_mean(r, live, n_seq),
+        "approx_kl": -masked_mean(d_sg, live, n_seq),
+        "sat_q": q.detach(),
+        "eps_low_mean": torch.dot(eps_lo, cnt) / den,  # token-weighted, as in SAT
+        "eps_high_mean": torch.dot(eps_hi, cnt) / den,
+        "gate_rate": torch.dot(gated.to(cnt.dtype), cnt) / den,
+        "c_min": c_min_all[gated].min() if bool(gated.any()) else torch.ones((), dtype=d.dtype),
+    }
+    return TokenLoss(broadcast(-s_i, idx) * m, m, metrics)

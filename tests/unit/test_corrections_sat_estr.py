@@ -184,3 +184,26 @@ def test_estr_config_needs_exactly_one_mode():
         LOSSES["estr"].config({"tau": 0.1})  # target_mask_rate default still set
     with pytest.raises(ValueError):
         LOSSES["estr"].config({"target_mask_rate": None})
+
+
+@pytest.mark.parametrize("n,q", [(1000, 0.9), (200_000, 0.9), (200_000, 0.98), (70_001, 0.5)])
+def test_masked_quantile_is_exact_vs_numpy(n, q):
+    from learner_client.corrections.ops import masked_quantile
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).abs()
+    x[::7] = 0.25  # ties
+    mask = (torch.rand(n, generator=g) > 0.3).float()
+    expect = np.quantile(x.numpy()[mask.numpy() > 0].astype(np.float64), q)
+    assert masked_quantile(x, mask, q).item() == pytest.approx(expect, rel=1e-6)
+
+
+def test_weighted_run_quantile_equals_token_quantile():
+    from learner_client.corrections.ops import weighted_run_quantile
+
+    vals = torch.tensor([0.5, 0.1, 0.9, 0.3, 0.7])
+    counts = torch.tensor([3.0, 0.0, 2.0, 5.0, 1.0])
+    tokens = np.repeat(vals.numpy(), counts.numpy().astype(int)).astype(np.float64)
+    for q in (0.1, 0.5, 0.9, 0.95):
+        assert weighted_run_quantile(vals, counts, q).item() == pytest.approx(
+            np.quantile(tokens, q), rel=1e-6)

@@ -1,0 +1,126 @@
+"""Forward+backward time of every registered correction loss relative to ppo_clip.
+
+One command:  .venv/bin/python bench/bench_losses.py [--tokens 1000000] [--reps 7]
+
+All losses run on the same packed [N] float32 tensors (sequences of --seq-len tokens),
+round-robin in one process so the ratios are measured side by side. It also checks, with a
+dispatch-mode tracer, that no op inside any loss produced a tensor with more than
+--max-factor * N elements (an N x vocab tensor would be vocab times larger), and reports the
+largest tensor each loss created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from learner_client.corrections import LOSSES, LossInputs, compute_loss  # noqa: E402
+
+SPECIAL_CFG = {"grpo": {}}  # published defaults everywhere (grpo's k3 KL uses ref_logprobs)
+
+
+class MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any op produced while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_numel = 0
+        self.op = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
+                self.max_numel, self.op = t.numel(), str(func)
+        return out
+
+
+def make_inputs(n: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor | int]:
+    g = torch.Generator().manual_seed(seed)
+    mu = -torch.rand(n, generator=g) * 3
+    old = mu + torch.randn(n, generator=g) * 0.05
+    lp = old + torch.randn(n, generator=g) * 0.05
+    n_seq = (n + seq_len - 1) // seq_len
+    seq_adv = torch.randn(n_seq, generator=g)
+    lens = torch.full((n_seq,), seq_len, dtype=torch.long)
+    lens[-1] = n - seq_len * (n_seq - 1)
+    cu = torch.zeros(n_seq + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lens, 0)
+    adv = seq_adv.repeat_interleave(lens)
+    mask = (torch.rand(n, generator=g) > 0.05).float()
+    ent = torch.rand(n, generator=g) * 4
+    versions = torch.randint(6, 10, (n,), generator=g)
+    return dict(logprobs=lp, rollout_logprobs=mu, old_logprobs=old, ref_logprobs=mu - 0.02,
+                advantages=adv, loss_mask=mask, entropy=ent, versions=versions,
+                cu_seqlens=cu, learner_version=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1_000_000)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-factor", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = make_inputs(args.tokens, args.seq_len)
+    names = ["ppo_clip"] + sorted(n for n in LOSSES if n != "ppo_clip")
+    extra = {"decoupled_ppo[loglinear]": ("decoupled_ppo", {"ratio_mode": "loglinear"}),
+             "mis[geometric]": ("mis", {"level": "geometric"}),
+             "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None})}
+    cases = {n: (n, SPECIAL_CFG.get(n)) for n in names} | extra
+
+    def timed(case: str) -> float:
+        name, cfg = cases[case]
+        x = data["logprobs"].clone().requires_grad_()
+        inp = LossInputs(**{**data, "logprobs": x})
+        t0 = time.perf_counter()
+        loss, _ = compute_loss(name, inp, cfg)
+        loss.backward()
+        return time.perf_counter() - t0
+
+    for c in cases:  # warm-up
+        timed(c)
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    for _ in range(args.reps):  # round-robin: every loss sees the same machine state
+        for c in cases:
+            times[c].append(timed(c))
+    largest: dict[str, int] = {}
+    for c, (name, cfg) in cases.items():
+        x = data["logprobs"].clone().requires_grad_()
+        with MaxNumel() as tr:
+            loss, _ = compute_loss(name, LossInputs(**{**data, "logprobs": x}), cfg)
+            loss.backward()
+        largest[c] = tr.max_numel
+    base_min = min(times["ppo_clip"])
+    base_med = statistics.median(times["ppo_clip"])
+    n = args.tokens
+    print(f"N = {n} tokens (float32, packed, seq_len {args.seq_len}), threads = "
+          f"{args.threads}, {args.reps} round-robin reps of fwd+bwd; best-of-reps is the "
+          f"figure least disturbed by other load, the median is shown beside it")
+    print(f"{'loss':<26}{'best ms':>9}{'x ppo_clip':>12}{'median ms':>11}{'x ppo_clip':>12}"
+          f"{'max tensor / N':>16}")
+    ok = True
+    for c in cases:
+        best = min(times[c])
+        med = statistics.median(times[c])
+        f = largest[c] / n
+        ok &= f <= args.max_factor
+        print(f"{c:<26}{best * 1e3:>9.1f}{best / base_min:>12.2f}{med * 1e3:>11.1f}"
+              f"{med / base_med:>12.2f}{f:>16.2f}")
+    print(f"no loss created a tensor larger than {args.max_factor} x N "
+          f"(an N x vocab tensor would be vocab x N): {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
