@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.integration
 
-V, ROWS = 22, 9
+V, ROWS = 22, 16
 
 
 def _free_port() -> int:
@@ -67,9 +67,40 @@ def _worker(rank: int, world: int, port: int) -> None:
                                                       tp_group=grp, temperature=0.7)
         torch.testing.assert_close(lp_r, lp.detach()[0, rows])
         torch.testing.assert_close(ent_r, ent.detach()[0, rows])
+
+        _loss_func_at_tp2(rank, part, full)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _loss_func_at_tp2(rank, part, full):
+    """make_loss_func on vocab-parallel logits (TP group picked up from parallel_state)."""
+    import numpy as np
+
+    from learner_client.corrections import compute_loss
+    from learner_client.megatron.loss import loss_inputs_from_batch, make_loss_func
+    from learner_client.megatron.packing import PackSample, pack_samples
+
+    rng = np.random.default_rng(0)
+    batch = pack_samples([
+        PackSample(rng.integers(0, V, p), rng.integers(0, V, t),
+                   {"rollout_logprobs": np.log(rng.uniform(0.1, 0.9, t)).astype(np.float32),
+                    "advantages": np.float32(rng.normal())})
+        for p, t in [(3, 4), (2, 4)]])  # 13 positions
+    assert batch.total_len <= ROWS
+    logits = full[:, : batch.total_len]
+    local = logits[..., rank * part : (rank + 1) * part].clone().requires_grad_()
+    loss, num, _ = make_loss_func(batch, "ppo_clip", temperature=0.7)(local)
+    ref_logits = logits.clone().requires_grad_()
+    ls = torch.log_softmax(ref_logits[0] / 0.7, -1)
+    ref, _ = compute_loss("ppo_clip", loss_inputs_from_batch(
+        batch, ls[batch.logit_positions, batch.targets]))
+    torch.testing.assert_close(loss / num, ref, atol=1e-5, rtol=1e-5)
+    (loss / num).backward()
+    ref.backward()
+    torch.testing.assert_close(local.grad, ref_logits.grad[..., rank * part : (rank + 1) * part],
+                               atol=1e-6, rtol=1e-4)
 
 
 def test_vocab_parallel_logprobs_entropy_tp2_equal_full_vocabulary():

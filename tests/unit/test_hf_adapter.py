@@ -169,3 +169,27 @@ def test_r3_refuses_bad_routing(model):
     assert all(not g._forward_hooks for _, g in moe_gates(model))  # hooks removed
     with pytest.raises(RoutingReplayError, match="no MoE router"):
         moe_gates(torch.nn.Linear(2, 2))
+
+
+def test_padded_r3_matches_packed_r3(model):
+    b = _batch(4, lens=((3, 4), (5, 4)))
+    routed = torch.stack([torch.stack([torch.randperm(E)[:K] for _ in range(LAYERS)])
+                          for _ in range(b.total_len)])
+    b.routed_experts = routed
+    lp_packed, _ = packed_logprobs(model, b, replay=True)
+    t = max(int(b.cu_seqlens[i + 1] - b.cu_seqlens[i]) for i in range(2))
+    ids = torch.zeros(2, t, dtype=torch.long)
+    mask = torch.zeros(2, t, dtype=torch.long)
+    padded_routing = torch.zeros(2, t, LAYERS, K, dtype=torch.long)
+    padded_routing[...] = torch.arange(K)
+    for i in range(2):  # right padding this time
+        o, n = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1] - b.cu_seqlens[i])
+        ids[i, :n], mask[i, :n] = b.tokens[0, o : o + n], 1
+        padded_routing[i, :n] = routed[o : o + n]
+    lp, _ = padded_logprobs(model, ids, mask, routed_experts=padded_routing)
+    got = torch.cat([lp[i, int(b.prompt_lens[i]) - 1 : int(mask[i].sum()) - 1] for i in range(2)])
+    torch.testing.assert_close(got.detach(), lp_packed.detach(), atol=2e-5, rtol=1e-4)
+    lp_free, _ = padded_logprobs(model, ids, mask)
+    assert not torch.allclose(lp_free, lp)
+    with pytest.raises(ValueError, match="B=2, T="):
+        padded_logprobs(model, ids, mask, routed_experts=padded_routing[:, 1:])
