@@ -283,14 +283,14 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions
 def _top_matrix(top: Any, t: int) -> np.ndarray:
     if not isinstance(top, list) or len(top) != t:
         raise EngineError(f"output_top_logprobs must have {t} rows")
-    if any(not isinstance(row, list) or not row for row in top):
-        raise EngineError("output_top_logprobs has a missing or empty row")
-    k = len(top[0])
-    try:
-        if sum(map(len, top)) == t * k:
+    try:  # a null or non-list row fails in len() / iteration and lands in the except
+        k = len(top[0])
+        if k and sum(map(len, top)) == t * k:
             flat = np.fromiter(map(_lp, chain.from_iterable(top)), dtype=np.float64,
                                count=t * k)
             return _null_to_neg_inf(flat).reshape(t, k)
+        if not all(top):
+            raise EngineError("output_top_logprobs has an empty row")
         k = max(map(len, top))  # ragged rows (vocab smaller than k): pad with -inf
         mat = np.full((t, k), -np.inf)
         for i, row in enumerate(top):

@@ -73,14 +73,15 @@ def _fast_u8(buf: bytes | memoryview, start: int, nblocks: int) -> np.ndarray | 
     want0, want1 = _A8 & _M0, _A8 & _M1
     for a in range(0, nblocks, _CHUNK):
         b = min(a + _CHUNK, nblocks)
-        w = words[a:b]
+        w = words[a:b]  # two 1-D column ops: a (n, 2) broadcast op loops over 2 elements
         if not (np.bitwise_and(w[:, 0], _M0) == want0).all():
             return None
         if not (np.bitwise_and(w[:, 1], _M1) == want1).all():
             return None
-        np.take(_LUT_A, even[a:b, 0], out=out[a:b, 0])
-        np.take(_LUT_B, odd[a * 8 + 2:b * 8:8], out=out[a:b, 1])
-        np.take(_LUT_C, even[a:b, 5], out=out[a:b, 2])
+        # indices are uint16 and the tables have 65536 entries: 'wrap' skips bound checks
+        np.take(_LUT_A, even[a:b, 0], out=out[a:b, 0], mode="wrap")
+        np.take(_LUT_B, odd[a * 8 + 2:b * 8:8], out=out[a:b, 1], mode="wrap")
+        np.take(_LUT_C, even[a:b, 5], out=out[a:b, 2], mode="wrap")
     if (out >= _ERR).any():
         return None
     return out.astype(np.uint8).reshape(-1)

@@ -185,3 +185,22 @@ def test_routed_experts_rejects_each_corrupted_character():
         bad[i] = ord("*")
         with pytest.raises(EngineError):
             decode_routed_experts(bytes(bad), 0, len(bad), num_experts=8)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([None, [[-0.1, 1, None]], [[-0.1, 1, None]]], "output_top_logprobs"),
+    ([[[-0.1, 1, None]], [], [[-0.1, 1, None]]], "empty row"),
+    ([[[-0.1, 1, None]], "x", [[-0.1, 1, None]]], "output_top_logprobs"),
+    ([[[-0.1, 1, None]], [[-0.1, 1, None]]], "3 rows"),
+])
+def test_bad_top_logprob_rows(rows, match):
+    with pytest.raises(EngineError, match=match):
+        decode_one(_body_with(output_top_logprobs=rows))
+
+
+def test_ragged_top_logprob_rows_are_padded():
+    rows = [[[-0.1, 1, None], [-3.0, 2, None]], [[-0.2, 1, None]], [[-0.3, 1, None]]]
+    obj = orjson.loads(RECORDED)
+    obj["meta_info"]["output_top_logprobs"] = rows
+    d = decode_one(orjson.dumps(obj), DecodeOptions(vocab_size=10))
+    assert d.entropy_kind == EntropyKind.TOPK_ESTIMATE and np.isfinite(d.entropy).all()

@@ -1,0 +1,306 @@
+"""The gateway's own cost: stamped tokens/s on one core, and gateway vs direct throughput.
+
+One command: ``python bench/bench_gateway.py`` (``--quick`` for a short run,
+``--skip-e2e`` for part A only). Prints a table per part; every ratio is measured side
+by side in the same run.
+
+A. Hot path, in this process (one core): SGLang-format /generate response bytes (from
+   ``bench/replay_engine.py``'s generator: 48 layers x top-8 routed experts over 128
+   experts, mixed prompt/output lengths) -> ``engines.decode`` -> ``core.stamping`` ->
+   ``Trajectory``. Side by side: a straightforward decoder (orjson + b64decode + numpy on
+   the parsed lists), ``orjson.loads`` alone and a memcpy of the same bytes. Tokens are
+   output tokens; best of several rounds (the machine is shared).
+B. End to end: a replay engine process, the gateway (``rollout-gateway serve``) process
+   and a closed-loop client with N concurrent requests. Output tokens/s direct to the
+   engine vs through the gateway's SGLang-compatible /generate (stamped + published to
+   the embedded store), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from replay_engine import ReplayConfig, build_body  # noqa: E402
+
+from rollout_gateway.core.stamping import Span, normalize_spans, stamp_request  # noqa: E402
+from rollout_gateway.core.trajectory import (  # noqa: E402
+    EntropyKind,
+    FinishReason,
+    RoutedExperts,
+    TokenColumns,
+    Trajectory,
+    Transition,
+)
+from rollout_gateway.engines.decode import (  # noqa: E402
+    Decoded,
+    DecodeOptions,
+    RoutingSpec,
+    decode_one,
+)
+from rollout_gateway.engines.decode_entropy import topk_entropy  # noqa: E402
+
+LAYERS, TOPK, EXPERTS = 48, 8, 128
+#: (prompt tokens, output tokens): RL-style mix of short and long reasoning outputs
+MIX = [(128, 256), (256, 1024), (512, 2048), (256, 4096), (1024, 1024), (256, 2048)]
+
+
+# ------------------------------------------------------------------------- part A
+def stamp(d: Decoded, tid: str) -> Trajectory:
+    """Stamp one decoded response and build the Trajectory (same for both decoders)."""
+    spans = normalize_spans([Span(*s) for s in d.spans], d.num_tokens, d.weight_version)
+    st = stamp_request(spans, offset=0, engine_id="e0", began=Transition.START,
+                       installed_by={})
+    cols = TokenColumns(d.output_ids, d.logprobs, d.entropy, st.policy_version, st.kv_version)
+    return Trajectory(trajectory_id=tid, prompt_token_ids=np.zeros(d.prompt_tokens or 0),
+                      tokens=cols, finish_reason=FinishReason.from_sglang(d.finish_reason),
+                      segments=st.segments, entropy_kind=d.entropy_kind,
+                      entropy_error_bound=d.entropy_error_bound, routed_experts=d.routed)
+
+
+def naive_decode(body: bytes, opts: DecodeOptions) -> Decoded:
+    """The straightforward decoder producing the same columns: parse everything with
+    orjson, convert the parsed lists with numpy, b64decode the routing."""
+    obj = orjson.loads(body)
+    m = obj["meta_info"]
+    ids = np.array(obj["output_ids"], dtype=np.int32)
+    rows = m["output_token_logprobs"]
+    lp = np.array([-np.inf if r[0] is None else r[0] for r in rows], dtype=np.float32)
+    assert np.array_equal(np.array([r[1] for r in rows], dtype=np.int32), ids)
+    err, bound = None, 0.0
+    if m.get("output_token_entropy") is not None:
+        ent, kind = np.array(m["output_token_entropy"], dtype=np.float32), EntropyKind.EXACT
+    else:
+        top = np.array([[e[0] for e in row] for row in m["output_top_logprobs"]])
+        ent, err = topk_entropy(top, opts.vocab_size)
+        kind, bound = EntropyKind.TOPK_ESTIMATE, float(err.max())
+    routed = None
+    if m.get("routed_experts") is not None:
+        flat = np.frombuffer(base64.b64decode(m["routed_experts"]), dtype="<i4")
+        spec = opts.routing
+        routed = RoutedExperts.from_int32(flat, spec.num_layers, spec.top_k, spec.num_experts,
+                                          start=opts.routed_experts_start_len)
+    wv = m.get("weight_version")
+    return Decoded(output_ids=ids, logprobs=lp, entropy=ent, entropy_kind=kind,
+                   entropy_error=err, entropy_error_bound=bound, weight_version=int(wv),
+                   weight_version_raw=wv,
+                   spans=[(int(s["version"]), s["start"], s["end"]) for s in m["weight_versions"]],
+                   finish_reason=m["finish_reason"], prompt_tokens=m["prompt_tokens"],
+                   completion_tokens=m["completion_tokens"], cached_tokens=m["cached_tokens"],
+                   rid=m["id"], index=None, text=obj["text"], input_token_ids=None,
+                   routed_experts=None, routed=routed)
+
+
+def _best(fn, bodies: list[bytes], rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for b in bodies:
+            fn(b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def part_a(rounds: int) -> list[dict[str, Any]]:
+    cfg = ReplayConfig(layers=LAYERS, top_k=TOPK, experts=EXPERTS, weight_version="3")
+    spec = RoutingSpec(LAYERS, TOPK, EXPERTS)
+    scenarios = [
+        ("topk5 + routed(prompt+output)", dict(logprob=True, top_k=5, entropy=False,
+                                               routed=True), True),
+        ("exact entropy + routed(prompt+output)", dict(logprob=True, top_k=0, entropy=True,
+                                                       routed=True), True),
+        ("exact entropy + routed(output only)", dict(logprob=True, top_k=0, entropy=True,
+                                                     routed=True), False),
+        ("topk5, no routing", dict(logprob=True, top_k=5, entropy=False, routed=False), True),
+    ]
+    rows = []
+    for name, kw, from_zero in scenarios:
+        bodies, tokens, starts = [], 0, []
+        for p, t in MIX:
+            start = 0 if from_zero else p
+            pre, post = build_body(cfg, p, t, routed_start=start, **kw)
+            bodies.append(pre + b"rid-" + str(len(bodies)).encode() + post)
+            tokens += t
+            starts.append(start)
+        mb = sum(map(len, bodies)) / 1e6
+        opts_list = [DecodeOptions(routing=spec if kw["routed"] else None,
+                                   routed_experts_start_len=s, vocab_size=151936)
+                     for s in starts]
+        it = iter(range(10**9))
+        opt_of = dict(zip(map(id, bodies), opts_list))
+
+        def ours(b: bytes) -> None:
+            stamp(decode_one(b, opt_of[id(b)]), f"t{next(it)}")
+
+        def base(b: bytes) -> None:
+            stamp(naive_decode(b, opt_of[id(b)]), f"t{next(it)}")
+
+        for b in bodies:  # correctness first: both decoders agree
+            x, y = stamp(decode_one(b, opt_of[id(b)]), "a"), stamp(naive_decode(b, opt_of[id(b)]), "b")
+            assert np.array_equal(x.tokens.token_ids, y.tokens.token_ids)
+            assert np.array_equal(x.tokens.logprobs, y.tokens.logprobs)
+            assert np.allclose(x.tokens.entropy, y.tokens.entropy)
+            assert (x.routed_experts is None) == (y.routed_experts is None)
+            if x.routed_experts is not None:
+                assert np.array_equal(x.routed_experts.data, y.routed_experts.data)
+        t_ours = _best(ours, bodies, rounds)
+        t_naive = _best(base, bodies, rounds)
+        t_parse = _best(orjson.loads, bodies, rounds)
+        t_copy = _best(lambda b: bytes(bytearray(b)), bodies, rounds)
+        rows.append({"scenario": name, "MB": mb, "tokens": tokens,
+                     "ours_tok_s": tokens / t_ours, "naive_tok_s": tokens / t_naive,
+                     "parse_tok_s": tokens / t_parse, "memcpy_tok_s": tokens / t_copy})
+    return rows
+
+
+def print_a(rows: list[dict[str, Any]]) -> None:
+    print("\nA. hot path on one core: decode + stamp + Trajectory, output tokens/s "
+          f"(mix {MIX}, {LAYERS} layers x top-{TOPK})")
+    print(f"{'scenario':40s} {'MB':>6s} {'ours':>10s} {'naive':>10s} {'x naive':>8s} "
+          f"{'parse':>10s} {'memcpy':>10s}")
+    for r in rows:
+        print(f"{r['scenario']:40s} {r['MB']:6.1f} {r['ours_tok_s'] / 1e6:9.2f}M "
+              f"{r['naive_tok_s'] / 1e6:9.2f}M {r['ours_tok_s'] / r['naive_tok_s']:7.2f}x "
+              f"{r['parse_tok_s'] / 1e6:9.2f}M {r['memcpy_tok_s'] / 1e6:9.2f}M")
+    print("  ours/naive = engines.decode / a straightforward decoder (orjson + numpy on parsed "
+          "lists + b64decode), each + core.stamping + Trajectory; parse = orjson.loads alone; "
+          "memcpy = copying the bytes once")
+
+
+# ------------------------------------------------------------------------- part B
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency: int,
+                duration: float) -> tuple[float, int, int]:
+    """Closed loop: ``concurrency`` workers post for ``duration`` s. (tok/s, ok, errors)."""
+    import httpx
+
+    ok = err = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        stop = time.perf_counter() + duration
+
+        async def worker() -> None:
+            nonlocal ok, err
+            while time.perf_counter() < stop:
+                b = dict(body, rid=f"b{uuid.uuid4().hex[:12]}")
+                r = await client.post(url, content=orjson.dumps(b))
+                if r.status_code == 200 and r.content:
+                    ok += 1
+                else:
+                    err += 1
+                    if err <= 3:
+                        print(f"  ! {url}: HTTP {r.status_code}: {r.text[:200]}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return ok * tokens_per_req / elapsed, ok, err
+
+
+def part_b(concurrency: int, duration: float, prompt: int, out: int) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
+               ROLLOUT_GATEWAY_MAX_STALENESS="1000000",
+               ROLLOUT_GATEWAY_MAX_INFLIGHT_SAMPLES="100000")
+    e_port, g_port = _free_port(), _free_port()
+    procs = []
+    try:
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
+             "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
+            env=env, stdout=subprocess.DEVNULL))
+        engine = f"http://127.0.0.1:{e_port}"
+        _wait_http(engine + "/health", procs[0])
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
+             "--port", str(g_port), "--grpc-host", "127.0.0.1", "--grpc-port", "0",
+             "--engine", f"replay={engine}", "--log-level", "warning"],
+            env=env, stdout=subprocess.DEVNULL))
+        gateway = f"http://127.0.0.1:{g_port}"
+        _wait_http(gateway + "/health", procs[1])
+        body = {"input_ids": list(range(1, prompt + 1)),
+                "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
+                "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
+        warm = min(2.0, duration / 4)
+        asyncio.run(_load(engine + "/generate", body, out, concurrency, warm))
+        asyncio.run(_load(gateway + "/generate", body, out, concurrency, warm))
+        direct = asyncio.run(_load(engine + "/generate", body, out, concurrency, duration))
+        through = asyncio.run(_load(gateway + "/generate", body, out, concurrency, duration))
+        return {"direct": direct, "gateway": through, "prompt": prompt, "out": out,
+                "concurrency": concurrency, "duration": duration}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def print_b(r: dict[str, Any]) -> None:
+    (d, dok, derr), (g, gok, gerr) = r["direct"], r["gateway"]
+    print(f"\nB. end to end, closed loop, {r['concurrency']} concurrent, {r['duration']:.0f} s "
+          f"each, prompt {r['prompt']} + output {r['out']} tokens, top-5 logprobs, routed "
+          f"experts {LAYERS}x{TOPK}")
+    print(f"  direct to replay engine : {d / 1e3:10.1f}k tok/s  ({dok} requests, {derr} errors)")
+    print(f"  through gateway /generate: {g / 1e3:10.1f}k tok/s  ({gok} requests, {gerr} errors;"
+          " stamped + published)")
+    print(f"  ratio gateway / direct  : {g / d if d else float('nan'):10.3f}")
+    print(f"  (3 processes share {os.cpu_count()} cores: client, gateway, replay engine)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="short run (fewer rounds, 3 s loads)")
+    ap.add_argument("--skip-e2e", action="store_true", help="part A only")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--out", type=int, default=1024)
+    args = ap.parse_args(argv)
+    print_a(part_a(rounds=3 if args.quick else 7))
+    if not args.skip_e2e:
+        print_b(part_b(args.concurrency, 3.0 if args.quick else args.duration,
+                       args.prompt, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
