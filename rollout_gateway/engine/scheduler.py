@@ -252,7 +252,11 @@ class Scheduler:
         return n
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """Abort requests whose rid starts with ``rid`` (or all). Returns how many."""
+        """Abort as SGLang 0.5.23 does: everything with ``abort_all``; otherwise only if ``rid``
+        is a live request's exact id, and then every request whose rid starts with it (the
+        scheduler matches by prefix). An empty or unknown rid is ignored. Returns how many."""
+        if not abort_all and (not rid or rid not in self.requests):
+            return 0
         async with self.step_lock:
             live = [*self.waiting, *self.running]
             return self._abort([r for r in live if abort_all or r.rid.startswith(rid)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,6 +26,7 @@ from rollout_gateway.engine import checkpoint as ckpt
 from rollout_gateway.engine import distributed as dist_update
 from rollout_gateway.engine.config import ModelConfig
 from rollout_gateway.engine.protocol import ProtocolError, format_output, parse_generate
+from rollout_gateway.engine.request import GenParams
 from rollout_gateway.engine.request import Request as GenRequest
 from rollout_gateway.engine.scheduler import Scheduler
 from rollout_gateway.engine.tokenizer import ByteTokenizer
@@ -332,11 +334,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         if s.paused:
             return Response(status_code=503)
         await s.wait_admissible()
-        r = GenRequest("HEALTH_CHECK_" + str(s.steps), [tok.bos_token_id],
-                       parse_generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
-                                      tok, s.cfg.vocab_size, s.cfg.max_position_embeddings).items[0][2],
-                       s.cfg.num_hidden_layers, s.cfg.num_experts_per_tok)
-        r.rid = f"HEALTH_CHECK_{id(r)}"
+        r = GenRequest(f"HEALTH_CHECK_{uuid.uuid4().hex}", [tok.bos_token_id],
+                       GenParams(max_new_tokens=1), s.cfg.num_hidden_layers,
+                       s.cfg.num_experts_per_tok)
         r.listeners.append(asyncio.Queue())
         s.submit(r)
         await _wait_final(s, r)

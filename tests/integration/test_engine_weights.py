@@ -182,12 +182,20 @@ async def test_abort_request_by_rid_prefix(make_engine):
     eng = make_engine(seed=1, step_delay_ms=10)
     async with httpx.AsyncClient(timeout=120) as c:
         a = StreamWatcher(c, eng.url, {**body(5), "rid": "grp-a"})
+        a2 = StreamWatcher(c, eng.url, {**body(7), "rid": "grp-a-2"})
         b = StreamWatcher(c, eng.url, {**body(6), "rid": "keep-b"})
-        await asyncio.wait_for(asyncio.gather(a.first.wait(), b.first.wait()), 30)
-        r = await c.post(eng.url + "/abort_request", json={"rid": "grp-"})
-        assert r.json()["num_aborted"] == 1
-        fa, fb = (await a.task)[-1], (await b.task)[-1]
+        await asyncio.wait_for(asyncio.gather(a.first.wait(), a2.first.wait(), b.first.wait()), 30)
+        # SGLang 0.5.23: the rid must be a live request's exact id (else ignored) ...
+        for rid in ("grp-", ""):
+            r = await c.post(eng.url + "/abort_request", json={"rid": rid})
+            assert r.json()["num_aborted"] == 0
+        # ... and the scheduler then aborts every rid starting with it
+        r = await c.post(eng.url + "/abort_request", json={"rid": "grp-a"})
+        assert r.json()["num_aborted"] == 2
+        fa, fa2, fb = (await a.task)[-1], (await a2.task)[-1], (await b.task)[-1]
         assert fa["meta_info"]["finish_reason"]["type"] == "abort"
+        assert fa2["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(fa["output_ids"]) < MAX_NEW
         assert fb["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
 
 
