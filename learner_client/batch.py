@@ -143,22 +143,25 @@ def collate(rollouts: list[Rollout], learner_version: int, *,
     # flat offsets of each sequence's first position in the grid
     base = np.arange(b, dtype=np.int64) * width if padded else cu[:-1]
 
+    starts = base.tolist()
+    spans = [(s0 + int(p), s0 + int(p) + int(t)) for s0, p, t in zip(starts, plen, tlen)]
     ids = np.full(grid, pad_token_id, np.int64)
     flat_ids = ids.reshape(-1)
-    flat_ids[_spans(base, plen)] = np.concatenate([r.prompt_token_ids for r in rollouts])
-    resp = _spans(base + plen, tlen)  # flat grid index of every response token
-    flat_ids[resp] = np.concatenate([r.token_ids for r in rollouts])
+    for r, s0, (a, e) in zip(rollouts, starts, spans):
+        flat_ids[s0:a] = r.prompt_token_ids
+        flat_ids[a:e] = r.token_ids
 
     def column(values: list[np.ndarray], dtype, fill) -> torch.Tensor:
         out = np.full(grid, fill, dtype)
-        out.reshape(-1)[resp] = np.concatenate(values) if values else []
+        flat = out.reshape(-1)
+        for v, (a, e) in zip(values, spans):
+            flat[a:e] = v
         return torch.from_numpy(out)
 
-    stale = np.concatenate([_stale_tokens(r, learner_version, max_lag) for r in rollouts])
-    loss_mask = column([(~stale).astype(np.float32)], np.float32, 0.0)
+    loss_mask = column([(~_stale_tokens(r, learner_version, max_lag)).astype(np.float32)
+                        for r in rollouts], np.float32, 0.0)
     versions = column([r.policy_version for r in rollouts], np.int32, -1)
-    lags = np.zeros(grid, np.int32)
-    lags.reshape(-1)[resp] = learner_version - versions.numpy().reshape(-1)[resp]
+    lags = column([learner_version - r.policy_version for r in rollouts], np.int32, 0)
     old = None
     if any(r.old_logprobs is not None for r in rollouts):
         old = column([r.old_logprobs if r.old_logprobs is not None
@@ -171,8 +174,7 @@ def collate(rollouts: list[Rollout], learner_version: int, *,
     else:
         position_ids = torch.from_numpy(pos - np.repeat(cu[:-1], seq))
         attention_mask = None
-    re_t, re_mask = (_routed(rollouts, grid, base, seq)
-                     if routed_experts else (None, None))
+    re_t, re_mask = _routed(rollouts, grid, starts, seq) if routed_experts else (None, None)
     batch = TrajectoryBatch(
         layout=layout, input_ids=torch.from_numpy(ids), position_ids=position_ids,
         attention_mask=attention_mask, cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
@@ -182,45 +184,30 @@ def collate(rollouts: list[Rollout], learner_version: int, *,
         entropy=column([r.entropy for r in rollouts], np.float32, 0.0),
         old_logprobs=old, versions=versions,
         kv_versions=column([r.kv_version for r in rollouts], np.int32, -1),
-        lags=torch.from_numpy(lags), routed_experts=re_t, routed_mask=re_mask,
+        lags=lags, routed_experts=re_t, routed_mask=re_mask,
         rewards=torch.tensor([np.nan if r.reward is None else r.reward for r in rollouts],
                              dtype=torch.float32),
         learner_version=learner_version, max_lag=max_lag, rollouts=list(rollouts))
     return batch
 
 
-def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ranges [starts[i], starts[i] + lengths[i]) without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return np.arange(total, dtype=np.int64) + offs
-
-
-def _routed(rollouts: list[Rollout], grid: tuple[int, ...], base: np.ndarray,
+def _routed(rollouts: list[Rollout], grid: tuple[int, ...], starts: list[int],
             seq: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    have = [r for r in rollouts if r.routed_experts is not None]
+    have = [r.routed_experts for r in rollouts if r.routed_experts is not None]
     if not have:
         return None, None
-    lk = have[0].routed_experts.shape[1:]
-    if any(r.routed_experts.shape[1:] != lk for r in have):
+    lk = have[0].shape[1:]
+    if any(x.shape[1:] != lk for x in have):
         raise ValueError("rollouts disagree on routed_experts [L, K]")
-    starts, rows, parts = [], [], []
-    for i, r in enumerate(rollouts):
-        if r.routed_experts is None:
-            starts.append(0)
-            rows.append(0)
-            continue
-        k = min(r.routed_experts.shape[0], max(int(seq[i]) - r.routed_start, 0))
-        starts.append(base[i] + r.routed_start)
-        rows.append(k)
-        parts.append(r.routed_experts[:k])
-    idx = _spans(np.array(starts, np.int64), np.array(rows, np.int64))
+    dt = np.uint8 if all(x.dtype == np.uint8 for x in have) else np.int32
     cells = int(np.prod(grid))
-    dt = np.uint8 if all(r.routed_experts.dtype == np.uint8 for r in have) else np.int32
     out = np.zeros((cells, *lk), dt)
-    out[idx] = np.concatenate(parts) if parts else 0
     mask = np.zeros(cells, bool)
-    mask[idx] = True
-    return (torch.from_numpy(out.reshape(*grid, *lk)), torch.from_numpy(mask.reshape(grid)))
+    for r, s0, n in zip(rollouts, starts, seq.tolist()):
+        if r.routed_experts is None:
+            continue
+        k = max(min(r.routed_experts.shape[0], n - r.routed_start), 0)
+        a = s0 + r.routed_start
+        out[a:a + k] = r.routed_experts[:k]
+        mask[a:a + k] = True
+    return torch.from_numpy(out.reshape(*grid, *lk)), torch.from_numpy(mask.reshape(grid))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from learner_client.errors import TrajectoryClientError
-from learner_client.wire import Rollout, decode_delivery
+from learner_client.wire import Rollout, parse_batch
 from rollout_proto.rollout.v1 import service_pb2 as spb
 from rollout_proto.rollout.v1 import service_pb2_grpc
 
@@ -52,7 +52,7 @@ class AsyncTrajectoryClient:
                  stale_policy: str | None = None, token: str | None = None,
                  tls: TlsOptions | None = None, max_message_bytes: int = 128 << 20,
                  backoff_initial: float = 0.1, backoff_max: float = 5.0,
-                 call_timeout: float = 30.0):
+                 call_timeout: float = 30.0, prefetch: int = 0):
         if stale_policy not in _POLICY:
             raise ValueError(f"stale_policy must be one of drop/mask/recycle/None, "
                              f"got {stale_policy!r}")
@@ -70,6 +70,9 @@ class AsyncTrajectoryClient:
             self._opts.append(("grpc.ssl_target_name_override", tls.server_name))
         self._backoff = (backoff_initial, backoff_max)
         self._timeout = call_timeout
+        if prefetch < 0:
+            raise ValueError("prefetch must be >= 0")
+        self.prefetch = prefetch  # extra trajectories of credit kept in flight beyond a pull
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.TrajectoryServiceStub | None = None
         self._call = None
@@ -118,7 +121,7 @@ class AsyncTrajectoryClient:
         return await self._retry(call, deadline)
 
     async def _open_stream(self) -> None:
-        stub = self._ensure_channel()
+        self._ensure_channel()
         await self._close_stream()
         self._requests = asyncio.Queue()
         self._inbox = asyncio.Queue()
@@ -138,14 +141,18 @@ class AsyncTrajectoryClient:
                     return
                 yield item
 
-        self._call = stub.Pull(gen(), metadata=self._meta, wait_for_ready=True)
+        # raw response bytes: parse_batch makes zero-copy column views into them
+        pull = self._channel.stream_stream(
+            "/rollout.v1.TrajectoryService/Pull",
+            request_serializer=spb.PullRequest.SerializeToString, response_deserializer=None)
+        self._call = pull(gen(), metadata=self._meta, wait_for_ready=True)
         self._receiver = asyncio.create_task(self._receive(self._call, self._inbox))
 
     async def _receive(self, call, inbox: asyncio.Queue) -> None:
         try:
-            async for batch in call:
-                for d in batch.deliveries:
-                    inbox.put_nowait(decode_delivery(d))
+            async for raw in call:
+                for r in parse_batch(raw)[0]:
+                    inbox.put_nowait(r)
             inbox.put_nowait(TrajectoryClientError("UNAVAILABLE", "pull stream ended"))
         except grpc.aio.AioRpcError as exc:
             inbox.put_nowait(_error(exc))
@@ -211,8 +218,9 @@ class AsyncTrajectoryClient:
         if self._call is None:
             await self._open_stream()
         buffered_tok = sum(r.seq_len for r in self._buffer)
-        want_n = n - len(self._buffer) - self._credit[0]
-        want_tok = (max_tokens - buffered_tok - self._credit[1]) if max_tokens else 0
+        want_n = n + self.prefetch - len(self._buffer) - self._credit[0]
+        want_tok = (max_tokens * (1 + (self.prefetch > 0)) - buffered_tok - self._credit[1]
+                    if max_tokens else 0)
         if want_n > 0 and (not max_tokens or want_tok > 0):
             grant = spb.CreditGrant(trajectories=want_n, tokens=max(want_tok, 0),
                                     learner_version=self.learner_version)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -99,10 +100,191 @@ def decode_delivery(d: service_pb2.Delivery) -> Rollout:
                   for s in t.segments],
         metadata=dict(t.metadata), created_at=t.created_at, finished_at=t.finished_at,
     )
+    _check(out)
+    return out
+
+
+# ---- fast path: parse a serialized Batch without copying the column bytes ----------------
+#
+# Columns become numpy views straight into the received message (np.frombuffer with an
+# offset); only the small fields (ids, segments, metadata, ...) go through protobuf.
+
+_ARRAY_FIELDS = {4: "prompt_token_ids", 5: "token_ids", 6: "logprobs", 7: "entropy",
+                 10: "policy_version", 11: "kv_version", 12: "old_logprobs"}
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, i
+        shift += 7
+        if shift > 63:
+            raise DecodeError("malformed varint")
+
+
+def _fields(buf: bytes, i: int, end: int):
+    """(field number, wire type, value) where value is an int (varint) or (start, end)."""
+    while i < end:
+        key, i = _varint(buf, i)
+        fno, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _varint(buf, i)
+            yield fno, wt, v, i
+        elif wt == 2:
+            ln, i = _varint(buf, i)
+            if i + ln > end:
+                raise DecodeError("length-delimited field runs past its message")
+            yield fno, wt, (i, i + ln), i + ln
+            i += ln
+        elif wt == 1:
+            yield fno, wt, (i, i + 8), i + 8
+            i += 8
+        elif wt == 5:
+            yield fno, wt, (i, i + 4), i + 4
+            i += 4
+        else:
+            raise DecodeError(f"unsupported wire type {wt}")
+    if i != end:
+        raise DecodeError("truncated message")
+
+
+def _array_view(buf: bytes, start: int, end: int, name: str) -> np.ndarray:
+    dtype, shape, data = "", [], (start, start)
+    for fno, wt, v, _ in _fields(buf, start, end):
+        if fno == 1 and wt == 2:
+            dtype = bytes(buf[v[0]:v[1]]).decode()
+        elif fno == 2 and wt == 2:
+            j = v[0]
+            while j < v[1]:
+                s, j = _varint(buf, j)
+                shape.append(s)
+        elif fno == 2 and wt == 0:
+            shape.append(v)
+        elif fno == 3 and wt == 2:
+            data = v
+    if dtype not in _DTYPES:
+        raise DecodeError(f"{name}: unsupported dtype {dtype!r}")
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if data[1] - data[0] != count * dt.itemsize:
+        raise DecodeError(f"{name}: {data[1] - data[0]} bytes do not match {shape} {dt.str}")
+    return np.frombuffer(buf, dtype=dt, count=count, offset=data[0]).reshape(shape)
+
+
+def _parse_trajectory(buf: bytes, start: int, end: int) -> tuple[dict, trajectory_pb2.Trajectory]:
+    cols: dict[str, Any] = {}
+    small: list[bytes] = []
+    for fno, wt, v, stop in _fields(buf, start, end):
+        name = _ARRAY_FIELDS.get(fno)
+        if name is not None and wt == 2:
+            cols[name] = _array_view(buf, v[0], v[1], name)
+        elif fno == 13 and wt == 2:  # RoutedExperts {data=1, num_experts=2, start=3}
+            for f2, w2, v2, _ in _fields(buf, v[0], v[1]):
+                if f2 == 1 and w2 == 2:
+                    cols["routed_experts"] = _array_view(buf, v2[0], v2[1], "routed_experts")
+                elif f2 == 2 and w2 == 0:
+                    cols["num_experts"] = v2
+                elif f2 == 3 and w2 == 0:
+                    cols["routed_start"] = v2
+        else:  # small fields: let protobuf parse them (tag bytes precede v)
+            small.append(_field_bytes(buf, fno, wt, v))
+    return cols, trajectory_pb2.Trajectory.FromString(b"".join(small))
+
+
+def _field_bytes(buf: bytes, fno: int, wt: int, v) -> bytes:
+    key = _encode_varint((fno << 3) | wt)
+    if wt == 0:
+        return key + _encode_varint(v)
+    if wt == 2:
+        return key + _encode_varint(v[1] - v[0]) + bytes(buf[v[0]:v[1]])
+    return key + bytes(buf[v[0]:v[1]])
+
+
+def _encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
+    """A serialized rollout.v1.Batch -> (rollouts, credit_trajectories, credit_tokens).
+    Column arrays are read-only views into ``buf`` (zero copy). DecodeError if malformed."""
+    try:
+        return _parse_batch(buf)
+    except DecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any malformation is the same error
+        raise DecodeError(f"malformed Batch message: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
+    out: list[Rollout] = []
+    credit_n = credit_tok = 0
+    for fno, wt, v, _ in _fields(buf, 0, len(buf)):
+        if fno == 1 and wt == 2:
+            entry_id, count, masked, traj = "", 0, False, None
+            for f2, w2, v2, _ in _fields(buf, v[0], v[1]):
+                if f2 == 1 and w2 == 2:
+                    entry_id = bytes(buf[v2[0]:v2[1]]).decode()
+                elif f2 == 2 and w2 == 0:
+                    count = v2
+                elif f2 == 3 and w2 == 0:
+                    masked = bool(v2)
+                elif f2 == 4 and w2 == 2:
+                    traj = v2
+            if traj is None:
+                raise DecodeError("delivery without a trajectory")
+            cols, small = _parse_trajectory(buf, traj[0], traj[1])
+            out.append(_rollout(entry_id, count, masked, small, cols))
+        elif fno == 2 and wt == 0:
+            credit_n = v
+        elif fno == 3 and wt == 0:
+            credit_tok = v
+    return out, credit_n, credit_tok
+
+
+_EMPTY_I4 = np.zeros(0, "<i4")
+_EMPTY_F4 = np.zeros(0, "<f4")
+
+
+def _rollout(entry_id: str, count: int, masked: bool, t: trajectory_pb2.Trajectory,
+             cols: dict) -> Rollout:
+    if not t.trajectory_id:
+        raise DecodeError("delivery without a trajectory id")
+    if "token_ids" not in cols:
+        raise DecodeError(f"trajectory {t.trajectory_id} has no token_ids column")
+    r = Rollout(
+        entry_id=entry_id, delivery_count=count, masked=masked,
+        trajectory_id=t.trajectory_id, group_id=t.group_id, sample_index=t.sample_index,
+        prompt_token_ids=cols.get("prompt_token_ids", _EMPTY_I4), token_ids=cols["token_ids"],
+        logprobs=cols.get("logprobs", _EMPTY_F4), entropy=cols.get("entropy", _EMPTY_F4),
+        policy_version=cols.get("policy_version", _EMPTY_I4),
+        kv_version=cols.get("kv_version", _EMPTY_I4), old_logprobs=cols.get("old_logprobs"),
+        entropy_kind=t.entropy_kind, entropy_error_bound=t.entropy_error_bound,
+        routed_experts=cols.get("routed_experts"), routed_start=cols.get("routed_start", 0),
+        num_experts=cols.get("num_experts", 0),
+        reward=t.reward if t.HasField("reward") else None, finish_reason=t.finish_reason.type,
+        segments=[SegmentInfo(s.start, s.end, s.policy_version, s.engine_id, s.began, s.ended)
+                  for s in t.segments],
+        metadata=dict(t.metadata), created_at=t.created_at, finished_at=t.finished_at)
+    _check(r)
+    return r
+
+
+def _check(out: Rollout) -> None:
     n = out.num_tokens
     for name in ("logprobs", "entropy", "policy_version", "kv_version"):
         if getattr(out, name).shape != (n,):
             raise DecodeError(f"{name} has shape {getattr(out, name).shape}, expected ({n},)")
+    if out.old_logprobs is not None and out.old_logprobs.shape != (n,):
+        raise DecodeError(f"old_logprobs has shape {out.old_logprobs.shape}, expected ({n},)")
     if out.routed_experts is not None and out.routed_experts.ndim != 3:
         raise DecodeError("routed_experts must be [R, L, K]")
-    return out

@@ -1,0 +1,168 @@
+"""Tagged tokens/s from the store through gRPC into learner tensors, vs a raw Redis read.
+
+    .venv/bin/python bench/bench_transport.py [--trajectories 256 --prompt 128 --response 1024
+                                               --layers 48 --top-k 8 --batch 32 --cpu 0]
+
+Both measurements run in one invocation, side by side, on the same pinned CPU core
+(the gateway's gRPC server process, the learner process and the raw reader are all
+pinned to --cpu; Redis itself is the store and runs where it runs). With
+--learner-cpu N the learner runs on another core (gateway and learner pipelined, as on
+two machines):
+
+* raw:       XRANGE the stream (the exact serialized trajectory bytes) with redis-py;
+* transport: Redis -> gateway (XREADGROUP, staleness filter, framing) -> gRPC ->
+             learner client (parse, numpy views) -> collate into packed torch tensors
+             (tokens, columns, routed experts [N, L, K] uint8) -> ack.
+
+Tokens counted = output (tagged) tokens; routed experts cover prompt + output rows.
+Prints tokens/s for each and the ratio transport/raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pin(cpu: int) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+
+
+async def fill(url: str, prefix: str, args) -> int:
+    from rollout_gateway.store.base import StoreConfig
+    from rollout_gateway.store.redis_streams import RedisStore
+    from rollout_gateway.transport.synthetic import make_trajectory
+
+    store = RedisStore(url, prefix=prefix, config=StoreConfig(max_backlog=10**6))
+    await store.create_group("bench")
+    # a few distinct payloads, distinct ids (publishing is not what is measured)
+    protos = [make_trajectory("p", prompt_len=args.prompt, num_tokens=args.response,
+                              versions=(3, 4), num_layers=args.layers, top_k=args.top_k,
+                              num_experts=128, seed=s) for s in range(4)]
+    for i in range(args.trajectories):
+        t = protos[i % 4]
+        t.trajectory_id = f"bench-{i}"
+        await store.publish(t)
+    await store.close()
+    return args.trajectories * args.response
+
+
+def raw_read(url: str, prefix: str, batch: int) -> tuple[int, float, int]:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    key, start, n, nbytes = f"{prefix}:stream", "-", 0, 0
+    t0 = time.perf_counter()
+    while True:
+        rows = r.xrange(key, min=start, count=batch)
+        if not rows:
+            break
+        for eid, fields in rows:
+            nbytes += len(fields[b"d"])
+        n += len(rows)
+        last = rows[-1][0].decode()
+        ms, seq = last.split("-")
+        start = f"{ms}-{int(seq) + 1}"
+    dt = time.perf_counter() - t0
+    r.close()
+    return n, dt, nbytes
+
+
+async def transport_read(target: str, args) -> tuple[int, float, int]:
+    import torch
+
+    from learner_client.batch import collate
+    from learner_client.client import AsyncTrajectoryClient
+
+    torch.set_num_threads(1)
+    n = tokens = 0
+    async with AsyncTrajectoryClient(target, "bench", "bench-learner", learner_version=4,
+                                     prefetch=args.batch) as c:
+        await c.status()  # connected
+        t0 = time.perf_counter()
+        while n < args.trajectories:
+            got = await c.pull(min(args.batch, args.trajectories - n), timeout=30)
+            if not got:
+                raise RuntimeError("transport stalled")
+            b = collate(got, learner_version=4, layout="packed")
+            assert b.routed_experts is not None and b.routed_experts.dtype == torch.uint8
+            tokens += int(b.response_lens.sum())
+            await c.ack(got)
+            n += len(got)
+        dt = time.perf_counter() - t0
+    return n, dt, tokens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--trajectories", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--response", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--cpu", type=int, default=0)
+    p.add_argument("--learner-cpu", type=int, default=None,
+                   help="pin the learner to this core instead of --cpu")
+    args = p.parse_args()
+    pin(args.cpu)
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    import redis
+
+    try:
+        asyncio.run(fill(args.redis, prefix, args))
+        n_raw, dt_raw, nbytes = raw_read(args.redis, prefix, args.batch)
+        with tempfile.TemporaryDirectory() as tmp:
+            port_file = Path(tmp) / "port"
+            server = subprocess.Popen(
+                ["taskset", "-c", str(args.cpu), sys.executable, "-m",
+                 "rollout_gateway.transport.server", "--store",
+                 f"{args.redis}?prefix={prefix}&max_backlog=1000000", "--port", "0",
+                 "--port-file", str(port_file), "--grace", "1"],
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stderr=subprocess.DEVNULL)
+            try:
+                while not port_file.exists():
+                    if server.poll() is not None:
+                        raise RuntimeError("gRPC server failed to start")
+                    time.sleep(0.05)
+                target = f"127.0.0.1:{port_file.read_text()}"
+                if args.learner_cpu is not None:
+                    pin(args.learner_cpu)
+                n_tr, dt_tr, tokens = asyncio.run(transport_read(target, args))
+            finally:
+                server.terminate()
+                server.wait(timeout=10)
+    finally:
+        r = redis.Redis.from_url(args.redis)
+        keys = list(r.scan_iter(f"{prefix}:*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+    raw_tps = n_raw * args.response / dt_raw
+    tr_tps = tokens / dt_tr
+    mb = nbytes / 1e6
+    print(f"payload: {args.trajectories} trajectories x {args.response} output tokens "
+          f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
+          f"{mb / n_raw * 1e3:.0f} KB/trajectory, gateway+raw on cpu {args.cpu}, learner on cpu "
+          f"{args.cpu if args.learner_cpu is None else args.learner_cpu}")
+    print(f"raw redis XRANGE        : {raw_tps / 1e6:7.2f} M tokens/s  ({mb / dt_raw:7.0f} MB/s)")
+    print(f"store->gRPC->tensors    : {tr_tps / 1e6:7.2f} M tokens/s  ({mb / dt_tr:7.0f} MB/s)")
+    print(f"ratio transport/raw     : {tr_tps / raw_tps:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
