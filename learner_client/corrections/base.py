@@ -22,9 +22,14 @@ Aggregations (``config.aggregation``):
   normalizer). normalizer = C.
 
 metrics always hold ``num_active_tokens`` (loss_mask sum), ``num_denominator_tokens``,
-``normalizer`` (what the token-loss sum was divided by; for seq_mean_token_mean the number
-of sequences) and ``num_sequences`` when sequences are known. All metrics are detached
-0-dim tensors.
+``normalizer`` (the denominator: for token_mean the denominator tokens, for
+seq_mean_token_mean the number of sequences, for constant C) and ``num_sequences`` when
+sequences are known. All metrics are detached 0-dim tensors.
+
+For Megatron: ``spec.parts(inputs, config) -> (numerator, denominator, metrics)`` gives the
+pair whose sums over micro-batches/ranks reproduce the global aggregate (the
+(loss, num_tokens, report) form with calculate_per_token_loss); ``spec.fn`` gives the
+already-normalized per-micro-batch loss (the (loss, report) form).
 """
 
 from __future__ import annotations
@@ -71,33 +76,48 @@ class TokenLoss:
 TokenFn = Callable[[LossInputs, LossConfig], TokenLoss]
 
 
-def aggregate(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """Reduce a TokenLoss to (scalar loss, metrics) following ``cfg.aggregation``."""
-    metrics = dict(tok.metrics)
+def aggregate_parts(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig
+                    ) -> tuple[Tensor, Tensor]:
+    """(numerator, denominator) with loss = numerator / denominator.
+
+    Summing numerators and denominators over micro-batches / data-parallel ranks gives the
+    global aggregate of the same kind: token_mean -> (token-loss sum, denominator tokens);
+    seq_mean_token_mean -> (sum of per-sequence token means, sequences with active tokens);
+    constant -> (token-loss sum, C). This is the pair for Megatron's
+    ``calculate_per_token_loss`` form (loss_sum, num_tokens, report).
+    """
     m = tok.denom_mask
-    n_den = m.sum()
-    metrics["num_active_tokens"] = inputs.mask.sum()
-    metrics["num_denominator_tokens"] = n_den.detach()
     if cfg.aggregation == "token_mean":
-        norm = n_den.clamp_min(1.0)
-        loss = tok.loss.sum() / norm
-    elif cfg.aggregation == "constant":
-        c = cfg.constant_normalizer if cfg.constant_normalizer is not None else float(inputs.num_tokens)
-        norm = torch.tensor(float(c), dtype=tok.loss.dtype, device=tok.loss.device)
-        loss = tok.loss.sum() / norm
-    elif cfg.aggregation == "seq_mean_token_mean":
+        return tok.loss.sum(), m.sum()
+    if cfg.aggregation == "constant":
+        c = cfg.constant_normalizer if cfg.constant_normalizer is not None else float(
+            inputs.num_tokens)
+        return tok.loss.sum(), torch.tensor(float(c), dtype=tok.loss.dtype,
+                                            device=tok.loss.device)
+    if cfg.aggregation == "seq_mean_token_mean":
         idx, s = inputs.seq_index
         cnt = inputs.seq_active_counts if m is inputs.mask else seg_sum(m, idx, s)
         per_seq = seg_sum(tok.loss, idx, s) / cnt.clamp_min(1.0)
-        live = (cnt > 0).to(per_seq.dtype)
-        norm = live.sum().clamp_min(1.0)
-        loss = (per_seq * live).sum() / norm
-    else:  # pydantic guards the Literal; kept for type checkers
-        raise LossInputError(f"unknown aggregation {cfg.aggregation!r}")
+        return per_seq.sum(), (cnt > 0).to(per_seq.dtype).sum()
+    raise LossInputError(f"unknown aggregation {cfg.aggregation!r}")
+
+
+def aggregate(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig
+              ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Reduce a TokenLoss to (scalar loss, metrics) following ``cfg.aggregation``."""
+    num, den = aggregate_parts(tok, inputs, cfg)
+    loss = num / den.clamp_min(1e-12) if cfg.aggregation == "constant" else num / den.clamp_min(1.0)
+    return loss, _metrics(tok, inputs, den)
+
+
+def _metrics(tok: TokenLoss, inputs: LossInputs, den: Tensor) -> dict[str, Tensor]:
+    metrics = dict(tok.metrics)
+    metrics["num_active_tokens"] = inputs.mask_count
+    metrics["num_denominator_tokens"] = tok.denom_mask.sum()
     if inputs.has_sequences:
         metrics["num_sequences"] = torch.tensor(float(inputs.seq_index[1]))
-    metrics["normalizer"] = norm.detach().to(torch.float32)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    metrics["normalizer"] = den.detach().to(torch.float32)
+    return {k: v.detach() for k, v in metrics.items()}
 
 
 @dataclass(frozen=True)
@@ -130,5 +150,15 @@ class LossSpec:
 
     def fn(self, inputs: LossInputs, config: LossConfig | dict | None = None
            ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(scalar loss, detached metrics)."""
         cfg = self.config(config)
         return aggregate(self.token_fn(inputs, cfg), inputs, cfg)
+
+    def parts(self, inputs: LossInputs, config: LossConfig | dict | None = None
+              ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(numerator, denominator, metrics), loss = numerator / denominator; see
+        ``aggregate_parts`` for how they add up across micro-batches and ranks."""
+        cfg = self.config(config)
+        tok = self.token_fn(inputs, cfg)
+        num, den = aggregate_parts(tok, inputs, cfg)
+        return num, den.detach(), _metrics(tok, inputs, den)

@@ -213,3 +213,19 @@ def test_all_masked_batch_gives_zero_loss_not_nan():
         cfg = {"kl_coef": 0.0} if name == "grpo" else None
         loss, _ = compute_loss(name, inp, cfg)
         assert loss.item() == 0.0 and not torch.isnan(loss)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "grpo", "dr_grpo", "gspo", "mis"])
+def test_parts_sum_across_microbatches_to_the_global_aggregate(name):
+    """numerator/denominator pairs of two micro-batches add up to the loss of their union."""
+    lp, mu, old, adv, mask = _data(b=4, t=5, seed=8)
+    cfg = {"kl_coef": 0.0} if name == "grpo" else None
+    spec = LOSSES[name]
+    whole = LossInputs(lp, mu, adv, mask, old_logprobs=old)
+    halves = [LossInputs(lp[i:i + 2], mu[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                         old_logprobs=old[i:i + 2]) for i in (0, 2)]
+    num = sum(spec.parts(h, cfg)[0] for h in halves)
+    den = sum(spec.parts(h, cfg)[1] for h in halves)
+    loss, m = spec.fn(whole, cfg)
+    assert (num / den).item() == pytest.approx(loss.item(), rel=1e-10)
+    assert m["normalizer"].item() == pytest.approx(den.item())
