@@ -1,0 +1,55 @@
+"""An engine SIGKILLed mid-rollout: the rollouts finish on the other engine from the
+tokens already generated, with segments that say so, and no token lost or duplicated."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
+
+from rollout_gateway.engine.config import ModelConfig
+
+pytestmark = pytest.mark.integration
+
+SEED = 3
+
+
+def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, reference_model):
+    a = make_engine(seed=SEED, step_delay_ms=30)
+    b = make_engine(seed=SEED, step_delay_ms=30)
+    models = {0: reference_model((ModelConfig(), SEED))}
+    store, registry = redis_urls()
+    with GatewayProcess({"a": a.url, "b": b.url}, store_url=store, registry_url=registry) as gw:
+        with ThreadPoolExecutor(4) as ex:
+            # one group -> sticky to one engine; that is the one we kill
+            futs = [ex.submit(rollout, gw.url, [9, 8, 7], n=3, max_new_tokens=20, group_id="grp")]
+            victim = None
+            deadline = time.monotonic() + 10
+            while victim is None and time.monotonic() < deadline:
+                for e in httpx.get(gw.url + "/v1/engines").json()["engines"]:
+                    if e["outstanding_requests"] == 3:
+                        victim = e["id"]
+                time.sleep(0.02)
+            assert victim, "the rollout never started"
+            time.sleep(0.25)  # some tokens are out
+            (a if victim == "a" else b).kill()
+            trajs = futs[0].result()["trajectories"]
+        survivor = "b" if victim == "a" else "a"
+        assert len(trajs) == 3
+        for t in trajs:
+            assert t["num_tokens"] == 20 and t["finish_reason"]["type"] == "length"
+            segs = t["segments"]
+            assert [s["engine_id"] for s in segs] == [victim, survivor], segs
+            assert segs[0]["ended"] == "failover" and segs[1]["began"] == "failover"
+            assert 0 < segs[0]["end"] < 20  # partial output from the dead engine was kept
+            check_against_ground_truth(t, models)
+        # the dead engine left rotation; the gateway still serves
+        e = httpx.get(gw.url + f"/v1/engines/{victim}").json()
+        assert e["state"] == "unhealthy"
+        t = rollout(gw.url, [1, 2, 3], max_new_tokens=4)["trajectories"][0]
+        assert t["engine_ids"] == [survivor]
+        m = httpx.get(gw.url + "/metrics").text
+        assert "rollout_gateway_failovers_total 3" in m
