@@ -11,7 +11,7 @@ the whole sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -23,14 +23,18 @@ from rollout_gateway.errors import EngineError
 class _State:
     seen: int = 0  # output tokens already emitted
     finished: bool = False
+    parts: list[Decoded] = field(default_factory=list)  # kept deltas (keep=True)
+    text: str = ""  # output text so far (cumulative chunks replace it, deltas extend it)
 
 
 class StreamDecoder:
     """Feed raw response bytes in any split; get back new-token deltas as Decoded."""
 
-    def __init__(self, opts: DecodeOptions | None = None, *,
+    def __init__(self, opts: DecodeOptions | None = None, *, keep: bool = False,
                  max_event_bytes: int = 1 << 30) -> None:
+        """``keep=True`` also keeps every delta so :meth:`result` can merge them."""
         self.opts = opts or DecodeOptions()
+        self.keep = keep
         self.max_event_bytes = max_event_bytes
         self._buf = bytearray()
         self._states: dict[object, _State] = {}
@@ -81,6 +85,9 @@ class StreamDecoder:
         new = total - st.seen
         if new < 0:
             raise EngineError(f"engine stream went backwards: {total} tokens after {st.seen}")
+        cumulative = d.output_ids.shape[0] == total != new
+        if d.text is not None:
+            st.text = d.text if cumulative or st.seen == 0 else st.text + d.text
         d.output_ids = _tail(d.output_ids, st.seen, new, total, "output_ids")
         if d.logprobs is not None:
             d.logprobs = _tail(d.logprobs, st.seen, new, total, "output_token_logprobs")
@@ -91,7 +98,26 @@ class StreamDecoder:
         d.offset = st.seen
         st.seen = total
         st.finished = d.finish_reason is not None
+        if self.keep:
+            st.parts.append(d)
         return d
+
+    def result(self, key: object = None) -> Decoded | None:
+        """Everything received for one output, merged into one Decoded (``keep=True``).
+
+        ``key`` is the output's index (n > 1) or rid; None picks the only output. Works
+        for a stream cut short too (then ``finish_reason`` is None). None if nothing came.
+        """
+        if not self.keep:
+            raise ValueError("StreamDecoder(keep=True) is needed for result()")
+        if key is None:
+            if len(self._states) > 1:
+                raise ValueError("several outputs in this stream: pass the key")
+            key = next(iter(self._states), None)
+        st = self._states.get(key)
+        if st is None or not st.parts:
+            return None
+        return replace(merge(st.parts), text=st.text)
 
 
 def _tail(col: np.ndarray, seen: int, new: int, total: int, name: str) -> np.ndarray:
@@ -121,3 +147,31 @@ def _data_of(event: bytes) -> bytes | None:
         return None
     parts = [ln[5:][1:] if ln[5:6] == b" " else ln[5:] for ln in lines]
     return b"\n".join(parts).strip()
+
+
+def merge(parts: list[Decoded]) -> Decoded:
+    """Concatenate consecutive deltas of one output (per-token columns joined, the rest
+    taken from the last delta, which carries finish_reason, spans and routed_experts;
+    ``text`` is the last delta's: use :meth:`StreamDecoder.result` for the whole text)."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    last = parts[-1]
+    if len(parts) == 1:
+        return replace(last, offset=parts[0].offset)
+
+    def cat(name: str) -> np.ndarray | None:
+        cols = [getattr(p, name) for p in parts]
+        if any(c is None for c in cols):
+            return None
+        return np.concatenate(cols)
+
+    kinds = {p.entropy_kind for p in parts if p.num_tokens}
+    if len(kinds) > 1:
+        raise EngineError(f"engine stream mixed entropy kinds {sorted(k.value for k in kinds)}")
+    err = cat("entropy_error")
+    bound = max(p.entropy_error_bound for p in parts if p.num_tokens) if kinds else \
+        last.entropy_error_bound
+    return replace(last, output_ids=cat("output_ids"), logprobs=cat("logprobs"),
+                   entropy=cat("entropy"), entropy_error=err, entropy_error_bound=bound,
+                   entropy_kind=next(iter(kinds)) if kinds else last.entropy_kind,
+                   offset=parts[0].offset)

@@ -99,3 +99,29 @@ def test_truncated_stream_close_flushes_last_event():
     got = dec.feed(raw)
     got += dec.close()
     assert sum(d.num_tokens for d in got) == 3 and not dec.finished
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_result_merges_the_whole_output(incremental):
+    chunks = _chunks(incremental)
+    for i, c in enumerate(chunks):
+        c["text"] = "abcde"[: c["meta_info"]["completion_tokens"]] if not incremental else \
+            "abcde"[[0, 2, 3][i]:c["meta_info"]["completion_tokens"]]
+    dec = StreamDecoder(DecodeOptions(routing=RoutingSpec(2, 2, 8)), keep=True)
+    dec.feed(_sse(chunks))
+    d = dec.result()
+    assert d.output_ids.tolist() == IDS and d.offset == 0
+    np.testing.assert_allclose(d.logprobs, LPS, rtol=1e-6)
+    np.testing.assert_allclose(d.entropy, ENT)
+    assert d.text == "abcde" and d.finished and d.spans == [(2, 0, 5)]
+    assert d.routed.data.shape == (PROMPT + len(IDS) - 1, 2, 2)
+
+
+def test_result_of_a_stream_cut_short():
+    dec = StreamDecoder(keep=True)
+    dec.feed(_sse(_chunks(True)[:2])[: -len(b"data: [DONE]\n\n")])
+    d = dec.result()
+    assert d.output_ids.tolist() == IDS[:3] and not d.finished
+    assert StreamDecoder(keep=True).result() is None
+    with pytest.raises(ValueError):
+        StreamDecoder().result()
