@@ -62,5 +62,6 @@ def compute_loss(name: str, inputs: LossInputs, config: LossConfig | dict | None
     return get_loss(name).fn(inputs, config)
 
 
-__all__ = ["LOSSES", "advantages", "Aggregation", "LossConfig", "LossInputError", "LossInputs", "LossSpec",
+__all__ = ["LOSSES", "advantages", "Aggregation", "LossConfig", "LossInputError", "LossInputs",
+           "LossSpec",
            "TokenLoss", "aggregate", "compute_loss", "get_loss", "register"]

@@ -154,7 +154,7 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
         both = masked_mean(drop * clipped, m, n_act)
         metrics["active_token_fraction"] = 1.0 - rate - metrics["clipfrac"] + both
     else:
-        metrics["behav_mask_rate"] = torch.zeros((), dtype=m.dtype)
+        metrics["behav_mask_rate"] = torch.zeros((), dtype=m.dtype, device=m.device)
         metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
     return TokenLoss(pg, m, metrics)
 

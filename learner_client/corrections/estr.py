@@ -61,10 +61,10 @@ def version_spread(inputs: LossInputs) -> dict[str, Tensor]:
         v_last = v.masked_fill(inactive, -big).view(b, t).amax(1)
     else:
         idx, s = inputs.seq_index
-        v_first = torch.full((s,), big).scatter_reduce(0, idx, v.masked_fill(inactive, big),
-                                                       "amin")
-        v_last = torch.full((s,), -big).scatter_reduce(0, idx, v.masked_fill(inactive, -big),
-                                                       "amax")
+        v_first = torch.full((s,), big, device=v.device).scatter_reduce(
+            0, idx, v.masked_fill(inactive, big), "amin")
+        v_last = torch.full((s,), -big, device=v.device).scatter_reduce(
+            0, idx, v.masked_fill(inactive, -big), "amax")
     has = (v_first < big).to(torch.float32)
     n = has.sum()
     if float(n) == 0.0:
@@ -86,7 +86,7 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     score = estr_scores(d, h, cfg.eps_h)  # NaN where the entropy is missing
     missing = torch.isnan(h).to(m.dtype)
     if cfg.tau is not None:
-        tau = torch.tensor(cfg.tau, dtype=score.dtype)
+        tau = torch.tensor(cfg.tau, dtype=score.dtype, device=score.device)
     else:
         tau = masked_quantile(score, m * (1.0 - missing), 1.0 - cfg.target_mask_rate)
     drop = score > tau  # NaN > tau is False: missing entropy is never masked

@@ -167,7 +167,8 @@ def weighted_run_quantile(values: Tensor, counts: Tensor, q: float) -> Tensor:
     frac = pos - k
 
     def at(rank: int) -> Tensor:
-        j = int(torch.searchsorted(cum, torch.tensor(float(rank), dtype=torch.float64),
+        j = int(torch.searchsorted(cum, torch.tensor(float(rank), dtype=torch.float64,
+                                                             device=cum.device),
                                    right=True).item())
         return v[min(j, v.numel() - 1)]
 

@@ -120,7 +120,8 @@ class DAPOConfig(PPOClipConfig):
     ``advantages.dapo_dynamic_sampling_keep`` and ``advantages.overlong_penalty``."""
 
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
-    eps_high: float = Field(0.28, ge=0.0, description="Upper clip (clip-higher): r <= 1 + eps_high.")
+    eps_high: float = Field(0.28, ge=0.0,
+                            description="Upper clip (clip-higher): r <= 1 + eps_high.")
 
 
 def dapo(inputs: LossInputs, cfg: DAPOConfig) -> TokenLoss:

@@ -96,12 +96,13 @@ def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> Tok
                        torch.dot(c_plus_g, m_g)) / n_act.clamp_min(1.0)
         eps_lo_mean = (cfg.eps_low * (n_act - gate_act) + cfg.eps_low *
                        torch.dot(c_minus_g, m_g)) / n_act.clamp_min(1.0)
-        c_min = psi[m_g > 0].min() if bool(gate_act > 0) else torch.ones((), dtype=d.dtype)
+        one_t = torch.ones((), dtype=d.dtype, device=d.device)
+        c_min = psi[m_g > 0].min() if bool(gate_act > 0) else one_t
     else:
-        gate_act = torch.zeros((), dtype=d.dtype)
-        eps_hi_mean = torch.tensor(cfg.eps_high, dtype=d.dtype)
-        eps_lo_mean = torch.tensor(cfg.eps_low, dtype=d.dtype)
-        c_min = torch.ones((), dtype=d.dtype)
+        gate_act = torch.zeros((), dtype=d.dtype, device=d.device)
+        eps_hi_mean = torch.tensor(cfg.eps_high, dtype=d.dtype, device=d.device)
+        eps_lo_mean = torch.tensor(cfg.eps_low, dtype=d.dtype, device=d.device)
+        c_min = torch.ones((), dtype=d.dtype, device=d.device)
     pg, _, metrics = ppo_token_loss_ex(d, adv, m, 1.0 - lo, hi - 1.0, count=n_act)
     metrics.update({
         "sat_q": q.detach(),
@@ -144,6 +145,7 @@ def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
         "eps_low_mean": torch.dot(eps_lo, cnt) / den,  # token-weighted, as in SAT
         "eps_high_mean": torch.dot(eps_hi, cnt) / den,
         "gate_rate": torch.dot(gated.to(cnt.dtype), cnt) / den,
-        "c_min": c_min_all[gated].min() if bool(gated.any()) else torch.ones((), dtype=d.dtype),
+        "c_min": (c_min_all[gated].min() if bool(gated.any())
+                  else torch.ones((), dtype=d.dtype, device=d.device)),
     }
     return TokenLoss(broadcast(-s_i, idx) * m, m, metrics)

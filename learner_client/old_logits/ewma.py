@@ -93,6 +93,7 @@ class EwmaWeightTracker:
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.beta = float(state["beta"])  # type: ignore[arg-type]
         self.W = float(state["W"])  # type: ignore[arg-type]
-        self._prox = {k: self._copy(v) for k, v in state["prox"].items()}  # type: ignore[union-attr]
+        prox = state["prox"]
+        self._prox = {k: self._copy(v) for k, v in prox.items()}  # type: ignore[union-attr]
         self.resets = int(state.get("resets", 0))  # type: ignore[arg-type]
         self.updates = int(state.get("updates", 0))  # type: ignore[arg-type]

@@ -162,8 +162,8 @@ def test_estr_target_mask_rate_and_missing_entropy():
                                                   abs=0.01)
     assert m["entropy_missing_rate"].item() > 0
     x = lp.clone().requires_grad_()
-    l2, _ = compute_loss("estr", LossInputs(x, mu, adv, mask, entropy=ent), {"tau": 0.0,
-                                                                             "target_mask_rate": None})
+    l2, _ = compute_loss("estr", LossInputs(x, mu, adv, mask, entropy=ent),
+                         {"tau": 0.0, "target_mask_rate": None})
     l2.backward()
     # tau = 0 masks every token with nonzero delta, except the NaN-entropy ones
     assert torch.all(x.grad[50:][mask[50:] > 0] == 0)
