@@ -234,10 +234,12 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
     return ok * tokens_per_req / elapsed, ok, err
 
 
-def part_b(concurrency: int, duration: float, prompt: int, out: int) -> dict[str, Any]:
+def part_b(concurrency: int, duration: float, prompt: int, out: int,
+           stream_from_engines: bool) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
                ROLLOUT_GATEWAY_MAX_STALENESS="1000000",
-               ROLLOUT_GATEWAY_MAX_INFLIGHT_SAMPLES="100000")
+               ROLLOUT_GATEWAY_MAX_INFLIGHT_SAMPLES="100000",
+               ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(stream_from_engines).lower())
     e_port, g_port = _free_port(), _free_port()
     procs = []
     try:
@@ -263,7 +265,8 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int) -> dict[str
         direct = asyncio.run(_load(engine + "/generate", body, out, concurrency, duration))
         through = asyncio.run(_load(gateway + "/generate", body, out, concurrency, duration))
         return {"direct": direct, "gateway": through, "prompt": prompt, "out": out,
-                "concurrency": concurrency, "duration": duration}
+                "concurrency": concurrency, "duration": duration,
+                "stream_from_engines": stream_from_engines}
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -283,7 +286,8 @@ def print_b(r: dict[str, Any]) -> None:
     print(f"  through gateway /generate: {g / 1e3:10.1f}k tok/s  ({gok} requests, {gerr} errors;"
           " stamped + published)")
     print(f"  ratio gateway / direct  : {g / d if d else float('nan'):10.3f}")
-    print(f"  (3 processes share {os.cpu_count()} cores: client, gateway, replay engine)")
+    print(f"  (3 processes share {os.cpu_count()} cores: client, gateway, replay engine; "
+          f"gateway reads engines {'streamed' if r['stream_from_engines'] else 'non-streamed'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,11 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--out", type=int, default=1024)
+    ap.add_argument("--stream-from-engines", action="store_true",
+                    help="let the gateway stream engine output (default: one body per request)")
     args = ap.parse_args(argv)
     print_a(part_a(rounds=3 if args.quick else 7))
     if not args.skip_e2e:
         print_b(part_b(args.concurrency, 3.0 if args.quick else args.duration,
-                       args.prompt, args.out))
+                       args.prompt, args.out, args.stream_from_engines))
     return 0
 
 

@@ -177,9 +177,10 @@ def decode_output(item: Any, opts: DecodeOptions, *, body: bytes = b"",
         raise EngineError("engine output has no meta_info object")
     out_ids = item.get("output_ids")
     lp_rows = meta.get("output_token_logprobs")
-    if out_ids is None and lp_rows is not None:
-        out_ids = [r[1] for r in lp_rows]  # older engines omit output_ids with text output
-    output_ids = _int_array(out_ids, "output_ids")
+    if out_ids is None and isinstance(lp_rows, list):  # older engines: no output_ids
+        output_ids = _ids_from_rows(lp_rows, "output_token_logprobs")
+    else:
+        output_ids = _int_array(out_ids, "output_ids")
     t = output_ids.shape[0]
 
     logprobs = None

@@ -204,3 +204,48 @@ def test_ragged_top_logprob_rows_are_padded():
     obj["meta_info"]["output_top_logprobs"] = rows
     d = decode_one(orjson.dumps(obj), DecodeOptions(vocab_size=10))
     assert d.entropy_kind == EntropyKind.TOPK_ESTIMATE and np.isfinite(d.entropy).all()
+
+
+def test_fuzzed_bodies_only_ever_raise_engine_error():
+    """Truncations and byte flips of a real body: a clean EngineError or a valid decode."""
+    rng = np.random.default_rng(0)
+    opts = DecodeOptions(routing=RoutingSpec(2, 2, 4))
+    bodies = [RECORDED[:i] for i in range(0, len(RECORDED), 7)]
+    for _ in range(400):
+        b = bytearray(RECORDED)
+        for pos in rng.integers(0, len(b), rng.integers(1, 4)):
+            b[pos] = int(rng.integers(0, 256))
+        bodies.append(bytes(b))
+    ok = 0
+    for b in bodies:
+        try:
+            decode_generate(b, opts)
+            ok += 1
+        except EngineError:
+            pass
+    assert 0 < ok < len(bodies)
+
+
+@pytest.mark.parametrize("key", ["output_ids", "text", "index", "meta_info"])
+def test_wrong_types_at_top_level_only_raise_engine_error(key):
+    _wrong_types(lambda obj, v: obj.__setitem__(key, v))
+
+
+@pytest.mark.parametrize("key", sorted(orjson.loads(RECORDED)["meta_info"]) + [
+    "output_token_entropy"])
+def test_wrong_types_in_meta_info_only_raise_engine_error(key):
+    _wrong_types(lambda obj, v: obj["meta_info"].__setitem__(key, v))
+
+
+def _wrong_types(put):
+    opts = DecodeOptions(routing=RoutingSpec(2, 2, 4))
+    for v in [None, 1, -1, 1.5, True, "x", "", [], {}, [None], [[None]], [[[None]]],
+              [{"a": 1}], [[1, 2, 3]] * 3, [[-0.1]] * 3, [["a", "b", None]] * 3, 2**70]:
+        obj = orjson.loads(RECORDED)
+        put(obj, v)
+        try:
+            decode_generate(orjson.dumps(obj, option=orjson.OPT_PASSTHROUGH_DATACLASS)
+                            if not isinstance(v, int) or abs(v) < 2**63
+                            else json.dumps(obj).encode(), opts)
+        except EngineError:
+            pass
