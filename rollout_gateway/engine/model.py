@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from rollout_gateway.engine.config import ModelConfig
 
@@ -121,32 +122,65 @@ class Backbone(nn.Module):
 
 @dataclass
 class KVCache:
-    """One sequence's keys/values: per layer a ``[num_kv_heads, capacity, head_dim]`` buffer
-    that grows by doubling (no per-step copy of the whole cache); ``length`` tokens valid."""
+    """One sequence's keys/values: per layer a time-major ``[capacity, num_kv_heads, head_dim]``
+    buffer that grows by doubling (no per-step copy of the cache); ``length`` positions valid."""
 
     k: list[torch.Tensor] = field(default_factory=list)
     v: list[torch.Tensor] = field(default_factory=list)
     length: int = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` ``[nkv, n, d]`` after the first ``length`` positions of ``layer``;
-        return views of all keys/values so far (``length + n`` positions)."""
-        n = k.shape[1]
-        end = self.length + n
+        """Store ``k``/``v`` ``[n, nkv, d]`` after the first ``length`` positions of ``layer``;
+        return views ``[length + n, nkv, d]`` of all keys/values so far."""
+        end = self.length + k.shape[0]
         if layer == len(self.k):
             cap = max(16, 2 * end)
-            self.k.append(k.new_empty(k.shape[0], cap, k.shape[2]))
-            self.v.append(v.new_empty(v.shape[0], cap, v.shape[2]))
-        elif end > self.k[layer].shape[1]:
-            cap = 2 * end
+            self.k.append(k.new_empty(cap, *k.shape[1:]))
+            self.v.append(v.new_empty(cap, *v.shape[1:]))
+        elif end > self.k[layer].shape[0]:
             for buf in (self.k, self.v):
                 old = buf[layer]
-                grown = old.new_empty(old.shape[0], cap, old.shape[2])
-                grown[:, : self.length] = old[:, : self.length]
+                grown = old.new_empty(2 * end, *old.shape[1:])
+                grown[: self.length] = old[: self.length]
                 buf[layer] = grown
-        self.k[layer][:, self.length:end] = k
-        self.v[layer][:, self.length:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+        self.k[layer][self.length:end] = k
+        self.v[layer][self.length:end] = v
+        return self.k[layer][:end], self.v[layer][:end]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+           offsets: list[int], caches: list[KVCache], layer: int) -> torch.Tensor:
+    """Causal attention of every new token against its own sequence's cache.
+
+    ``q`` [N, nh, d], ``k``/``v`` [N, nkv, d] (rows of all sequences concatenated). Sequences
+    adding one token (decode) are attended together, padded to the longest; longer chunks
+    (prefill) one by one with a causal mask. Returns [N, nh * d]."""
+    n_tok, nh, d = q.shape
+    out = q.new_empty(n_tok, nh * d)
+    dec_rows, dec_k, dec_v = [], [], []
+    for off, n, cache in zip(offsets, lens, caches):
+        ks, vs = cache.append(layer, k[off:off + n], v[off:off + n])
+        if n == 1:
+            dec_rows.append(off)
+            dec_k.append(ks)
+            dec_v.append(vs)
+            continue
+        t = ks.shape[0]
+        mask = torch.arange(t)[None, :] <= torch.arange(t - n, t)[:, None]
+        o = F.scaled_dot_product_attention(q[off:off + n].transpose(0, 1)[None],
+                                           ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                           attn_mask=mask, enable_gqa=True)
+        out[off:off + n] = o[0].transpose(0, 1).reshape(n, nh * d)
+    if dec_rows:
+        rows = torch.tensor(dec_rows)
+        kp = pad_sequence(dec_k, batch_first=True).transpose(1, 2)  # [B, nkv, T, d]
+        vp = pad_sequence(dec_v, batch_first=True).transpose(1, 2)
+        lengths = torch.tensor([t.shape[0] for t in dec_k])
+        mask = (torch.arange(kp.shape[2])[None, :] < lengths[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q[rows][:, :, None, :], kp, vp, attn_mask=mask,
+                                           enable_gqa=True)  # [B, nh, 1, d]
+        out[rows] = o.reshape(len(dec_rows), nh * d)
+    return out
 
 
 @dataclass
@@ -198,19 +232,7 @@ class Qwen3MoeLM(nn.Module):
             v = att.v_proj(h).view(n_tok, att.nkv, att.d)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            outs = []
-            for off, n, cache in zip(offsets, lens, caches):
-                qs = q[off:off + n].transpose(0, 1)  # [nh, n, d]
-                ks, vs = cache.append(li, k[off:off + n].transpose(0, 1), v[off:off + n].transpose(0, 1))
-                mask = None
-                if n > 1:
-                    t = ks.shape[1]
-                    qpos = torch.arange(t - n, t)[:, None]
-                    mask = torch.arange(t)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
-                                                   enable_gqa=True)
-                outs.append(o[0].transpose(0, 1).reshape(n, att.nh * att.d))
-            x = x + att.o_proj(torch.cat(outs))
+            x = x + att.o_proj(attend(q, k, v, lens, offsets, caches, li))
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
                 y, ti = layer.mlp(h)
