@@ -25,8 +25,7 @@ def store_from_url(url: str, config: StoreConfig | None = None) -> TrajectorySto
     known = set(StoreConfig.model_fields)
     overrides = {k: query.pop(k) for k in list(query) if k in known}
     try:
-        cfg = (config or StoreConfig()).model_copy(update=StoreConfig(**{
-            **(config or StoreConfig()).model_dump(), **overrides}).model_dump())
+        cfg = StoreConfig(**{**(config or StoreConfig()).model_dump(), **overrides})
     except ValidationError as exc:
         raise InvalidArgument(f"bad store option in {url!r}: {exc.errors()[0]['msg']}") from None
     if parts.scheme == "memory":

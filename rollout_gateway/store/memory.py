@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import NotFound, ResourceExhausted, StoreError
+from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
     StoreConfig,
     StoredEntry,
@@ -62,6 +62,7 @@ class _Lease:
 
 @dataclass(slots=True)
 class _Group:
+    name: str
     cursor: int  # next seq never delivered to this group
     pending: dict[int, _Lease] = field(default_factory=dict)
 
@@ -101,7 +102,7 @@ class MemoryStore(TrajectoryStore):
         for tid, expires in db.execute("SELECT tid, expires FROM dedup"):
             self._dedup.setdefault(tid, expires)
         for name, cursor in db.execute("SELECT name, cursor FROM groups"):
-            self._groups[name] = _Group(cursor=cursor)
+            self._groups[name] = _Group(name, cursor)
         for grp, seq, deliveries in db.execute("SELECT grp, seq, deliveries FROM pending"):
             if grp in self._groups:
                 self._groups[grp].pending[seq] = _Lease("", 0.0, deliveries)
@@ -200,7 +201,7 @@ class MemoryStore(TrajectoryStore):
             return False
         cursor = self._next_seq if from_latest else min(self._entries, default=self._next_seq)
         self._write("INSERT INTO groups VALUES (?, ?)", (group, cursor))
-        self._groups[group] = _Group(cursor=cursor)
+        self._groups[group] = _Group(group, cursor)
         return True
 
     async def has_group(self, group: str) -> bool:
@@ -250,23 +251,18 @@ class MemoryStore(TrajectoryStore):
                     pass
             self._check_open()
         if out:
-            name = self._find_name(g)
+            name = g.name
             with self._tx():
                 self._write("UPDATE groups SET cursor=? WHERE name=?", (g.cursor, name))
                 self._write("INSERT OR REPLACE INTO pending VALUES (?, ?, ?)",
                             [(name, int(e.entry_id), e.delivery_count) for e in out])
         return out
 
-    def _find_name(self, g: _Group) -> str:
-        return next(n for n, x in self._groups.items() if x is g)
-
     @staticmethod
     def _seqs(entry_ids: list[str]) -> list[int]:
         out = []
         for i in entry_ids:
             if not (isinstance(i, str) and i.isdigit()):
-                from rollout_gateway.errors import InvalidArgument
-
                 raise InvalidArgument(f"malformed entry id {i!r}")
             out.append(int(i))
         return out
@@ -330,7 +326,11 @@ class MemoryStore(TrajectoryStore):
         """Drop entries acked by every group and older than the retention window."""
         if not self._groups:
             return
-        horizon = time.time() - self.config.retention_seconds
+        now = time.time()
+        if len(self._dedup) > 2 * len(self._entries) + 1024:  # forget expired ids
+            self._dedup = {k: v for k, v in self._dedup.items() if v > now}
+            self._write("DELETE FROM dedup WHERE expires <= ?", (now,))
+        horizon = now - self.config.retention_seconds
         low = min(min([g.cursor, *g.pending]) for g in self._groups.values())
         gone = []
         for seq, e in self._entries.items():

@@ -214,13 +214,13 @@ class RedisStore(TrajectoryStore):
         check_name("group", group)
         for e in entry_ids:
             _parse_id(e)
+        if not await self.has_group(group):
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
         n = 0
         async with self._io("ack"):
             for i in range(0, len(entry_ids), _CHUNK):
                 n += int(await self._ack(keys=[self._k_stream, self._k_acked],
                                          args=[group, *entry_ids[i:i + _CHUNK]]))
-        if not await self.has_group(group):
-            raise NotFound(f"consumer group {group!r} does not exist; create it first")
         await self._maybe_trim()
         return n
 

@@ -34,11 +34,6 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
         self._want = f"Bearer {token}"
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad bearer token")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-
     async def intercept_service(self, continuation, details):
         if details.method.startswith(_OPEN_METHODS):
             return await continuation(details)

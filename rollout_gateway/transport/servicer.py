@@ -118,6 +118,8 @@ class TrajectoryServicer:
                      "max_lag": o.max_lag if o.HasField("max_lag") else None}
             if state["max_lag"] is not None and state["max_lag"] < 0:
                 raise InvalidArgument("max_lag must be >= 0")
+            if o.stale_policy and o.stale_policy not in _POLICIES:
+                raise InvalidArgument(f"unknown stale_policy {o.stale_policy}")
             policy = _POLICIES.get(o.stale_policy, self.default_policy)
             credit = _Credit()
             changed = asyncio.Event()

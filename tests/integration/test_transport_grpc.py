@@ -269,3 +269,35 @@ async def test_bearer_token_required():
 async def _drain(call):
     async for _ in call:
         pass
+
+
+async def test_tls_with_token(tmp_path):
+    import shutil
+    import subprocess
+
+    from learner_client.client import TlsOptions
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed (needed to mint a test certificate)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    store = store_from_url("memory://")
+    server = GrpcServer(store, InProcessControlPlane(), host="localhost", port=0,
+                        auth_token="tok", tls_cert=str(cert), tls_key=str(key))
+    port = await server.start()
+    await server.set_serving(True)
+    try:
+        tls = TlsOptions(root_certs=cert.read_bytes())
+        async with AsyncTrajectoryClient(f"localhost:{port}", "job", tls=tls, token="tok") as c:
+            assert await c.create_group()
+            await store.publish(make_trajectory("secure"))
+            [r] = await c.pull(1, timeout=2.0)
+            assert r.trajectory_id == "secure" and await c.ack([r]) == 1
+        async with AsyncTrajectoryClient(f"localhost:{port}", "job", call_timeout=1.0) as c:
+            with pytest.raises(TrajectoryClientError):  # plaintext against a TLS port
+                await c.status()
+    finally:
+        await server.stop(0)
+        await store.close()
