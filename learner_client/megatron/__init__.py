@@ -6,6 +6,7 @@ Submodules (megatron-core is imported lazily, only where it is needed):
 * ``logprobs``: :func:`vocab_parallel_logprobs_entropy` (TP-aware, chunked, no in-place).
 * ``loss``: :func:`make_loss_func` for ``forward_step`` (3-tuple return form).
 * ``router_replay``: feed rollout routing into megatron-core's ``RouterReplay``.
+* ``forward_step``: :func:`make_forward_step` (packed GPTModel call + R3 + loss_func).
 """
 
 from learner_client.megatron.packing import (

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner_client.corrections import LossInputs, compute_loss
+from learner_client.corrections import LOSSES, LossInputs, compute_loss
 from learner_client.megatron.loss import make_loss_func
 from learner_client.megatron.packing import PackSample, pack_samples
 
@@ -122,3 +122,39 @@ def test_refusals():
     del batch.columns["advantages"]
     with pytest.raises(ValueError, match="advantages"):
         make_loss_func(batch, "ppo_clip", tp_group=None)(logits)
+
+
+def _full_microbatch(seed):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for p, t in [(3, 6), (2, 5), (4, 7)]:
+        ro = np.log(rng.uniform(0.05, 0.9, t)).astype(np.float32)
+        samples.append(PackSample(
+            prompt_ids=rng.integers(0, V, p), response_ids=rng.integers(0, V, t),
+            columns={"rollout_logprobs": ro,
+                     "old_logprobs": (ro + rng.normal(0, 0.1, t)).astype(np.float32),
+                     "ref_logprobs": (ro + rng.normal(0, 0.1, t)).astype(np.float32),
+                     "entropy": rng.uniform(0.1, 2.0, t).astype(np.float32),
+                     "versions": rng.integers(7, 10, t).astype(np.int32),
+                     "advantages": np.float32(rng.normal()),
+                     "loss_mask": (rng.random(t) > 0.1).astype(np.float32)}))
+    batch = pack_samples(samples)
+    logits = torch.randn(1, batch.total_len, V, generator=torch.Generator().manual_seed(seed))
+    return batch, logits.requires_grad_()
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_registered_loss_runs_through_the_adapter(name):
+    from learner_client.megatron.loss import loss_inputs_from_batch
+
+    batch, logits = _full_microbatch(8)
+    loss, num, report = make_loss_func(batch, name, tp_group=None, learner_version=10)(logits)
+    ls = torch.log_softmax(logits[0], -1)
+    inputs = loss_inputs_from_batch(batch, ls[batch.logit_positions, batch.targets], 10)
+    assert inputs.versions is not None and inputs.entropy is not None
+    ref, metrics = compute_loss(name, inputs)
+    assert int(num) >= 1 and torch.isfinite(loss)
+    torch.testing.assert_close(loss / num, ref, atol=1e-5, rtol=1e-5)
+    (g,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
+    assert all(torch.isfinite(v).all() and v.shape == (2,) for v in report.values())
