@@ -84,16 +84,22 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     d = inputs.flat("logprobs") - inputs.flat("rollout_logprobs").detach()
     h = inputs.flat("entropy")
     score = estr_scores(d, h, cfg.eps_h)  # NaN where the entropy is missing
-    missing = torch.isnan(h).to(m.dtype)
+    missing_b = torch.isnan(h)
+    any_missing = bool(missing_b.any())
     if cfg.tau is not None:
         tau = torch.tensor(cfg.tau, dtype=score.dtype, device=score.device)
+    elif any_missing:
+        valid = inputs.active & ~missing_b
+        tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
     else:
-        tau = masked_quantile(score, m * (1.0 - missing), 1.0 - cfg.target_mask_rate)
+        tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, inputs.active,
+                              int(n_act))
     drop = score > tau  # NaN > tau is False: missing entropy is never masked
     pg, _, metrics = ppo_token_loss_ex(d, inputs.flat("advantages"), m, cfg.eps_low,
                                        cfg.eps_high, count=n_act)
     metrics["mask_rate"] = masked_mean(drop.to(m.dtype), m, n_act)
     metrics["tau"] = tau.detach().to(torch.float32)
-    metrics["entropy_missing_rate"] = masked_mean(missing, m, n_act)
+    metrics["entropy_missing_rate"] = (masked_mean(missing_b.to(m.dtype), m, n_act)
+                                       if any_missing else torch.zeros_like(n_act))
     metrics.update(version_spread(inputs))
     return TokenLoss(pg.masked_fill(drop, 0.0), m, metrics)

@@ -96,6 +96,11 @@ class LossInputs:
         return self.loss_mask.reshape(-1).to(dtype=self.logprobs.dtype).detach()
 
     @cached_property
+    def active(self) -> Tensor:
+        """Active-token mask as bool [N]."""
+        return self.mask > 0
+
+    @cached_property
     def mask_count(self) -> Tensor:
         """Number of active tokens (0-dim tensor, float)."""
         return self.mask.sum()

@@ -130,14 +130,17 @@ def _select(x: Tensor, active: Tensor | None, n: int, ranks: list[int]) -> list[
     return [torch.kthvalue(xs, r + 1).values for r in ranks]
 
 
-def masked_quantile(x: Tensor, mask: Tensor, q: float) -> Tensor:
+def masked_quantile(x: Tensor, mask: Tensor | None, q: float, active: Tensor | None = None,
+                    count: int | None = None) -> Tensor:
     """q-quantile (linear interpolation, like torch.quantile / numpy) of x over active tokens.
 
-    Exact (a selection, no full sort). Returns 0 when no token is active.
+    Exact (a selection, no full sort). Pass ``active`` (bool) and ``count`` when known
+    instead of ``mask``. Returns 0 when no token is active.
     """
     x = x.detach().reshape(-1)
-    active = mask.reshape(-1) > 0
-    n = int(active.sum())
+    if active is None:
+        active = mask.reshape(-1) > 0  # type: ignore[union-attr]
+    n = int(active.sum()) if count is None else int(count)
     if n == 0:
         return torch.zeros((), dtype=x.dtype, device=x.device)
     act = None if n == x.numel() else active

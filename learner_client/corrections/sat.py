@@ -75,7 +75,7 @@ def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> Tok
     n_act = inputs.mask_count
     d_sg = d.detach()
     a = d_sg.abs()
-    q = masked_quantile(a, m, cfg.quantile)
+    q = masked_quantile(a, None, cfg.quantile, inputs.active, int(n_act))
     lo = torch.full_like(d_sg, 1.0 - cfg.eps_low)
     hi = torch.full_like(d_sg, 1.0 + cfg.eps_high)
     qf = float(q)
