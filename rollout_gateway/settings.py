@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.core.admission import AdmissionConfig
 from rollout_gateway.errors import InvalidArgument
 
 ENV_PREFIX = "ROLLOUT_GATEWAY_"
@@ -90,12 +90,10 @@ class GatewaySettings(BaseSettings):
     admin_api_key: str | None = Field(
         default=None, description="If set, admin routes (/v1/weights, /v1/engines writes) need "
         "'Authorization: Bearer <key>'.")
-    max_staleness: int = Field(default=4, ge=0, le=1_000_000,
-                               description="Bound on lag (learner version - policy version).")
-    stale_policy: StalePolicy = Field(default=StalePolicy.DROP,
-                                      description="What happens to trajectories past the bound.")
-    max_inflight_samples: int = Field(default=4096, ge=1, le=1_000_000,
-                                      description="Admission: max samples generating at once.")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="Staleness bound (max_staleness), "
+        "admission control (batch_size, max_concurrent) and the stale policy "
+        "(drop | mask | recycle). Env: ROLLOUT_GATEWAY_ADMISSION__MAX_STALENESS=4 etc.")
     max_samples_per_request: int = Field(default=64, ge=1, le=4096,
                                          description="Largest n accepted by /v1/rollouts.")
     max_new_tokens_limit: int = Field(default=32768, ge=1, le=1 << 20,

@@ -66,8 +66,8 @@ async def render(gw: Gateway) -> str:
                  [({}, st.published)])
     except GatewayError:
         pass
-    gk = getattr(gw.gatekeeper, "counters", None)
-    if gk:
-        o.metric("rollout_gateway_stale_total", "counter", "Trajectories past the staleness bound",
-                 [({"action": k}, v) for k, v in gk.items()])
+    for k, v in gw.gatekeeper.counters().items():
+        kind = "gauge" if k == "running" else "counter"
+        name = f"rollout_gateway_admission_{k}" + ("" if kind == "gauge" else "_total")
+        o.metric(name, kind, f"Admission control: {k.replace('_', ' ')} samples", [({}, v)])
     return "\n".join(o.lines) + "\n"

@@ -10,6 +10,7 @@ from typing import Any
 
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
+from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.service import RolloutService
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
@@ -37,7 +38,7 @@ class Gateway:
         self.store = store
         self.registry = registry
         self.pool = EnginePool(settings)
-        self.gatekeeper = _make_gatekeeper(settings, store, registry)
+        self.gatekeeper = Gatekeeper(settings.admission, store, registry)
         self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper)
         holder = f"{socket.gethostname()}:{os.getpid()}"
         self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder)
@@ -75,9 +76,3 @@ class Gateway:
             await self.store.close()
         if self._own_registry:
             await self.registry.close()
-
-
-def _make_gatekeeper(settings: GatewaySettings, store: TrajectoryStore, registry: Any) -> Any:
-    from rollout_gateway.rollouts.gatekeeper import Gatekeeper
-
-    return Gatekeeper(settings, store, registry)

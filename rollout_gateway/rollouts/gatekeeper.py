@@ -1,57 +1,63 @@
 """Admission control and the staleness policy, wired to the store and the registry.
 
-Pure rules live in :mod:`rollout_gateway.core.admission`; this adapter feeds them the
-live numbers (store backlog, samples in flight, learner version) and counts outcomes.
+The rules are pure (:mod:`rollout_gateway.core.admission`); this adapter feeds them the
+live numbers (store backlog, learner version) and applies verdicts to trajectories.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import numpy as np
 
-from rollout_gateway.core.staleness import StalePolicy, within_bound
+from rollout_gateway.core.admission import AdmissionConfig, AdmissionController, Judgement, Verdict
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import GatewayError, ResourceExhausted
-from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.store.base import TrajectoryStore
 
 
 class Gatekeeper:
-    def __init__(self, settings: GatewaySettings, store: TrajectoryStore, registry: Any) -> None:
-        self.settings = settings
+    """Every admitted sample is released exactly once: by :meth:`judge` or
+    :meth:`release_failed`."""
+
+    def __init__(self, config: AdmissionConfig, store: TrajectoryStore,
+                 registry: VersionRegistry) -> None:
+        self.ctl = AdmissionController(config)
         self.store = store
         self.registry = registry
-        self.counters: dict[str, int] = {"dropped": 0, "masked": 0, "recycled": 0,
-                                         "refused_admission": 0}
 
-    async def _learner_version(self) -> int | None:
-        try:
-            return await self.registry.learner_version()
-        except GatewayError:
-            return None
+    @property
+    def running(self) -> int:
+        return self.ctl.running
 
-    async def admit(self, n: int, inflight_samples: int) -> None:
-        """Refuse new work when finished-but-unconsumed + in-flight work would exceed what
-        the learner can consume within the staleness bound (AReaL-style)."""
-        backlog = await self.store.backlog()
-        cap = self.settings.max_inflight_samples * (self.settings.max_staleness + 1)
-        if backlog + inflight_samples + n > cap:
-            self.counters["refused_admission"] += 1
-            raise ResourceExhausted(
-                f"admission refused: {backlog} unconsumed + {inflight_samples} in flight + {n} "
-                f"new samples exceed {cap} (max_inflight_samples x (max_staleness + 1))",
-                details={"backlog": backlog, "inflight": inflight_samples})
+    async def admit(self, n: int) -> None:
+        """All n samples or ResourceExhausted (429)."""
+        self.ctl.admit(n, learner_version=await self.registry.learner_version(),
+                       backlog=await self.store.backlog())
 
-    async def on_finished(self, traj: Trajectory) -> bool:
-        """Apply the stale policy. True: publish (maybe masked). False: not published."""
-        v = await self._learner_version()
-        if v is None or traj.num_tokens == 0:
-            return True
-        if within_bound(v, traj.tokens.policy_version, self.settings.max_staleness):
-            return True
-        policy = self.settings.stale_policy
-        if policy is StalePolicy.MASK:
-            self.counters["masked"] += 1
-            traj.metadata["stale_masked"] = "1"
-            return True
-        self.counters["dropped" if policy is StalePolicy.DROP else "recycled"] += 1
-        return False
+    async def judge(self, traj: Trajectory, recycles: int) -> Judgement:
+        """Release one finished sample; record the verdict on the trajectory's metadata."""
+        j = self.ctl.judge(traj.tokens.policy_version,
+                           learner_version=await self.registry.learner_version(),
+                           recycles=recycles)
+        if j.verdict is not Verdict.ACCEPT:
+            traj.metadata["stale_verdict"] = j.verdict.value
+            traj.metadata["stale_max_lag"] = str(j.max_lag)
+        if j.verdict is Verdict.MASK and j.mask is not None:
+            # token indices to leave out of the loss, as ranges "a-b,c-d" (end exclusive)
+            bad = np.flatnonzero(~j.mask)
+            traj.metadata["stale_masked_tokens"] = _ranges(bad)
+        return j
+
+    def release_failed(self, n: int = 1) -> None:
+        self.ctl.release_failed(n)
+
+    def counters(self) -> dict[str, int]:
+        return self.ctl.stats.to_dict()
+
+
+def _ranges(idx: np.ndarray) -> str:
+    if idx.size == 0:
+        return ""
+    breaks = np.flatnonzero(np.diff(idx) != 1)
+    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
+    ends = np.concatenate([idx[breaks], [idx[-1]]]) + 1
+    return ",".join(f"{a}-{b}" for a, b in zip(starts.tolist(), ends.tolist()))

@@ -12,7 +12,9 @@ import numpy as np
 
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.engines.pool import EnginePool
-from rollout_gateway.errors import GatewayError, InvalidArgument, ResourceExhausted
+from rollout_gateway.core.admission import Verdict
+from rollout_gateway.errors import GatewayError, InvalidArgument
+from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.rollouts.sample import Piece, SampleRunner, SampleState
 from rollout_gateway.settings import GatewaySettings
@@ -22,21 +24,22 @@ log = logging.getLogger(__name__)
 
 
 class RolloutService:
-    """Validates, admits, runs and publishes rollouts."""
+    """Validates, admits, runs, judges (staleness policy) and publishes rollouts."""
 
-    def __init__(self, pool: EnginePool, store: TrajectoryStore | None, settings: GatewaySettings,
-                 gatekeeper: Any = None) -> None:
+    def __init__(self, pool: EnginePool, store: TrajectoryStore, settings: GatewaySettings,
+                 gatekeeper: Gatekeeper) -> None:
         self.pool = pool
         self.store = store
         self.settings = settings
-        self.gatekeeper = gatekeeper  # optional: .admit(n) / .release(n) / .on_finished(traj)
+        self.gatekeeper = gatekeeper
         self.runner = SampleRunner(pool, settings)
-        self.inflight_samples = 0
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0}
-        self._idle = asyncio.Event()
-        self._idle.set()
+
+    @property
+    def inflight_samples(self) -> int:
+        return self.gatekeeper.running
 
     def validate(self, req: RolloutRequest) -> None:
         s = self.settings
@@ -50,26 +53,14 @@ class RolloutService:
             raise InvalidArgument(f"prompt has {len(req.input_ids)} tokens; the limit is "
                                   f"{s.max_prompt_tokens}")
 
-    async def _admit(self, n: int) -> None:
-        if self.inflight_samples + n > self.settings.max_inflight_samples:
-            raise ResourceExhausted(f"{self.inflight_samples} samples in flight; admitting {n} more "
-                                    f"would exceed {self.settings.max_inflight_samples}")
-        if self.gatekeeper is not None:
-            await self.gatekeeper.admit(n, self.inflight_samples)
-        self.inflight_samples += n
-        self._idle.clear()
-
-    def _release(self, n: int) -> None:
-        self.inflight_samples -= n
-        if self.inflight_samples == 0:
-            self._idle.set()
-
     async def wait_idle(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        """Wait until no sample is in flight (graceful shutdown)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.gatekeeper.running > 0:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def _ids(self, req: RolloutRequest) -> tuple[str, list[str], str | None]:
         group = req.group_id or uuid.uuid4().hex
@@ -79,19 +70,17 @@ class RolloutService:
         return group, ids, sticky
 
     async def _publish(self, traj: Trajectory, req: RolloutRequest) -> None:
-        self.counters["samples"] += 1
-        self.counters["tokens"] += traj.num_tokens
-        self.counters["failovers"] += sum(1 for s in traj.segments if s.began == "failover")
-        self.counters["abort_resumes"] += sum(1 for s in traj.segments if s.began == "abort_resume")
-        if self.gatekeeper is not None:
-            keep = await self.gatekeeper.on_finished(traj)
-            if not keep:
-                return
-        if req.publish and self.store is not None:
+        if req.publish:
             if await self.store.publish(traj):
                 self.counters["published"] += 1
             else:
                 self.counters["duplicates"] += 1
+
+    def _count(self, traj: Trajectory) -> None:
+        self.counters["samples"] += 1
+        self.counters["tokens"] += traj.num_tokens
+        self.counters["failovers"] += sum(1 for s in traj.segments if s.began == "failover")
+        self.counters["abort_resumes"] += sum(1 for s in traj.segments if s.began == "abort_resume")
 
     async def _one(self, req: RolloutRequest, tid: str, group: str, i: int, sticky: str | None,
                    prompt: np.ndarray | None, on_piece=None, on_chunk=None) -> Trajectory:
@@ -101,14 +90,29 @@ class RolloutService:
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None, on_piece=None,
                             on_chunk=None) -> tuple[Trajectory, str]:
-        try:
-            traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky, prompt_ids=prompt,
-                                         on_piece=on_piece, on_chunk=on_chunk)
-        except GatewayError:
-            self.counters["failed_samples"] += 1
-            raise
-        await self._publish(traj, req)
-        return traj, text
+        """One admitted sample: run, judge against the staleness bound, publish.
+
+        Releases its admission slot exactly once. A recycled sample is generated again
+        (re-admitted) up to ``admission.max_recycles`` times."""
+        recycles = 0
+        while True:
+            try:
+                traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
+                                                   prompt_ids=prompt, on_piece=on_piece,
+                                                   on_chunk=on_chunk)
+            except BaseException:
+                self.gatekeeper.release_failed(1)
+                self.counters["failed_samples"] += 1
+                raise
+            self._count(traj)
+            verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
+            if verdict is Verdict.RECYCLE:
+                recycles += 1
+                await self.gatekeeper.admit(1)
+                continue
+            if verdict is not Verdict.DROP:
+                await self._publish(traj, req)
+            return traj, text
 
     async def run(self, req: RolloutRequest) -> list[Trajectory]:
         """Run every sample; returns trajectories in sample order. Finished samples are
@@ -117,17 +121,13 @@ class RolloutService:
 
     async def run_with_text(self, req: RolloutRequest) -> list[tuple[Trajectory, str]]:
         self.validate(req)
-        await self._admit(req.n)
+        await self.gatekeeper.admit(req.n)
         self.counters["rollouts"] += 1
-        try:
-            group, ids, sticky = self._ids(req)
-            prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
-            results = await asyncio.gather(
-                *(self.one_with_text(req, tid, group, i, sticky, prompt)
-                  for i, tid in enumerate(ids)),
-                return_exceptions=True)
-        finally:
-            self._release(req.n)
+        group, ids, sticky = self._ids(req)
+        prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
+        results = await asyncio.gather(
+            *(self.one_with_text(req, tid, group, i, sticky, prompt) for i, tid in enumerate(ids)),
+            return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             first = errors[0]
@@ -143,7 +143,7 @@ class RolloutService:
         {"type": "chunk", ...} per finished engine request (stamped tokens),
         {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one."""
         self.validate(req)
-        await self._admit(req.n)
+        await self.gatekeeper.admit(req.n)
         self.counters["rollouts"] += 1
         return self._stream(req)
 
@@ -172,12 +172,7 @@ class RolloutService:
             await queue.put(None)
 
         closing = asyncio.create_task(closer())
-        try:
-            while (ev := await queue.get()) is not None:
-                yield ev
-        finally:
-            if not closing.done():
-                # the client went away: let the samples finish and publish in the background
-                closing.add_done_callback(lambda _t: self._release(req.n))
-            else:
-                self._release(req.n)
+        # if the client goes away, the sample tasks still finish, judge and publish
+        while (ev := await queue.get()) is not None:
+            yield ev
+        await closing

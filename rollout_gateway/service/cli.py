@@ -63,7 +63,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     await gw.start()
     app = create_app(gateway=gw, manage_gateway=False)
     grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
-                             default_policy=settings.stale_policy)
+                             default_policy=settings.admission.stale_policy)
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False)

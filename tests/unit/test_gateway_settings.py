@@ -6,14 +6,14 @@ from rollout_gateway.settings import load_settings
 
 def test_env_overrides_file_and_engines_parse(tmp_path, monkeypatch):
     cfg = tmp_path / "gw.toml"
-    cfg.write_text('store_url = "redis://127.0.0.1:6379/0"\nmax_staleness = 2\n'
+    cfg.write_text('store_url = "redis://127.0.0.1:6379/0"\n'
                    '[[engines]]\nid = "a"\nurl = "http://127.0.0.1:1"\n'
-                   '[timeouts]\ngenerate_s = 9\n')
-    monkeypatch.setenv("ROLLOUT_GATEWAY_MAX_STALENESS", "5")
+                   '[timeouts]\ngenerate_s = 9\n[admission]\nmax_staleness = 2\n')
+    monkeypatch.setenv("ROLLOUT_GATEWAY_ADMISSION__MAX_STALENESS", "5")
     monkeypatch.setenv("ROLLOUT_GATEWAY_TIMEOUTS__CONNECT_S", "1.5")
     s = load_settings(cfg)
     assert s.store_url == "redis://127.0.0.1:6379/0"
-    assert s.max_staleness == 5
+    assert s.admission.max_staleness == 5
     assert [e.id for e in s.engines] == ["a"]
     assert s.timeouts.generate_s == 9 and s.timeouts.connect_s == 1.5
 
@@ -27,7 +27,7 @@ def test_engines_from_comma_separated_env(monkeypatch):
 
 def test_bad_settings_are_clear_errors(tmp_path):
     with pytest.raises(InvalidArgument, match="max_staleness"):
-        load_settings(max_staleness=-1)
+        load_settings(admission={"max_staleness": -1})
     with pytest.raises(InvalidArgument, match="unique"):
         load_settings(engines=[{"id": "a", "url": "http://x:1"}, {"id": "a", "url": "http://x:2"}])
     bad = tmp_path / "gw.json"
