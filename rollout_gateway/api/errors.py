@@ -6,12 +6,22 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
+import orjson
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
+
+
+class ORJSONResponse(Response):
+    """JSON via orjson (numpy-free plain types; NaN is never produced by our serializers)."""
+
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)
 
 
 def error_response(status: int, code: str, message: str, details: dict | None = None) -> ORJSONResponse:

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
+
+from rollout_gateway.api.errors import ORJSONResponse
 from pydantic import ValidationError
 
 from rollout_gateway.api.routes import gateway, sse

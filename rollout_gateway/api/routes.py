@@ -7,7 +7,9 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import ORJSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+
+from rollout_gateway.api.errors import ORJSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_gateway.api.serialize import trajectory_to_json

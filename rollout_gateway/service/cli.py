@@ -109,6 +109,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
     from rollout_gateway.errors import GatewayError
 
     try:
