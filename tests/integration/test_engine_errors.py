@@ -60,7 +60,7 @@ async def test_duplicate_inflight_rid(make_engine):
     eng = make_engine(seed=1, step_delay_ms=20)
     async with httpx.AsyncClient(timeout=60) as c:
         first = asyncio.create_task(c.post(eng.url + "/generate", json={
-            "input_ids": [1, 2], "rid": "dup", "sampling_params": {"max_new_tokens": 30}}))
+            "input_ids": [1, 2], "rid": "dup", "sampling_params": {"max_new_tokens": 60}}))
         for _ in range(100):
             info = (await c.get(eng.url + "/server_info")).json()
             if info["num_running_reqs"] + info["num_waiting_reqs"]:
@@ -70,7 +70,7 @@ async def test_duplicate_inflight_rid(make_engine):
         assert r.status_code == 400
         assert error_message(r) == "Duplicate request ID detected: dup"
         done = await first
-        assert done.status_code == 200 and done.json()["meta_info"]["completion_tokens"] == 30
+        assert done.status_code == 200 and done.json()["meta_info"]["completion_tokens"] == 60
         # once finished, the rid is free again
         again = await c.post(eng.url + "/generate", json={
             "input_ids": [1], "rid": "dup", "sampling_params": {"max_new_tokens": 1}})

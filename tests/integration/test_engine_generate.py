@@ -199,3 +199,21 @@ def test_info_endpoints(engine):
     assert httpx.get(engine.url + "/ready").status_code == 200
     assert httpx.get(engine.url + "/health_generate", timeout=30).status_code == 200
     assert httpx.post(engine.url + "/flush_cache").status_code == 200
+
+
+async def test_client_disconnect_aborts_stream(make_engine):
+    eng = make_engine(seed=SEED, step_delay_ms=25)
+    async with httpx.AsyncClient(timeout=60) as c:
+        async with c.stream("POST", eng.url + "/generate", json={
+                "input_ids": [256, 5], "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # leave after the first chunk
+        for _ in range(100):
+            info = (await c.get(eng.url + "/server_info")).json()
+            if info["num_running_reqs"] + info["num_waiting_reqs"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert info["num_running_reqs"] + info["num_waiting_reqs"] == 0
+        assert info["decode_steps"] < 300  # aborted long before its 400 tokens

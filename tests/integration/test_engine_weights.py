@@ -20,7 +20,7 @@ from rollout_gateway.engine.reference import score, score_mixed
 pytestmark = pytest.mark.integration
 CFG = ModelConfig()
 PROMPT = [256, *b"weights"]
-MAX_NEW = 40
+MAX_NEW = 64
 
 
 def routed(meta) -> np.ndarray:
@@ -90,7 +90,7 @@ async def _swap_mid_request(eng, mode: str, checkpoint_v2, flush_cache: bool):
 
 
 async def test_abort_mode_returns_partial_output(make_engine, checkpoint_v2, reference_model):
-    eng = make_engine(seed=1, step_delay_ms=15)
+    eng = make_engine(seed=1, step_delay_ms=25)
     k, up, final = await _swap_mid_request(eng, "abort", checkpoint_v2, True)
     assert up.json()["success"] is True  # nothing resident after abort: flush succeeds
     meta = final["meta_info"]
@@ -104,7 +104,7 @@ async def test_abort_mode_returns_partial_output(make_engine, checkpoint_v2, ref
 
 async def test_retract_mode_recomputes_prefix_with_new_weights(make_engine, checkpoint_v2,
                                                                 reference_model):
-    eng = make_engine(seed=1, step_delay_ms=15)
+    eng = make_engine(seed=1, step_delay_ms=25)
     k, up, final = await _swap_mid_request(eng, "retract", checkpoint_v2, True)
     assert up.json()["success"] is True, up.json()  # retracted requests hold no KV
     meta = final["meta_info"]
@@ -123,7 +123,7 @@ async def test_retract_mode_recomputes_prefix_with_new_weights(make_engine, chec
 
 
 async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_model):
-    eng = make_engine(seed=1, step_delay_ms=15)
+    eng = make_engine(seed=1, step_delay_ms=25)
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, False)
     assert up.json()["success"] is True
     meta = final["meta_info"]
@@ -143,7 +143,7 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
 
 
 async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2):
-    eng = make_engine(seed=1, step_delay_ms=15)
+    eng = make_engine(seed=1, step_delay_ms=25)
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, True)
     assert up.status_code == 400 and up.json()["success"] is False  # SGLang 0.5.23
     assert "cache was not flushed" in up.json()["message"]
@@ -151,7 +151,7 @@ async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint
 
 
 async def test_update_without_pause_waits_for_inflight(make_engine, checkpoint_v2):
-    eng = make_engine(seed=1, step_delay_ms=10)
+    eng = make_engine(seed=1, step_delay_ms=25)
     async with httpx.AsyncClient(timeout=120) as c:
         w = StreamWatcher(c, eng.url, body(3))
         await asyncio.wait_for(w.first.wait(), 30)
@@ -165,7 +165,7 @@ async def test_update_without_pause_waits_for_inflight(make_engine, checkpoint_v
 
 
 async def test_update_weight_version_aborts_by_default(make_engine):
-    eng = make_engine(seed=1, step_delay_ms=10)
+    eng = make_engine(seed=1, step_delay_ms=25)
     async with httpx.AsyncClient(timeout=120) as c:
         w = StreamWatcher(c, eng.url, body(4))
         await asyncio.wait_for(w.first.wait(), 30)
@@ -179,7 +179,7 @@ async def test_update_weight_version_aborts_by_default(make_engine):
 
 
 async def test_abort_request_by_rid_prefix(make_engine):
-    eng = make_engine(seed=1, step_delay_ms=10)
+    eng = make_engine(seed=1, step_delay_ms=25)
     async with httpx.AsyncClient(timeout=120) as c:
         a = StreamWatcher(c, eng.url, {**body(5), "rid": "grp-a"})
         a2 = StreamWatcher(c, eng.url, {**body(7), "rid": "grp-a-2"})
