@@ -6,7 +6,8 @@ All losses run on the same packed [N] float32 tensors (sequences of --seq-len to
 round-robin in one process so the ratios are measured side by side. It also checks, with a
 dispatch-mode tracer, that no op inside any loss produced a tensor with more than
 --max-factor * N elements (an N x vocab tensor would be vocab times larger), and reports the
-largest tensor each loss created.
+largest tensor each loss created and the total bytes its ops allocated (forward +
+backward; views and in-place ops excluded), a load-independent proxy for memory traffic.
 """
 
 from __future__ import annotations
@@ -28,18 +29,23 @@ SPECIAL_CFG = {"grpo": {}}  # published defaults everywhere (grpo's k3 KL uses r
 
 
 class MaxNumel(TorchDispatchMode):
-    """Records the largest tensor any op produced while active."""
+    """Records the largest tensor any op produced, and the bytes all ops produced."""
 
     def __init__(self) -> None:
         super().__init__()
         self.max_numel = 0
         self.op = ""
+        self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        aliasing = any(r.alias_info is not None for r in func._schema.returns)
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
-                self.max_numel, self.op = t.numel(), str(func)
+            if isinstance(t, torch.Tensor):
+                if not aliasing:  # views and in-place ops allocate nothing
+                    self.bytes += t.numel() * t.element_size()
+                if t.numel() > self.max_numel:
+                    self.max_numel, self.op = t.numel(), str(func)
         return out
 
 
@@ -57,7 +63,7 @@ def make_inputs(n: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor |
     adv = seq_adv.repeat_interleave(lens)
     mask = (torch.rand(n, generator=g) > 0.05).float()
     ent = torch.rand(n, generator=g) * 4
-    versions = torch.randint(6, 10, (n,), generator=g)
+    versions = torch.randint(6, 10, (n,), generator=g, dtype=torch.int32)  # as on the wire
     return dict(logprobs=lp, rollout_logprobs=mu, old_logprobs=old, ref_logprobs=mu - 0.02,
                 advantages=adv, loss_mask=mask, entropy=ent, versions=versions,
                 cu_seqlens=cu, learner_version=10)
@@ -95,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             times[c].append(timed(c))
     largest: dict[str, int] = {}
+    produced: dict[str, int] = {}
     for c, (name, cfg) in cases.items():
         x = data["logprobs"].clone().requires_grad_()
         with MaxNumel() as tr:
             loss, _ = compute_loss(name, LossInputs(**{**data, "logprobs": x}), cfg)
             loss.backward()
         largest[c] = tr.max_numel
+        produced[c] = tr.bytes
     base_min = min(times["ppo_clip"])
     base_med = statistics.median(times["ppo_clip"])
     n = args.tokens
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads}, {args.reps} round-robin reps of fwd+bwd; best-of-reps is the "
           f"figure least disturbed by other load, the median is shown beside it")
     print(f"{'loss':<26}{'best ms':>9}{'x ppo_clip':>12}{'median ms':>11}{'x ppo_clip':>12}"
-          f"{'max tensor / N':>16}")
+          f"{'max tensor / N':>16}{'MB allocated':>14}")
     ok = True
     for c in cases:
         best = min(times[c])
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         f = largest[c] / n
         ok &= f <= args.max_factor
         print(f"{c:<26}{best * 1e3:>9.1f}{best / base_min:>12.2f}{med * 1e3:>11.1f}"
-              f"{med / base_med:>12.2f}{f:>16.2f}")
+              f"{med / base_med:>12.2f}{f:>16.2f}{produced[c] / 2**20:>14.1f}")
     print(f"no loss created a tensor larger than {args.max_factor} x N "
           f"(an N x vocab tensor would be vocab x N): {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1

@@ -115,7 +115,7 @@ def _metrics(tok: TokenLoss, inputs: LossInputs, den: Tensor) -> dict[str, Tenso
     metrics["num_active_tokens"] = inputs.mask_count
     metrics["num_denominator_tokens"] = tok.denom_mask.sum()
     if inputs.has_sequences:
-        metrics["num_sequences"] = torch.tensor(float(inputs.seq_index[1]),
+        metrics["num_sequences"] = torch.tensor(float(inputs.num_sequences),
                                                  device=den.device)
     metrics["normalizer"] = den.detach().to(torch.float32)
     return {k: v.detach() for k, v in metrics.items()}

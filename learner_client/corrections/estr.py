@@ -52,28 +52,31 @@ def version_spread(inputs: LossInputs) -> dict[str, Tensor]:
     active tokens; v_first / v_last = min / max policy_version over the active tokens."""
     if inputs.versions is None or not inputs.has_sequences:
         return {}
-    inactive = inputs.mask <= 0
-    v = inputs.flat("versions").to(torch.float32)
-    big = 3.0e38
+    inactive = ~inputs.active
+    v = inputs.flat("versions")
+    if torch.is_floating_point(v):
+        v = v.to(torch.int64)
+    big = torch.iinfo(v.dtype).max
+    small = torch.iinfo(v.dtype).min
     if inputs.logprobs.dim() == 2:  # one row per sequence: plain row reductions
         b, t = inputs.logprobs.shape
         v_first = v.masked_fill(inactive, big).view(b, t).amin(1)
-        v_last = v.masked_fill(inactive, -big).view(b, t).amax(1)
+        v_last = v.masked_fill(inactive, small).view(b, t).amax(1)
     else:
         idx, s = inputs.seq_index
-        v_first = torch.full((s,), big, device=v.device).scatter_reduce(
+        v_first = torch.full((s,), big, dtype=v.dtype, device=v.device).scatter_reduce(
             0, idx, v.masked_fill(inactive, big), "amin")
-        v_last = torch.full((s,), -big, device=v.device).scatter_reduce(
-            0, idx, v.masked_fill(inactive, -big), "amax")
-    has = (v_first < big).to(torch.float32)
-    n = has.sum()
-    if float(n) == 0.0:
+        v_last = torch.full((s,), small, dtype=v.dtype, device=v.device).scatter_reduce(
+            0, idx, v.masked_fill(inactive, small), "amax")
+    has = v_first != big
+    n = int(has.sum())
+    if n == 0:
         return {}
-    v_first = v_first.masked_fill(has == 0, 0.0)
-    v_last = v_last.masked_fill(has == 0, 0.0)
-    out = {"intra_mean": torch.dot(v_last - v_first, has) / n}
+    first = v_first[has].to(torch.float64)
+    last = v_last[has].to(torch.float64)
+    out = {"intra_mean": ((last - first).sum() / n).float()}
     if inputs.learner_version is not None:
-        out["inter_mean"] = float(inputs.learner_version) - torch.dot(v_last, has) / n
+        out["inter_mean"] = (float(inputs.learner_version) - last.sum() / n).float()
     return out
 
 

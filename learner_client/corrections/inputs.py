@@ -106,6 +106,15 @@ class LossInputs:
         return self.mask.sum()
 
     @cached_property
+    def num_sequences(self) -> int:
+        """S without building the per-token index when the layout gives it directly."""
+        if self.logprobs.dim() == 2:
+            return self.logprobs.shape[0]
+        if self.cu_seqlens is not None:
+            return self.cu_seqlens.numel() - 1
+        return self.seq_index[1]
+
+    @cached_property
     def seq_active_counts(self) -> Tensor:
         """Active tokens per sequence [S] (float, detached)."""
         idx, s = self.seq_index
