@@ -79,7 +79,7 @@ def raw_read(url: str, prefix: str, batch: int) -> tuple[int, float, int]:
     return n, dt, nbytes
 
 
-async def transport_read(target: str, args) -> tuple[int, float, int]:
+async def transport_read(target: str, args, group: str) -> tuple[int, float, int]:
     import torch
 
     from learner_client.batch import collate
@@ -87,9 +87,9 @@ async def transport_read(target: str, args) -> tuple[int, float, int]:
 
     torch.set_num_threads(1)
     n = tokens = 0
-    async with AsyncTrajectoryClient(target, "bench", "bench-learner", learner_version=4,
+    async with AsyncTrajectoryClient(target, group, "bench-learner", learner_version=4,
                                      prefetch=args.batch) as c:
-        await c.status()  # connected
+        await c.create_group()  # a fresh group re-reads the same retained entries
         t0 = time.perf_counter()
         while n < args.trajectories:
             got = await c.pull(min(args.batch, args.trajectories - n), timeout=30)
@@ -113,6 +113,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved raw/transport rounds; the medians are reported")
     p.add_argument("--cpu", type=int, default=0)
     p.add_argument("--learner-cpu", type=int, default=None,
                    help="pin the learner to this core instead of --cpu")
@@ -123,7 +125,7 @@ def main() -> int:
 
     try:
         asyncio.run(fill(args.redis, prefix, args))
-        n_raw, dt_raw, nbytes = raw_read(args.redis, prefix, args.batch)
+        raw, tr = [], []
         with tempfile.TemporaryDirectory() as tmp:
             port_file = Path(tmp) / "port"
             server = subprocess.Popen(
@@ -131,7 +133,8 @@ def main() -> int:
                  "rollout_gateway.transport.server", "--store",
                  f"{args.redis}?prefix={prefix}&max_backlog=1000000", "--port", "0",
                  "--port-file", str(port_file), "--grace", "1"],
-                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                    [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])},
                 stderr=subprocess.DEVNULL)
             try:
                 while not port_file.exists():
@@ -139,9 +142,12 @@ def main() -> int:
                         raise RuntimeError("gRPC server failed to start")
                     time.sleep(0.05)
                 target = f"127.0.0.1:{port_file.read_text()}"
-                if args.learner_cpu is not None:
-                    pin(args.learner_cpu)
-                n_tr, dt_tr, tokens = asyncio.run(transport_read(target, args))
+                for i in range(args.rounds):
+                    pin(args.cpu)
+                    raw.append(raw_read(args.redis, prefix, args.batch))
+                    if args.learner_cpu is not None:
+                        pin(args.learner_cpu)
+                    tr.append(asyncio.run(transport_read(target, args, f"bench-{i}")))
             finally:
                 server.terminate()
                 server.wait(timeout=10)
@@ -151,15 +157,20 @@ def main() -> int:
         if keys:
             r.delete(*keys)
         r.close()
-    raw_tps = n_raw * args.response / dt_raw
-    tr_tps = tokens / dt_tr
-    mb = nbytes / 1e6
+    raw_tps = sorted(n * args.response / dt for n, dt, _ in raw)[len(raw) // 2]
+    tr_tps = sorted(tok / dt for _, dt, tok in tr)[len(tr) // 2]
+    n_raw, _, nbytes = raw[0]
+    per = nbytes / n_raw  # bytes per trajectory
     print(f"payload: {args.trajectories} trajectories x {args.response} output tokens "
           f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
-          f"{mb / n_raw * 1e3:.0f} KB/trajectory, gateway+raw on cpu {args.cpu}, learner on cpu "
-          f"{args.cpu if args.learner_cpu is None else args.learner_cpu}")
-    print(f"raw redis XRANGE        : {raw_tps / 1e6:7.2f} M tokens/s  ({mb / dt_raw:7.0f} MB/s)")
-    print(f"store->gRPC->tensors    : {tr_tps / 1e6:7.2f} M tokens/s  ({mb / dt_tr:7.0f} MB/s)")
+          f"{per / 1e3:.0f} KB/trajectory; gateway+raw on cpu {args.cpu}, learner on cpu "
+          f"{args.cpu if args.learner_cpu is None else args.learner_cpu}; "
+          f"median of {args.rounds} interleaved rounds")
+    mbps = per / args.response / 1e6
+    print(f"raw redis XRANGE        : {raw_tps / 1e6:7.2f} M tokens/s  "
+          f"({raw_tps * mbps:6.0f} MB/s)")
+    print(f"store->gRPC->tensors    : {tr_tps / 1e6:7.2f} M tokens/s  "
+          f"({tr_tps * mbps:6.0f} MB/s)")
     print(f"ratio transport/raw     : {tr_tps / raw_tps:7.2f}")
     return 0
 

@@ -50,7 +50,7 @@ class AsyncTrajectoryClient:
     def __init__(self, target: str, group: str, consumer: str | None = None, *,
                  learner_version: int = 0, max_lag: int | None = None,
                  stale_policy: str | None = None, token: str | None = None,
-                 tls: TlsOptions | None = None, max_message_bytes: int = 128 << 20,
+                 tls: TlsOptions | None = None, max_message_bytes: int = 256 << 20,
                  backoff_initial: float = 0.1, backoff_max: float = 5.0,
                  call_timeout: float = 30.0, prefetch: int = 0):
         if stale_policy not in _POLICY:
@@ -65,7 +65,7 @@ class AsyncTrajectoryClient:
         self._tls = tls
         self._opts = [("grpc.max_receive_message_length", max_message_bytes),
                       ("grpc.max_send_message_length", 16 << 20),
-                      ("grpc.keepalive_time_ms", 30_000)]
+                      ("grpc.keepalive_time_ms", 60_000)]
         if tls and tls.server_name:
             self._opts.append(("grpc.ssl_target_name_override", tls.server_name))
         self._backoff = (backoff_initial, backoff_max)

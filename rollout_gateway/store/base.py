@@ -116,9 +116,12 @@ class TrajectoryStore(abc.ABC):
         """Acknowledge; returns how many were pending (re-acks count 0)."""
 
     @abc.abstractmethod
-    async def nack(self, group: str, entry_ids: list[str]) -> tuple[int, int]:
+    async def nack(self, group: str, entry_ids: list[str], *,
+                   delivered: bool = True) -> tuple[int, int]:
         """Make entries available again now; an entry already delivered max_deliveries
-        times is dead-lettered (acked, counted) instead. Returns (requeued, dead_lettered)."""
+        times is dead-lettered (acked, counted) instead. Returns (requeued, dead_lettered).
+        ``delivered=False`` releases leased entries that never reached a learner: their
+        delivery count is rolled back and they are never dead-lettered."""
 
     @abc.abstractmethod
     async def group_backlog(self, group: str) -> int:

@@ -275,7 +275,8 @@ class MemoryStore(TrajectoryStore):
         self._trim()
         return len(done)
 
-    async def nack(self, group: str, entry_ids: list[str]) -> tuple[int, int]:
+    async def nack(self, group: str, entry_ids: list[str], *,
+                   delivered: bool = True) -> tuple[int, int]:
         self._check_open()
         g = self._group(group)
         requeued, dead = [], []
@@ -283,7 +284,11 @@ class MemoryStore(TrajectoryStore):
             lease = g.pending.get(s)
             if lease is None:
                 continue
-            if lease.deliveries >= self.config.max_deliveries:
+            if not delivered:
+                lease.deliveries = max(lease.deliveries - 1, 0)
+                lease.until = 0.0
+                requeued.append(s)
+            elif lease.deliveries >= self.config.max_deliveries:
                 del g.pending[s]
                 dead.append(s)
             else:
@@ -291,6 +296,8 @@ class MemoryStore(TrajectoryStore):
                 requeued.append(s)
         with self._tx():
             self._write("DELETE FROM pending WHERE grp=? AND seq=?", [(group, s) for s in dead])
+            self._write("UPDATE pending SET deliveries=? WHERE grp=? AND seq=?",
+                        [(g.pending[s].deliveries, group, s) for s in requeued])
         if dead:
             await self._count(dead_lettered=len(dead))
             self._trim()

@@ -224,7 +224,8 @@ class RedisStore(TrajectoryStore):
         await self._maybe_trim()
         return n
 
-    async def nack(self, group: str, entry_ids: list[str]) -> tuple[int, int]:
+    async def nack(self, group: str, entry_ids: list[str], *,
+                   delivered: bool = True) -> tuple[int, int]:
         check_name("group", group)
         if not await self.has_group(group):
             raise NotFound(f"consumer group {group!r} does not exist; create it first")
@@ -236,7 +237,10 @@ class RedisStore(TrajectoryStore):
                 if not p:
                     continue
                 times = int(p[0]["times_delivered"])
-                (dead if times >= self.config.max_deliveries else requeue).append((eid, times))
+                if not delivered:
+                    requeue.append((eid, max(times - 1, 0)))
+                else:
+                    (dead if times >= self.config.max_deliveries else requeue).append((eid, times))
             for eid, times in requeue:
                 await self._r.xclaim(self._k_stream, group, "__nacked__", 0, [eid],
                                      idle=int(self.config.lease_seconds * 1000) + 1,

@@ -63,7 +63,7 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
 class GrpcServer:
     def __init__(self, store: TrajectoryStore, control: ControlPlane, host: str = "127.0.0.1",
                  port: int = 50051, *, default_policy: StalePolicy = StalePolicy.DROP,
-                 max_send_bytes: int = 64 << 20, max_receive_bytes: int = 4 << 20,
+                 max_send_bytes: int = 256 << 20, max_receive_bytes: int = 4 << 20,
                  auth_token: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, poll_ms: int = 200):
         self.store = store
@@ -77,6 +77,7 @@ class GrpcServer:
                       ("grpc.max_receive_message_length", max_receive_bytes),
                       ("grpc.keepalive_time_ms", 30_000),
                       ("grpc.http2.max_pings_without_data", 0),
+                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
                       ("grpc.keepalive_permit_without_calls", 1)]
         self._auth_token = auth_token
         self._tls = (tls_cert, tls_key)

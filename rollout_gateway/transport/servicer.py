@@ -144,6 +144,9 @@ class TrajectoryServicer:
                             if reader.done() and not failure:
                                 break
                             continue
+                    if held and delivery_size(held[0]) > self.max_batch_bytes:
+                        await self._reject_oversize(group, held.pop(0))
+                        continue
                     batch, size = [], 0
                     while held and credit.fits(held[0]) and (
                             not batch or size + delivery_size(held[0]) <= self.max_batch_bytes):
@@ -169,9 +172,16 @@ class TrajectoryServicer:
         finally:
             if held and group:  # leased but never sent: make them available again now
                 try:
-                    await self.store.nack(group, [e.entry_id for e in held])
+                    await self.store.nack(group, [e.entry_id for e in held], delivered=False)
                 except Exception:  # noqa: BLE001 - the lease expiry still covers them
                     log.warning("could not release %d held entries", len(held))
+
+    async def _reject_oversize(self, group: str, e: StoredEntry) -> None:
+        """An entry larger than one gRPC message can never be delivered: dead-letter it."""
+        log.error("trajectory %s (%d bytes) exceeds the max message size %d; dead-lettered",
+                  e.trajectory_id, len(e.data), self.max_batch_bytes)
+        await self.store.ack(group, [e.entry_id])
+        await self.store._count(dead_lettered=1)
 
     @staticmethod
     async def _read_requests(it, credit: _Credit, state: dict, changed: asyncio.Event,

@@ -147,6 +147,16 @@ async def test_nack_requeues_then_dead_letters(make):
     assert st.dead_lettered == 1 and st.backlog == 0
 
 
+async def test_release_undelivered_rolls_back_count(make):
+    s = make(max_deliveries=1)
+    await s.create_group("job")
+    await s.publish(traj(1))
+    e = (await s.read("job", "c", 1))[0]
+    assert await s.nack("job", [e.entry_id], delivered=False) == (1, 0)  # never dead-lettered
+    again = (await s.read("job", "c2", 1))[0]
+    assert (again.trajectory_id, again.delivery_count) == ("t1", 1)
+
+
 async def test_groups_are_independent(make):
     s = make()
     await s.publish(traj(1))

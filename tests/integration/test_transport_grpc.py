@@ -109,7 +109,10 @@ async def test_flow_control_never_exceeds_credit(gateway):
     # more credit on the same stream is honoured, exactly
     batches = await raw_pull(target, "job", [spb.CreditGrant(trajectories=1),
                                              spb.CreditGrant(trajectories=2)])
-    assert sum(len(b.deliveries) for b in batches) == 3
+    got = [d for b in batches for d in b.deliveries]
+    assert len(got) == 3
+    # entries the server leased but never sent (no credit) were released, not "redelivered"
+    assert [d.delivery_count for d in got] == [1, 1, 1]
 
 
 async def test_client_pull_respects_token_budget(gateway):
@@ -298,6 +301,23 @@ async def test_tls_with_token(tmp_path):
         async with AsyncTrajectoryClient(f"localhost:{port}", "job", call_timeout=1.0) as c:
             with pytest.raises(TrajectoryClientError):  # plaintext against a TLS port
                 await c.status()
+    finally:
+        await server.stop(0)
+        await store.close()
+
+
+async def test_oversize_trajectory_is_dead_lettered_not_looped():
+    store = store_from_url("memory://")
+    await store.create_group("job")
+    await store.publish(make_trajectory("huge", num_tokens=400, num_layers=48))  # ~190 KB
+    await store.publish(make_trajectory("ok", num_tokens=4))
+    server = GrpcServer(store, InProcessControlPlane(), port=0, max_send_bytes=160 << 10)
+    port = await server.start()
+    try:
+        async with AsyncTrajectoryClient(f"127.0.0.1:{port}", "job") as c:
+            got = await c.pull(2, timeout=1.0)
+            assert [r.trajectory_id for r in got] == ["ok"]
+            assert (await c.status()).store.dead_lettered == 1
     finally:
         await server.stop(0)
         await store.close()
