@@ -64,7 +64,10 @@ class StandIn(torch.nn.Module):
         assert packed_seq_params.qkv_format == "thd" and attention_mask is None
         h = self.emb(input_ids[0])
         for i in range(len(self.routers)):
-            h = checkpoint(self._moe, h, i, use_reentrant=False) if self.recompute else self._moe(h, i)
+            if self.recompute:
+                h = checkpoint(self._moe, h, i, use_reentrant=False)
+            else:
+                h = self._moe(h, i)
         return self.out(h)[None]  # [b=1, s, V] like GPTModel without labels
 
     def _moe(self, h, i):

@@ -16,7 +16,8 @@ def _samples(rng, lens=((3, 4), (5, 2), (2, 6)), with_routing=False, layers=3, k
             "advantages": np.float32(i - 1.0),  # scalar -> broadcast
         }
         routing = rng.integers(0, 8, size=(p + t - 1, layers, k)) if with_routing else None
-        out.append(PackSample(prompt_ids=rng.integers(1, 50, p), response_ids=rng.integers(1, 50, t),
+        out.append(PackSample(prompt_ids=rng.integers(1, 50, p),
+                              response_ids=rng.integers(1, 50, t),
                               columns=cols, routed_experts=routing))
     return out
 
@@ -36,14 +37,16 @@ def test_round_trip_tokens_positions_and_columns():
         assert b.position_ids[0, o : o + 3].tolist() == [0, 1, 2]
         r0, r1 = int(b.cu_response[i]), int(b.cu_response[i + 1])
         # response token t sits at o + P + t; its logit is at the previous position
-        np.testing.assert_array_equal(b.tokens[0, b.response_positions[r0:r1]].numpy(), s.response_ids)
+        got = b.tokens[0, b.response_positions[r0:r1]].numpy()
+        np.testing.assert_array_equal(got, s.response_ids)
         assert (b.logit_positions[r0:r1] == b.response_positions[r0:r1] - 1).all()
         assert int(b.logit_positions[r0]) == o + len(s.prompt_ids) - 1  # start - 1
         assert int(b.logit_positions[r1 - 1]) == o + len(s.prompt_ids) + len(s.response_ids) - 2
         np.testing.assert_array_equal(b.columns["rollout_logprobs"][r0:r1].numpy(),
                                       s.columns["rollout_logprobs"])
         assert (b.columns["advantages"][r0:r1] == i - 1.0).all()
-    np.testing.assert_array_equal(b.targets.numpy(), np.concatenate([s.response_ids for s in samples]))
+    want = np.concatenate([s.response_ids for s in samples])
+    np.testing.assert_array_equal(b.targets.numpy(), want)
     packed = b.to_packed(b.columns["versions"], fill=-1)
     assert packed.shape == b.tokens.shape
     assert (packed[0, b.response_positions] == b.columns["versions"]).all()
@@ -120,6 +123,7 @@ def test_bad_input_is_refused_with_a_message():
     with pytest.raises(ValueError, match="routed_experts has"):
         pack_samples([bad])
     with pytest.raises(ValueError, match="every sample or for none"):
-        pack_samples([good[0], PackSample(good[1].prompt_ids, good[1].response_ids, good[1].columns)])
+        no_routing = PackSample(good[1].prompt_ids, good[1].response_ids, good[1].columns)
+        pack_samples([good[0], no_routing])
     with pytest.raises(ValueError, match="integers"):
         pack_samples([PackSample(prompt_ids=[1.5], response_ids=[1])])

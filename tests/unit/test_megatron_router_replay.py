@@ -78,7 +78,8 @@ def test_walk_finds_moe_layers_only_of_this_model(mp_state):
     slots = find_router_replays(model)
     assert [s.layer_number for s in slots] == [2, 4]
     assert len(RouterReplay.global_router_replay_instances) >= 4
-    assert {id(s.replay) for s in slots}.isdisjoint({id(s.replay) for s in find_router_replays(other)})
+    others = {id(s.replay) for s in find_router_replays(other)}
+    assert {id(s.replay) for s in slots}.isdisjoint(others)
 
 
 def test_replay_reproduces_given_experts_with_r3_weights(mp_state):
@@ -132,7 +133,8 @@ def test_packed_rollout_routing_feeds_replay(mp_state):
     samples = []
     for p, t in [(3, 4), (2, 5)]:
         samples.append(PackSample(rng.integers(0, 32, p), rng.integers(0, 32, t),
-                                  routed_experts=_random_routing(p + t - 1, p).numpy().astype(np.uint8)))
+                                  routed_experts=_random_routing(p + t - 1, p).numpy()
+                                  .astype(np.uint8)))
     b = pack_samples(samples, tp_size=2, sequence_parallel=True)
     hidden = torch.randn(b.total_len, H)
     for rank in (0, 1):
