@@ -38,24 +38,22 @@ from .ops import masked_mean, safe_exp
 from .ppo import ppo_token_loss_ex
 
 
-def version_alpha(versions: Tensor, learner_version: int) -> Tensor:
+def version_alpha(versions: Tensor, learner_version: int,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
     """alpha = (v_prox - v_behave)/(v_theta - v_behave), v_prox = v_theta - 1, in [0, 1].
 
+    Since v_prox = v_theta - 1, alpha = 1 - 1/(v_theta - v_behave) for a lag >= 1.
     0 where v_theta - v_behave <= 0 (fresh or future tokens) or v_behave < 0 (no version).
     """
-    v_b = versions.to(torch.float64)
-    v_t = float(learner_version)
-    diff = v_t - v_b
-    ok = (diff > 0) & (versions >= 0)
-    alpha = torch.where(ok, (v_t - 1.0 - v_b) / torch.where(ok, diff, torch.ones_like(diff)),
-                        torch.zeros_like(v_b))
-    return alpha.clamp(0.0, 1.0)
+    lag = (int(learner_version) - versions).to(dtype)
+    alpha = 1.0 - 1.0 / lag.clamp_min(1.0)  # lag 1 -> 0, lag 2 -> 1/2, lag 4 -> 3/4
+    return alpha.masked_fill_(versions < 0, 0.0)
 
 
 def loglinear_proximal(logprobs: Tensor, rollout_logprobs: Tensor, versions: Tensor,
                        learner_version: int) -> tuple[Tensor, Tensor]:
     """(log pi_prox detached, alpha) with log pi_prox = log mu + alpha (log pi - log mu)."""
-    alpha = version_alpha(versions, learner_version).to(logprobs.dtype)
+    alpha = version_alpha(versions, learner_version, logprobs.dtype)
     mu = rollout_logprobs.detach()
     return (mu + alpha * (logprobs.detach() - mu)), alpha
 
@@ -114,7 +112,7 @@ def proximal_logprobs(inputs: LossInputs, cfg: DecoupledPPOConfig
     if cfg.prox_mix is not None:
         a: Tensor | float = cfg.prox_mix
     else:
-        a = 1.0 - version_alpha(inputs.flat("versions"), inputs.learner_version).to(logp.dtype)
+        a = 1.0 - version_alpha(inputs.flat("versions"), inputs.learner_version, logp.dtype)
     return linear_proximal(logp, mu, a), False, extra
 
 

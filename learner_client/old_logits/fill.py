@@ -61,7 +61,7 @@ def _loglinear(idx: Tensor, ctx: FillContext) -> Tensor:
         raise ValueError("the loglinear fill strategy needs FillContext.learner_version")
     mu = ctx.need("rollout_logprobs")[idx]
     lp = ctx.need("logprobs").detach()[idx]
-    alpha = version_alpha(ctx.need("versions")[idx], ctx.learner_version).to(lp.dtype)
+    alpha = version_alpha(ctx.need("versions")[idx], ctx.learner_version, lp.dtype)
     return mu + alpha * (lp - mu)
 
 
