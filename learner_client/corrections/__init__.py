@@ -4,9 +4,13 @@ Public API
 ----------
 * ``LossInputs`` (inputs.py): the one input type.
 * ``LOSSES``: name -> ``LossSpec`` with ``.fn(inputs, config) -> (loss, metrics)``,
-  ``.per_token(inputs, config) -> TokenLoss``, ``.config_cls`` (pydantic, published
-  defaults) and ``.aggregation`` (default normalizer rule; see base.py).
-* ``compute_loss(name, inputs, config=None) -> (loss, metrics)``.
+  ``.parts(inputs, config) -> (numerator, denominator, metrics)`` (loss = num / den; sums
+  over micro-batches give the global aggregate), ``.per_token(inputs, config) ->
+  TokenLoss``, ``.config_cls`` (pydantic, published defaults) and ``.aggregation``
+  (default normalizer rule; see base.py). ``config`` may be None, a dict or the model.
+* ``compute_loss(name, inputs, config=None) -> (loss, metrics)``; ``get_loss(name)``.
+* ``advantages``: grpo_advantages, dr_grpo_advantages, dapo_dynamic_sampling_keep,
+  overlong_penalty.
 """
 
 from __future__ import annotations
