@@ -95,7 +95,7 @@ class TrajectoryServicer:
                  max_read: int = 64, poll_ms: int = 200):
         self.store = store
         self.control = control
-        self.default_policy = default_policy
+        self.default_policy = StalePolicy(default_policy)
         self.max_batch_bytes = max_batch_bytes
         self.max_read = max_read
         self.poll_ms = poll_ms

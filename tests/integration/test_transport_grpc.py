@@ -321,3 +321,41 @@ async def test_oversize_trajectory_is_dead_lettered_not_looped():
     finally:
         await server.stop(0)
         await store.close()
+
+
+async def test_blocking_client(gateway):
+    from learner_client.client import TrajectoryClient
+
+    store, _, _, target = gateway
+    await store.publish(make_trajectory("old", versions=(0,)))
+    await store.publish(make_trajectory("new", versions=(5,), seed=1))
+
+    def learner():
+        with TrajectoryClient(target, "job", "sync-learner", learner_version=5, max_lag=2,
+                              stale_policy="drop") as c:
+            got = c.pull(2, timeout=1.5)
+            acked = c.ack(got)
+            c.set_learner_version(6)
+            ann = c.announce(1, "/ckpt/1")
+            st = c.status()
+            return [r.trajectory_id for r in got], acked, ann.accepted, st
+
+    ids, acked, accepted, st = await asyncio.to_thread(learner)
+    assert ids == ["new"] and acked == 1 and accepted
+    assert st.learner_version == 1 and st.store.stale_dropped == 1
+
+
+async def test_health_not_serving_until_ready():
+    store = store_from_url("memory://")
+    server = GrpcServer(store, InProcessControlPlane(), port=0)
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            req = health_pb2.HealthCheckRequest(service="rollout.v1.TrajectoryService")
+            assert (await health.Check(req)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await server.set_serving(True)
+            assert (await health.Check(req)).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
+        await store.close()

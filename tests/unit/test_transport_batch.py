@@ -99,3 +99,13 @@ def test_collate_rejects_empty_and_bad_layout():
         collate([], 0)
     with pytest.raises(ValueError):
         collate(rollouts(SPECS[:1]), 0, layout="ragged")
+
+
+def test_learner_client_never_imports_rollout_gateway():
+    import subprocess
+    import sys
+
+    code = ("import sys, learner_client.client, learner_client.batch, learner_client.wire; "
+            "bad = [m for m in sys.modules if m.startswith('rollout_gateway')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
