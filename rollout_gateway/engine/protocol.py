@@ -231,18 +231,24 @@ def _top(entries: list, tok: ByteTokenizer, with_text: bool) -> list:
 
 
 def format_output(req: Request, n_out: int, current_version: str, tok: ByteTokenizer, *,
-                  since: int = 0, final: bool) -> dict[str, Any]:
+                  since: int = 0, final: bool, incremental: bool = False) -> dict[str, Any]:
     """One response object (or streaming chunk) for ``req`` with ``n_out`` output tokens.
 
-    ``since`` > 0 makes output_ids, text and per-token lists deltas from that index
-    (incremental streaming)."""
+    ``incremental``: output_ids, text and per-token lists are deltas from index ``since``
+    (incremental streaming); text is cut at whole UTF-8 characters until the final chunk,
+    so the concatenated deltas equal the final text."""
     p = req.params
     ids = req.output[:n_out]
     text = tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
     if final and req.stop_trim:
         text = text[: len(text) - req.stop_trim]
-    if since:
-        text = text[len(tok.decode(ids[:since], skip_special_tokens=p.skip_special_tokens)):]
+    if incremental:
+        skip = p.skip_special_tokens
+        if not final:
+            text = tok.decode(ids[:tok.complete_prefix_len(ids)], skip_special_tokens=skip)
+        prev = ids[:since]
+        text = text[len(tok.decode(prev[:tok.complete_prefix_len(prev)],
+                                   skip_special_tokens=skip)):]
     finish = req.finish if final else None
     aborted_queued = final and finish is not None and finish.get("type") == "abort" and not req.admitted
     meta: dict[str, Any] = {"id": req.rid, "finish_reason": finish}

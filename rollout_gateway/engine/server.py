@@ -166,7 +166,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 if i not in pending or (n == sent[i] and not final):
                     continue
                 since = sent[i] if incremental else 0
-                chunk = format_output(r, n, s.weight_version, tok, since=since, final=final)
+                chunk = format_output(r, n, s.weight_version, tok, since=since, final=final,
+                                      incremental=incremental)
                 if len(reqs) > 1:
                     chunk["index"] = i
                 sent[i] = n

@@ -42,6 +42,19 @@ class ByteTokenizer:
         parts.append(out.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    @staticmethod
+    def complete_prefix_len(ids: list[int]) -> int:
+        """Length of the longest prefix of ``ids`` not ending inside a UTF-8 character."""
+        n = len(ids)
+        for back in range(1, min(4, n) + 1):
+            b = int(ids[n - back])
+            if not 0 <= b < 256 or b < 0x80 or b >= 0xF8:
+                return n  # special, ASCII or invalid byte: nothing pending
+            if b >= 0xC0:  # lead byte: is its sequence complete?
+                need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+                return n if back >= need else n - back
+        return n
+
     def token_text(self, token_id: int) -> str:
         """Text of one token on its own (what SGLang puts in logprob triples)."""
         t = int(token_id)

@@ -82,6 +82,23 @@ def test_format_output_shapes():
     partial = format_output(r, 1, "9", TOK, final=False)
     assert partial["meta_info"]["finish_reason"] is None
     assert "weight_versions" not in partial["meta_info"] and "routed_experts" not in partial["meta_info"]
-    delta = format_output(r, 2, "9", TOK, since=1, final=False)
+    delta = format_output(r, 2, "9", TOK, since=1, final=False, incremental=True)
     assert delta["output_ids"] == [33] and delta["text"] == "!"
     assert delta["meta_info"]["output_token_logprobs"] == [[-1.0, 33, "!"]]
+
+
+def test_incremental_text_deltas_concatenate_to_final_text():
+    g = GenParams(max_new_tokens=8)
+    r = Request("r2", [256], g, num_layers=1, top_k=1)
+    r.output = TOK.encode("a✓é!")
+    r.out_logprobs = [0.0] * len(r.output)
+    r.out_entropy = [0.0] * len(r.output)
+    sent, parts = 0, []
+    for n in range(1, len(r.output)):
+        parts.append(format_output(r, n, "0", TOK, since=sent, final=False, incremental=True)["text"])
+        sent = n
+    r.finish = {"type": "length", "length": 8}
+    parts.append(format_output(r, len(r.output), "0", TOK, since=sent, final=True,
+                               incremental=True)["text"])
+    assert "".join(parts) == "a✓é!"
+    assert all("\ufffd" not in p for p in parts)

@@ -52,3 +52,11 @@ def test_tokenizer_roundtrip_and_partial_utf8():
     assert tok.decode(partial) == "\ufffd" or "\ufffd" in tok.decode(partial)
     assert tok.decode([EOS_ID, 65], skip_special_tokens=False) == "<|eos|>A"
     assert tok.decode([999, 65]) == "A"
+
+
+def test_complete_prefix_len_holds_back_partial_characters():
+    tok = ByteTokenizer()
+    ids = tok.encode("a✓é")  # 1 + 3 + 2 bytes
+    cuts = [tok.complete_prefix_len(ids[:i]) for i in range(len(ids) + 1)]
+    assert cuts == [0, 1, 1, 1, 4, 4, 6]
+    assert tok.complete_prefix_len([0xFF]) == 1  # invalid byte: nothing to wait for
