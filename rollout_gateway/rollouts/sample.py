@@ -27,7 +27,8 @@ from rollout_gateway.core.trajectory import (
     Trajectory,
     Transition,
 )
-from rollout_gateway.engines.decode import DecodeOptions, RoutingSpec, decode_one
+from rollout_gateway.engines.decode import Decoded, DecodeOptions, RoutingSpec, decode_one
+from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.pool import Engine, EnginePool
 from rollout_gateway.errors import EngineError, GatewayError, Timeout, Unavailable
 from rollout_gateway.rollouts.models import RolloutRequest
@@ -108,26 +109,44 @@ class SampleRunner:
             p["input_ids"] = np.concatenate([state.prompt_ids, state.output_ids()]).tolist()
         return p
 
-    async def _call(self, eng: Engine, payload: dict[str, Any], on_chunk) -> tuple[bytes | None, GatewayError | None]:
-        """Returns (last payload, error). A broken stream keeps its last payload."""
+    async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions
+                    ) -> tuple[Decoded | None, GatewayError | None]:
+        """One engine request -> (decoded output so far, error). A broken stream keeps what
+        arrived: the last cumulative chunk, or the merged deltas of an incremental stream."""
         if not self.settings.stream_from_engines:
             try:
-                return await eng.client.generate(payload), None
+                return decode_one(await eng.client.generate(payload), opts), None
             except GatewayError as exc:
                 return None, exc
+        if eng.client.info.incremental_stream:
+            sd = StreamDecoder(opts, keep=True)
+            err: GatewayError | None = None
+            try:
+                async for data in eng.client.generate_stream(payload):
+                    sd.feed(b"data: " + data + b"\n\n")
+            except GatewayError as exc:
+                err = exc
+            try:
+                return sd.result(), err
+            except (GatewayError, ValueError) as exc:
+                return None, err or EngineError(f"engine {eng.id}: {exc}")
         last: bytes | None = None
+        err = None
         try:
             async for data in eng.client.generate_stream(payload):
-                last = data
-                if on_chunk is not None:
-                    await on_chunk(data)
+                last = data  # cumulative: the newest chunk holds everything so far
         except GatewayError as exc:
-            return last, exc
-        return last, None
+            err = exc
+        if last is None:
+            return None, err
+        try:
+            return decode_one(last, opts), err
+        except GatewayError as exc:
+            return None, err or exc
 
     async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
                   *, sticky_key: str | None, prompt_ids: np.ndarray | None,
-                  on_piece=None, on_chunk=None) -> tuple[Trajectory, str]:
+                  on_piece=None) -> tuple[Trajectory, str]:
         """Run to completion; returns the trajectory and its output text (as the engines
         detokenized it, concatenated over requests)."""
         state = SampleState(trajectory_id, prompt_ids)
@@ -160,15 +179,8 @@ class SampleRunner:
             epoch = eng.abort_epoch
             t0 = time.time()
             async with self.pool.lease(eng, remaining):
-                body, err = await self._call(eng, payload, on_chunk)
+                dec, err = await self._call(eng, payload, decode_options(eng, self.settings))
             t1 = time.time()
-            dec = None
-            if body is not None:
-                try:
-                    dec = decode_one(body, decode_options(eng, self.settings))
-                except GatewayError as exc:
-                    err = err or exc
-                    dec = None
             if dec is not None and want_ids:
                 ids = dec.input_token_ids
                 if ids is None or len(ids) == 0:

@@ -82,14 +82,9 @@ class RolloutService:
         self.counters["failovers"] += sum(1 for s in traj.segments if s.began == "failover")
         self.counters["abort_resumes"] += sum(1 for s in traj.segments if s.began == "abort_resume")
 
-    async def _one(self, req: RolloutRequest, tid: str, group: str, i: int, sticky: str | None,
-                   prompt: np.ndarray | None, on_piece=None, on_chunk=None) -> Trajectory:
-        traj, _text = await self.one_with_text(req, tid, group, i, sticky, prompt, on_piece, on_chunk)
-        return traj
-
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
-                            sticky: str | None, prompt: np.ndarray | None, on_piece=None,
-                            on_chunk=None) -> tuple[Trajectory, str]:
+                            sticky: str | None, prompt: np.ndarray | None,
+                            on_piece=None) -> tuple[Trajectory, str]:
         """One admitted sample: run, judge against the staleness bound, publish.
 
         Releases its admission slot exactly once. A recycled sample is generated again
@@ -98,8 +93,7 @@ class RolloutService:
         while True:
             try:
                 traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
-                                                   prompt_ids=prompt, on_piece=on_piece,
-                                                   on_chunk=on_chunk)
+                                                   prompt_ids=prompt, on_piece=on_piece)
             except BaseException:
                 self.gatekeeper.release_failed(1)
                 self.counters["failed_samples"] += 1

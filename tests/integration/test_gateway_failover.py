@@ -17,9 +17,11 @@ pytestmark = pytest.mark.integration
 SEED = 3
 
 
-def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, reference_model):
-    a = make_engine(seed=SEED, step_delay_ms=30)
-    b = make_engine(seed=SEED, step_delay_ms=30)
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, reference_model,
+                                                            incremental):
+    a = make_engine(seed=SEED, step_delay_ms=30, incremental_streaming_output=incremental)
+    b = make_engine(seed=SEED, step_delay_ms=30, incremental_streaming_output=incremental)
     models = {0: reference_model((ModelConfig(), SEED))}
     store, registry = redis_urls()
     with GatewayProcess({"a": a.url, "b": b.url}, store_url=store, registry_url=registry) as gw:
