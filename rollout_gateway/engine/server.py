@@ -189,13 +189,13 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         if mode not in ("abort", "retract", "in_place"):
             raise ProtocolError(f"mode must be one of abort, retract, in_place; got {mode!r}")
         await sched().pause(mode)
-        return _json({"success": True, "message": f"Generation paused ({mode})."})
+        return _json({"message": "Generation paused successfully.", "status": "ok", "mode": mode})
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
         await _body(request)
         await sched().resume()
-        return _json({"success": True, "message": "Generation continued."})
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
