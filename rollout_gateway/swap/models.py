@@ -62,3 +62,10 @@ class SwapRequest(BaseModel):
     rolling: bool = Field(default=False,
                           description="Update engines one at a time while the rest keep serving.")
     engines: list[str] | None = Field(default=None, description="Subset of engines (default all).")
+
+    @model_validator(mode="after")
+    def _rolling_needs_per_engine_source(self) -> SwapRequest:
+        if self.rolling and isinstance(self.source, DistributedSource):
+            raise ValueError("a distributed source updates every engine in one collective; "
+                             "rolling needs a disk source")
+        return self
