@@ -7,9 +7,10 @@ by side in the same run.
 A. Hot path, in this process (one core): SGLang-format /generate response bytes (from
    ``bench/replay_engine.py``'s generator: 48 layers x top-8 routed experts over 128
    experts, mixed prompt/output lengths) -> ``engines.decode`` -> ``core.stamping`` ->
-   ``Trajectory``. Side by side: a straightforward decoder (orjson + b64decode + numpy on
-   the parsed lists), ``orjson.loads`` alone and a memcpy of the same bytes. Tokens are
-   output tokens; best of several rounds (the machine is shared).
+   ``Trajectory``. Side by side: a straightforward decoder (orjson + stdlib b64decode +
+   numpy on the parsed lists), ``orjson.loads`` alone and a memcpy of the same bytes; then
+   routed experts alone per wire format. Tokens are output tokens; per CPU-second of this
+   thread, best of several interleaved rounds (the machine is shared).
 B. End to end: a replay engine process, the gateway (``rollout-gateway serve``) process
    and a closed-loop client with N concurrent requests. Output tokens/s direct to the
    engine vs through the gateway's SGLang-compatible /generate (stamped + published to
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import binascii
 import os
 import socket
 import subprocess
@@ -55,6 +57,8 @@ from rollout_gateway.engines.decode import (  # noqa: E402
     decode_one,
 )
 from rollout_gateway.engines.decode_entropy import topk_entropy  # noqa: E402
+from rollout_gateway.engines import decode_experts  # noqa: E402
+from rollout_gateway.engines.decode_experts import decode_routed_experts  # noqa: E402
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 #: (prompt tokens, output tokens): RL-style mix of short and long reasoning outputs
@@ -168,6 +172,58 @@ def part_a(rounds: int) -> list[dict[str, Any]]:
                      "ours_tok_s": tokens / t_ours, "naive_tok_s": tokens / t_naive,
                      "parse_tok_s": tokens / t_parse, "memcpy_tok_s": tokens / t_copy})
     return rows
+
+
+def part_a_wire(rounds: int) -> list[tuple[str, float, float]]:
+    """Routed experts alone, per wire format, over the MIX (prompt+output rows): what the
+    bytes SGLang sends cost us, and what narrower formats an engine could send would cost."""
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, EXPERTS, (p + t - 1, LAYERS, TOPK)).astype("<i4") for p, t in MIX]
+    tokens = sum(t for _, t in MIX)
+    b64_i32 = [base64.b64encode(a.tobytes()) for a in arrays]
+    b64_u8 = [base64.b64encode(a.astype(np.uint8).tobytes()) for a in arrays]
+    raw_u8 = [a.astype(np.uint8).tobytes() for a in arrays]
+
+    def ours(b: bytes) -> None:
+        decode_routed_experts(b, 0, len(b), num_experts=EXPERTS)
+
+    def ours_numpy(b: bytes) -> None:
+        decode_experts.USE_PYBASE64 = False
+        try:
+            decode_routed_experts(b, 0, len(b), num_experts=EXPERTS)
+        finally:
+            decode_experts.USE_PYBASE64 = decode_experts.pybase64 is not None
+
+    def binascii_i32(b: bytes) -> None:
+        flat = np.frombuffer(binascii.a2b_base64(b), "<i4")
+        assert flat.min() >= 0 and flat.max() < EXPERTS
+        flat.astype(np.uint8)
+
+    def b64_uint8(b: bytes) -> None:
+        raw = (decode_experts.pybase64.b64decode(b, validate=True) if decode_experts.pybase64
+               else binascii.a2b_base64(b))
+        assert np.frombuffer(raw, np.uint8).max() < EXPERTS
+
+    def raw_uint8(b: bytes) -> None:
+        assert np.frombuffer(b, np.uint8).max() < EXPERTS
+
+    out = []
+    for name, fn, data in [
+            ("int32 base64 (SGLang): engines.decode (pybase64)", ours, b64_i32),
+            ("int32 base64 (SGLang): numpy fallback path", ours_numpy, b64_i32),
+            ("int32 base64 (SGLang): stdlib binascii+astype", binascii_i32, b64_i32),
+            ("uint8 base64 (if an engine sent it)", b64_uint8, b64_u8),
+            ("uint8 raw bytes (binary side channel)", raw_uint8, raw_u8)]:
+        (t,) = _best([fn], data, rounds)
+        out.append((name, sum(map(len, data)) / 1e6, tokens / t))
+    return out
+
+
+def print_a_wire(rows: list[tuple[str, float, float]]) -> None:
+    print("\n   routed experts alone (prompt+output rows, validated, uint8 out), output tokens per "
+          "CPU-second:")
+    for name, mb, tps in rows:
+        print(f"   {name:52s} {mb:6.1f} MB {tps / 1e6:9.2f}M")
 
 
 def print_a(rows: list[dict[str, Any]]) -> None:
@@ -317,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="let the gateway stream engine output (default: one body per request)")
     args = ap.parse_args(argv)
     print_a(part_a(rounds=3 if args.quick else 7))
+    print_a_wire(part_a_wire(rounds=3 if args.quick else 7))
+    if decode_experts.pybase64 is None:
+        print("   (pybase64 is not installed: engines.decode uses its numpy fallback)")
     if not args.skip_e2e:
         print_b(part_b(args.concurrency, 3.0 if args.quick else args.duration,
                        args.prompt, args.out, args.stream_from_engines))

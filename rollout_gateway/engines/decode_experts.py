@@ -1,14 +1,14 @@
-"""Decode SGLang's ``routed_experts`` (base64 of little-endian int32) without a full decode.
+"""Decode SGLang's ``routed_experts`` (base64 of little-endian int32) into narrow ids.
 
-SGLang sends expert ids as int32, but ids fit a byte whenever num_experts <= 256 (every
-current MoE but a few). A 12-byte group (three int32) is 16 base64 characters; its three
-low bytes sit in character pairs (0,1), (5,6) and (10,11) and every other bit must be
-zero. So we read those three pairs through 64 Ki-entry lookup tables (each entry gives the
-byte, or an error flag when a character is not base64 or a high bit is set) and check the
-other ten characters are ``'A'`` (six zero bits) with two masked 64-bit compares. Reading
-the text straight out of the response bytes (no str, no bytes copy) this is ~3x faster
-than ``binascii.a2b_base64`` + ``astype``. Anything else (more than 256 experts, a tail
-shorter than one group, or any validation failure) takes the exact general path.
+Primary path: pybase64's SIMD decoder straight from the response bytes (a memoryview, no
+copy), then one range check and one narrowing cast -- ~15 GB/s of base64 on AVX-512.
+Fallback when pybase64 is not importable: ids fit a byte whenever num_experts <= 256, and
+a 12-byte group (three int32) is 16 base64 characters whose three low bytes sit in
+character pairs (0,1), (5,6) and (10,11) while every other bit must be zero; we read those
+pairs through 64 Ki-entry lookup tables (each entry gives the byte, or an error flag when
+a character is not base64 or a high bit is set) and check the other ten characters are
+``'A'`` with two masked 64-bit compares: ~3x faster than ``binascii`` + ``astype``.
+Anything else takes the exact general path (``binascii``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ import binascii
 import numpy as np
 
 from rollout_gateway.errors import EngineError
+
+try:
+    import pybase64
+except ImportError:  # pragma: no cover - exercised by forcing USE_PYBASE64 = False in tests
+    pybase64 = None
+
+#: use pybase64 when it is installed (it is a base dependency); tests flip this off to
+#: exercise the pure-numpy path
+USE_PYBASE64 = pybase64 is not None
 
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _ERR = 0x100  # flag bit in the lookup tables: not base64, or a bit of a high byte is set
@@ -106,6 +115,8 @@ def decode_routed_experts(buf: bytes | memoryview, start: int, end: int, *,
     Raises EngineError on invalid base64 or out-of-range ids.
     """
     n = end - start
+    if USE_PYBASE64:
+        return _pybase64(memoryview(buf)[start:end], num_experts)
     if num_experts is None:
         flat = _general_i32(memoryview(buf)[start:end])
         if flat.size and int(flat.min()) < 0:
@@ -142,3 +153,20 @@ def decode_routed_experts_str(text: str, *, num_experts: int | None) -> np.ndarr
 def _check_range(arr: np.ndarray, num_experts: int) -> None:
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_experts):
         raise EngineError(f"routed_experts ids outside [0, {num_experts})")
+
+
+def _pybase64(text: memoryview, num_experts: int | None) -> np.ndarray:
+    try:
+        raw = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise EngineError(f"routed_experts is not valid base64: {exc}") from exc
+    if len(raw) % 4:
+        raise EngineError(f"routed_experts has {len(raw)} bytes, not a whole number of int32")
+    ids = np.frombuffer(raw, "<u4")  # negative int32 become huge: one max() checks both ends
+    if num_experts is None:
+        if ids.size and int(ids.max()) > np.iinfo(np.int32).max:
+            raise EngineError("routed_experts has negative expert ids")
+        return ids.view("<i4")
+    if ids.size and int(ids.max()) >= num_experts:
+        raise EngineError(f"routed_experts ids outside [0, {num_experts})")
+    return ids.astype(np.uint8 if num_experts <= 256 else np.int32)

@@ -16,8 +16,18 @@ from rollout_gateway.engines.decode import (
     decode_generate,
     decode_one,
 )
+from rollout_gateway.engines import decode_experts
 from rollout_gateway.engines.decode_experts import decode_routed_experts
 from rollout_gateway.errors import EngineError
+
+
+@pytest.fixture(params=["pybase64", "numpy"])
+def b64_path(request, monkeypatch):
+    """Run a test through both routed-experts decoders (SIMD pybase64, numpy fallback)."""
+    if request.param == "pybase64":
+        pytest.importorskip("pybase64")
+    monkeypatch.setattr(decode_experts, "USE_PYBASE64", request.param == "pybase64")
+    return request.param
 
 # A non-streaming SGLang 0.5.23 /generate response with return_logprob, top_logprobs_num=2,
 # logprob_start_len=0, return_routed_experts (2 layers x top-2 over 4 experts; prompt 3
@@ -42,7 +52,7 @@ RECORDED = (
 )
 
 
-def test_recorded_response_decodes_every_column():
+def test_recorded_response_decodes_every_column(b64_path):
     opts = DecodeOptions(routing=RoutingSpec(num_layers=2, top_k=2, num_experts=4),
                          vocab_size=151936)
     d = decode_one(RECORDED, opts)
@@ -92,7 +102,7 @@ def test_python_json_spacing_and_exact_entropy_extension():
     np.testing.assert_array_equal(d.routed.data, RE_ROWS)
 
 
-def test_without_routing_spec_returns_flat_int32():
+def test_without_routing_spec_returns_flat_int32(b64_path):
     d = decode_one(RECORDED)
     assert d.routed is None
     assert d.routed_experts.dtype == np.int32
@@ -140,12 +150,12 @@ def _body_with(**meta_changes) -> bytes:
     (_body_with(output_top_logprobs=[[[-0.1, 1, None], [-0.2, 2, None]]] * 3), "sum to"),
     (_body_with(finish_reason=[1]), "finish_reason"),
 ])
-def test_garbage_becomes_engine_error(body, match):
+def test_garbage_becomes_engine_error(b64_path, body, match):
     with pytest.raises(EngineError, match=match):
         decode_generate(body, DecodeOptions(routing=RoutingSpec(2, 2, 4)))
 
 
-def test_routed_experts_shape_and_range_are_validated():
+def test_routed_experts_shape_and_range_are_validated(b64_path):
     with pytest.raises(EngineError, match="rows"):
         decode_one(RECORDED, DecodeOptions(routing=RoutingSpec(2, 2, 4),
                                            routed_experts_start_len=1))
@@ -157,7 +167,7 @@ def test_routed_experts_shape_and_range_are_validated():
 
 @pytest.mark.parametrize("num_experts", [1, 7, 128, 256, 257, 384])
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 383, 384, 385, 3000])
-def test_routed_experts_fast_path_matches_reference(num_experts, n):
+def test_routed_experts_fast_path_matches_reference(b64_path, num_experts, n):
     rng = np.random.default_rng(n * 1000 + num_experts)
     ids = rng.integers(0, num_experts, n).astype("<i4")
     text = base64.b64encode(ids.tobytes())
@@ -169,7 +179,7 @@ def test_routed_experts_fast_path_matches_reference(num_experts, n):
 
 @pytest.mark.parametrize("bad", [256, 1000, 1 << 20, -1, 1 << 31 - 1])
 @pytest.mark.parametrize("pos", [0, 1, 2, 200])
-def test_routed_experts_fast_path_rejects_out_of_range(bad, pos):
+def test_routed_experts_fast_path_rejects_out_of_range(b64_path, bad, pos):
     ids = np.zeros(384, "<i4")
     ids[pos] = bad
     text = base64.b64encode(ids.tobytes())
@@ -177,7 +187,7 @@ def test_routed_experts_fast_path_rejects_out_of_range(bad, pos):
         decode_routed_experts(text, 0, len(text), num_experts=256)
 
 
-def test_routed_experts_rejects_each_corrupted_character():
+def test_routed_experts_rejects_each_corrupted_character(b64_path):
     ids = np.arange(48, dtype="<i4") % 8
     text = bytearray(base64.b64encode(ids.tobytes()))
     for i in range(16):  # one block's every position, made invalid
@@ -206,7 +216,7 @@ def test_ragged_top_logprob_rows_are_padded():
     assert d.entropy_kind == EntropyKind.TOPK_ESTIMATE and np.isfinite(d.entropy).all()
 
 
-def test_fuzzed_bodies_only_ever_raise_engine_error():
+def test_fuzzed_bodies_only_ever_raise_engine_error(b64_path):
     """Truncations and byte flips of a real body: a clean EngineError or a valid decode."""
     rng = np.random.default_rng(0)
     opts = DecodeOptions(routing=RoutingSpec(2, 2, 4))
