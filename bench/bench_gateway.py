@@ -159,7 +159,8 @@ def part_a(rounds: int) -> list[dict[str, Any]]:
             stamp(naive_decode(b, opt_of[id(b)]), f"t{next(it)}")
 
         for b in bodies:  # correctness first: both decoders agree
-            x, y = stamp(decode_one(b, opt_of[id(b)]), "a"), stamp(naive_decode(b, opt_of[id(b)]), "b")
+            x = stamp(decode_one(b, opt_of[id(b)]), "a")
+            y = stamp(naive_decode(b, opt_of[id(b)]), "b")
             assert np.array_equal(x.tokens.token_ids, y.tokens.token_ids)
             assert np.array_equal(x.tokens.logprobs, y.tokens.logprobs)
             assert np.allclose(x.tokens.entropy, y.tokens.entropy)
