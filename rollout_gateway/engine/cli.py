@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,8 +30,17 @@ def run(args: argparse.Namespace) -> int:
     from rollout_gateway.engine.config import ModelConfig
     from rollout_gateway.engine.server import EngineSettings, create_app
 
+    try:
+        model = ModelConfig.from_arg(args.model_config)
+        if args.checkpoint:
+            from rollout_gateway.engine.checkpoint import read_config
+
+            read_config(args.checkpoint)  # fail fast with one clear line
+    except (ValueError, OSError) as exc:
+        print(f"rollout-gateway engine: {exc}", file=sys.stderr)
+        return 2
     settings = EngineSettings(
-        model=ModelConfig.from_arg(args.model_config), seed=args.seed,
+        model=model, seed=args.seed,
         checkpoint=args.checkpoint, weight_version=str(args.weight_version),
         incremental_streaming_output=args.incremental_streaming_output,
         max_running_requests=args.max_running_requests, step_delay_ms=args.step_delay_ms,

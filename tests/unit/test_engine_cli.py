@@ -1,0 +1,34 @@
+"""``rollout-gateway engine`` argument handling (no server started)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from rollout_gateway.engine import cli
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_defaults():
+    a = parse([])
+    assert (a.port, a.seed, a.weight_version, a.incremental_streaming_output) == (30000, 0, "0", False)
+
+
+def test_bad_inputs_fail_fast_with_one_line(tmp_path, capsys):
+    assert cli.run(parse(["--checkpoint", str(tmp_path / "nope")])) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert cli.run(parse(["--model-config", '{"num_attention_heads": 3}'])) == 2
+    assert "multiple of num_key_value_heads" in capsys.readouterr().err
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from rollout_gateway.cli import build_parser; "
+            "build_parser(['engine']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
