@@ -63,8 +63,12 @@ def clipped_surrogate(ratio_log: Tensor, adv: Tensor, eps_low: Tensor | float,
     ``eps_low``/``eps_high`` may be per-token tensors (SAT). ``clipped`` is 1 where the
     clipped branch is strictly the smaller one (the token's gradient is 0 there).
     """
-    lo = 1.0 - eps_low
-    hi = 1.0 + eps_high
+    return clipped_surrogate_bounds(ratio_log, adv, 1.0 - eps_low, 1.0 + eps_high)
+
+
+def clipped_surrogate_bounds(ratio_log: Tensor, adv: Tensor, lo: Tensor | float,
+                             hi: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
+    """clipped_surrogate with the clip interval [lo, hi] given directly."""
     if isinstance(lo, Tensor):
         lo = lo.detach().to(ratio_log.dtype)
     if isinstance(hi, Tensor):

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
-from .ops import clipped_surrogate, masked_mean, safe_exp
+from .ops import clipped_surrogate, clipped_surrogate_bounds, masked_mean, safe_exp
 
 
 class PPOClipConfig(LossConfig):
@@ -37,14 +37,18 @@ def ppo_token_loss(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float 
 
 def ppo_token_loss_ex(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
                       eps_high: float | Tensor, dual_clip: float | None = None,
-                      count: Tensor | None = None
+                      count: Tensor | None = None,
+                      bounds: tuple[Tensor, Tensor] | None = None
                       ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Like ppo_token_loss, also returning the clipped indicator [N] (detached, 0/1).
 
     Metrics: clipfrac (share of active tokens whose clipped branch is the min), approx_kl
     (mean of log pi_old - log pi over active tokens, verl's ppo_kl), ratio_mean.
     """
-    s, clipped, r = clipped_surrogate(log_ratio, adv, eps_low, eps_high)
+    if bounds is not None:  # per-token [lo, hi] given directly (SAT)
+        s, clipped, r = clipped_surrogate_bounds(log_ratio, adv, bounds[0], bounds[1])
+    else:
+        s, clipped, r = clipped_surrogate(log_ratio, adv, eps_low, eps_high)
     if count is None:
         count = mask.sum()
     metrics = {
