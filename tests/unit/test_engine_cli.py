@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 from rollout_gateway.engine import cli
 
@@ -30,5 +31,7 @@ def test_bad_inputs_fail_fast_with_one_line(tmp_path, capsys):
 def test_help_does_not_import_torch():
     code = ("import sys; from rollout_gateway.cli import build_parser; "
             "build_parser(['engine']); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    root = Path(cli.__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root)
     assert out.stdout.strip() == "False"
