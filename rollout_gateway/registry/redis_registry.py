@@ -200,23 +200,31 @@ class RedisRegistry(VersionRegistry):
 
 
 class _RedisWatch(Watch):
+    """Pub/sub feed that resubscribes after a dropped connection (events published
+    while it was down are lost: pub/sub is at-most-once; re-read snapshot() if needed)."""
+
     def __init__(self, client: aioredis.Redis, channel: str) -> None:
         self._client = client
         self._channel = channel
         self._ps: Any = None
+        self.reconnects = 0
 
     async def start(self) -> None:
-        self._ps = self._client.pubsub(ignore_subscribe_messages=True)
+        ps = self._client.pubsub(ignore_subscribe_messages=True)
         try:
-            await self._ps.subscribe(self._channel)
+            await ps.subscribe(self._channel)
         except RedisError as exc:
+            with contextlib.suppress(RedisError):
+                await ps.aclose()
             raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") from exc
+        self._ps = ps
 
     async def stop(self) -> None:
         if self._ps is not None:
             ps, self._ps = self._ps, None
             with contextlib.suppress(RedisError):
                 await ps.unsubscribe(self._channel)
+            with contextlib.suppress(RedisError):
                 await ps.aclose()
 
     async def next(self, timeout: float | None = None) -> VersionEvent:
@@ -229,9 +237,28 @@ class _RedisWatch(Watch):
             try:
                 msg = await self._ps.get_message(timeout=wait)
             except RedisError as exc:
-                raise StoreError(f"version registry (Redis) watch failed: {exc}") from exc
+                await self._resubscribe(exc, deadline)
+                continue
             if msg is not None and msg.get("type") == "message":
                 d = orjson.loads(msg["data"])
                 return VersionEvent(d["kind"], d["version"], d["engine_id"], d["at"])
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError("no version change within the timeout")
+
+    async def _resubscribe(self, cause: Exception, deadline: float | None) -> None:
+        """Reconnect with backoff; StoreError once the caller's deadline (or ~10 s) passes."""
+        loop = asyncio.get_running_loop()
+        give_up = deadline if deadline is not None else loop.time() + 10.0
+        await self.stop()
+        delay = 0.05
+        while True:
+            try:
+                await self.start()
+                self.reconnects += 1
+                return
+            except StoreError:
+                if loop.time() + delay > give_up:
+                    raise StoreError(f"version registry (Redis) watch lost its connection: "
+                                     f"{cause}") from cause
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)

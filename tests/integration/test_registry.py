@@ -190,3 +190,38 @@ async def test_redis_errors_become_store_errors():
 def test_bad_url_is_invalid_argument():
     with pytest.raises(InvalidArgument):
         create_registry("postgres://x")
+
+
+async def test_redis_watch_survives_a_killed_connection():
+    import redis.asyncio as aioredis
+
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    name = f"rgwatch{uuid.uuid4().hex[:8]}"
+    a = create_registry(f"{REDIS}?prefix={prefix}&client_name={name}")
+    b = create_registry(f"{REDIS}?prefix={prefix}")
+    admin = aioredis.Redis()
+    try:
+        async with a.watch() as feed:
+            await b.set_learner_version(1)
+            assert (await feed.next(timeout=5.0)).version == 1
+            clients = await admin.client_list()
+            ids = [c["id"] for c in clients if c.get("name") == name and "subscribe" in c["cmd"]]
+            assert ids, "the watch connection was not found"
+            for cid in ids:
+                await admin.client_kill_filter(_id=cid)
+            await asyncio.sleep(0.1)
+            got = None
+            for v in range(2, 40):  # publish until the resubscribed feed hears one
+                await b.set_learner_version(v)
+                try:
+                    got = await feed.next(timeout=0.3)
+                    break
+                except TimeoutError:
+                    continue
+            assert got is not None and got.kind == "learner" and got.version >= 2
+            assert feed.reconnects >= 1
+    finally:
+        await a.close()
+        await b.close()
+        await _cleanup(prefix)
+        await admin.aclose()
