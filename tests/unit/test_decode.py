@@ -259,3 +259,13 @@ def _wrong_types(put):
                             else json.dumps(obj).encode(), opts)
         except EngineError:
             pass
+
+
+def test_list_response_each_item_gets_its_own_routed_experts(b64_path):
+    one = orjson.loads(RECORDED)
+    two = orjson.loads(RECORDED)
+    other = (RE_ROWS + 1) % 4
+    two["meta_info"]["routed_experts"] = base64.b64encode(other.tobytes()).decode()
+    out = decode_generate(orjson.dumps([one, two]), DecodeOptions(routing=RoutingSpec(2, 2, 4)))
+    np.testing.assert_array_equal(out[0].routed.data, RE_ROWS)
+    np.testing.assert_array_equal(out[1].routed.data, other)
