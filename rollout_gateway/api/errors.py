@@ -16,12 +16,12 @@ log = logging.getLogger(__name__)
 
 
 class ORJSONResponse(Response):
-    """JSON via orjson (numpy-free plain types; NaN is never produced by our serializers)."""
+    """JSON via orjson; numpy arrays are written natively (NaN/inf as null)."""
 
     media_type = "application/json"
 
     def render(self, content) -> bytes:
-        return orjson.dumps(content)
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def error_response(status: int, code: str, message: str, details: dict | None = None) -> ORJSONResponse:

@@ -88,19 +88,21 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         "cached_tokens": 0,
         "weight_version": str(int(c.policy_version[-1])) if t.num_tokens else None,
         "weight_versions": spans,
-        "trajectory_id": t.trajectory_id, "policy_versions": c.policy_version.tolist(),
-        "kv_versions": c.kv_version.tolist(), "entropy_kind": t.entropy_kind.value,
+        "trajectory_id": t.trajectory_id, "policy_versions": c.policy_version,
+        "kv_versions": c.kv_version, "entropy_kind": t.entropy_kind.value,
         "segments": [segment_to_json(s) for s in t.segments],
         "num_retractions": sum(1 for s in t.segments if s.began == "retract"),
     }
     if opts["return_logprob"]:
-        meta["output_token_logprobs"] = [[_f(lp), tok, None] for lp, tok in
-                                         zip(c.logprobs.tolist(), c.token_ids.tolist())]
-        meta["output_token_entropy"] = [_f(x) for x in c.entropy.tolist()]
+        lps = c.logprobs.tolist()
+        if not np.isfinite(c.logprobs).all():
+            lps = [_f(x) for x in lps]
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, c.token_ids.tolist())]
+        meta["output_token_entropy"] = c.entropy
     if opts["routed"] and t.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(
             np.ascontiguousarray(t.routed_experts.data, dtype="<i4").tobytes()).decode()
-    out: dict[str, Any] = {"text": text, "output_ids": c.token_ids.tolist(), "meta_info": meta}
+    out: dict[str, Any] = {"text": text, "output_ids": c.token_ids, "meta_info": meta}
     if t.sample_index or opts.get("n", 1) > 1:
         out["index"] = index
     return out

@@ -34,7 +34,7 @@ def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for ev in events:
-                yield b"data: " + orjson.dumps(ev) + b"\n\n"
+                yield b"data: " + orjson.dumps(ev, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
         except GatewayError as exc:
             yield b"data: " + orjson.dumps({"type": "error", "error": exc.to_dict()}) + b"\n\n"
         yield b"data: [DONE]\n\n"

@@ -1,4 +1,8 @@
-"""Trajectories as JSON for HTTP clients (columns stay lists; routing is base64)."""
+"""Trajectories as JSON for HTTP clients.
+
+Per-token columns stay numpy arrays here and are written by orjson with
+``OPT_SERIALIZE_NUMPY`` (C speed, no per-token Python objects; NaN/inf become null).
+Routed experts travel as base64 of the narrow-dtype array."""
 
 from __future__ import annotations
 
@@ -6,17 +10,16 @@ import base64
 import math
 from typing import Any
 
-import numpy as np
+import orjson
 
 from rollout_gateway.core.trajectory import Segment, TokenColumns, Trajectory
 
 
-def _floats(a: np.ndarray) -> list[float | None]:
-    """float32 column -> list; NaN/inf (not JSON) become None."""
-    out = a.astype(np.float64).tolist()
-    if not np.isfinite(a).all():
-        out = [x if math.isfinite(x) else None for x in out]
-    return out
+JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=JSON_OPTS)
 
 
 def segment_to_json(s: Segment) -> dict[str, Any]:
@@ -26,15 +29,14 @@ def segment_to_json(s: Segment) -> dict[str, Any]:
 
 
 def columns_to_json(c: TokenColumns) -> dict[str, Any]:
-    return {"token_ids": c.token_ids.tolist(), "logprobs": _floats(c.logprobs),
-            "entropy": _floats(c.entropy), "policy_version": c.policy_version.tolist(),
-            "kv_version": c.kv_version.tolist()}
+    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "entropy": c.entropy,
+            "policy_version": c.policy_version, "kv_version": c.kv_version}
 
 
 def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
     out: dict[str, Any] = {
         "trajectory_id": t.trajectory_id, "group_id": t.group_id,
-        "sample_index": t.sample_index, "prompt_token_ids": t.prompt_token_ids.tolist(),
+        "sample_index": t.sample_index, "prompt_token_ids": t.prompt_token_ids,
         "finish_reason": t.finish_reason.to_dict(), "num_tokens": t.num_tokens,
         **columns_to_json(t.tokens),
         "entropy_kind": t.entropy_kind.value,
@@ -49,10 +51,3 @@ def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
                                  "num_experts": r.num_experts, "start": r.start,
                                  "data_b64": base64.b64encode(r.data.tobytes()).decode()}
     return out
-
-
-def piece_event(sample_index: int, trajectory_id: str, piece: Any, offset: int) -> dict[str, Any]:
-    """A stamped chunk: the tokens one engine request added to a sample."""
-    return {"type": "chunk", "sample_index": sample_index, "trajectory_id": trajectory_id,
-            "offset": offset, "engine_id": piece.engine_id, **columns_to_json(piece.cols),
-            "segments": [segment_to_json(s) for s in piece.segments]}

@@ -109,21 +109,24 @@ class SampleRunner:
             p["input_ids"] = np.concatenate([state.prompt_ids, state.output_ids()]).tolist()
         return p
 
-    async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions
-                    ) -> tuple[Decoded | None, GatewayError | None]:
+    async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
+                    on_delta=None) -> tuple[Decoded | None, GatewayError | None]:
         """One engine request -> (decoded output so far, error). A broken stream keeps what
-        arrived: the last cumulative chunk, or the merged deltas of an incremental stream."""
-        if not self.settings.stream_from_engines:
+        arrived: the last cumulative chunk, or the merged deltas of an incremental stream.
+        ``on_delta(d)`` (live streaming to a client) sees every chunk's new tokens."""
+        if not self.settings.stream_from_engines and on_delta is None:
             try:
                 return decode_one(await eng.client.generate(payload), opts), None
             except GatewayError as exc:
                 return None, exc
-        if eng.client.info.incremental_stream:
+        if eng.client.info.incremental_stream or on_delta is not None:
             sd = StreamDecoder(opts, keep=True)
             err: GatewayError | None = None
             try:
                 async for data in eng.client.generate_stream(payload):
-                    sd.feed(b"data: " + data + b"\n\n")
+                    for d in sd.feed(b"data: " + data + b"\n\n"):
+                        if on_delta is not None and d.num_tokens:
+                            await on_delta(d)
             except GatewayError as exc:
                 err = exc
             try:
@@ -146,7 +149,7 @@ class SampleRunner:
 
     async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
                   *, sticky_key: str | None, prompt_ids: np.ndarray | None,
-                  on_piece=None) -> tuple[Trajectory, str]:
+                  on_chunk=None) -> tuple[Trajectory, str]:
         """Run to completion; returns the trajectory and its output text (as the engines
         detokenized it, concatenated over requests)."""
         state = SampleState(trajectory_id, prompt_ids)
@@ -178,8 +181,15 @@ class SampleRunner:
             input_len = len(payload.get("input_ids", ()))
             epoch = eng.abort_epoch
             t0 = time.time()
+            on_delta = None
+            if on_chunk is not None:
+                base, how = state.generated, began
+
+                async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
+                    await on_chunk(self._stamp_delta(eng, d, how, base))
             async with self.pool.lease(eng, remaining):
-                dec, err = await self._call(eng, payload, decode_options(eng, self.settings))
+                dec, err = await self._call(eng, payload, decode_options(eng, self.settings),
+                                            on_delta)
             t1 = time.time()
             if dec is not None and want_ids:
                 ids = dec.input_token_ids
@@ -192,8 +202,6 @@ class SampleRunner:
                     raise EngineError(f"engine {eng.id} returned output but no prompt ids")
                 piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
                 state.pieces.append(piece)
-                if on_piece is not None:
-                    await on_piece(state, piece)
             fin = dec.finish_reason if dec is not None else None
             if err is None and fin is not None and fin.get("type") != "abort":
                 finish = fin
@@ -228,6 +236,20 @@ class SampleRunner:
         """A 4xx from the engine means our request is bad: failing over would not help."""
         status = err.details.get("status") if err.details else None
         return isinstance(status, int) and 400 <= status < 500
+
+    @staticmethod
+    def _stamp_delta(eng: Engine, d: Decoded, began: Transition, base: int) -> dict[str, Any]:
+        """A live chunk: the new tokens of one engine stream chunk, stamped."""
+        total = d.offset + d.num_tokens
+        spans = normalize_spans([Span(int(v), int(a), int(b)) for v, a, b in d.spans if a < total],
+                                total, d.weight_version) if d.spans else \
+            normalize_spans([], total, d.weight_version)
+        st = stamp_request(spans, offset=base, engine_id=eng.id, began=began,
+                           installed_by=eng.installed_by)
+        return {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
+                "logprobs": d.logprobs, "entropy": d.entropy,
+                "policy_version": st.policy_version[d.offset:],
+                "kv_version": st.kv_version[d.offset:]}
 
     def _piece(self, eng: Engine, dec, began: Transition, offset: int, input_len: int,
                t0: float, t1: float) -> Piece:

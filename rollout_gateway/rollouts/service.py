@@ -16,7 +16,7 @@ from rollout_gateway.core.admission import Verdict
 from rollout_gateway.errors import GatewayError, InvalidArgument
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import Piece, SampleRunner, SampleState
+from rollout_gateway.rollouts.sample import SampleRunner
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 
@@ -84,7 +84,7 @@ class RolloutService:
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
-                            on_piece=None) -> tuple[Trajectory, str]:
+                            on_chunk=None) -> tuple[Trajectory, str]:
         """One admitted sample: run, judge against the staleness bound, publish.
 
         Releases its admission slot exactly once. A recycled sample is generated again
@@ -93,7 +93,7 @@ class RolloutService:
         while True:
             try:
                 traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
-                                                   prompt_ids=prompt, on_piece=on_piece)
+                                                   prompt_ids=prompt, on_chunk=on_chunk)
             except BaseException:
                 self.gatekeeper.release_failed(1)
                 self.counters["failed_samples"] += 1
@@ -145,14 +145,14 @@ class RolloutService:
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         group, ids, sticky = self._ids(req)
         prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
-        from rollout_gateway.api.serialize import piece_event
 
         async def one(i: int, tid: str) -> None:
-            async def on_piece(state: SampleState, piece: Piece) -> None:
-                await queue.put(piece_event(i, tid, piece, state.generated - len(piece.cols)))
+            async def on_chunk(chunk: dict[str, Any]) -> None:
+                await queue.put({"type": "chunk", "sample_index": i, "trajectory_id": tid,
+                                 **chunk})
             try:
                 traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
-                                                      on_piece=on_piece)
+                                                      on_chunk=on_chunk)
                 # objects, not JSON: each HTTP route renders them its own way
                 await queue.put({"type": "trajectory", "sample_index": i, "trajectory": traj,
                                  "text": text})
