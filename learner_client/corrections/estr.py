@@ -33,6 +33,9 @@ class ESTRConfig(LossConfig):
     tau: float | None = Field(None, ge=0.0, description="Fixed threshold on delta^2/(H+eps_h).")
     target_mask_rate: float | None = Field(
         0.02, ge=0.0, lt=1.0, description="Set tau per batch to mask about this fraction.")
+    version_diagnostics: bool = Field(
+        True, description="Report intra/inter version spread (needs versions and sequence "
+                          "boundaries; costs two segment reductions over N).")
 
     @model_validator(mode="after")
     def _one_mode(self) -> ESTRConfig:
@@ -104,5 +107,6 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     metrics["tau"] = tau.detach().to(torch.float32)
     metrics["entropy_missing_rate"] = (masked_mean(missing_b.to(m.dtype), m, n_act)
                                        if any_missing else torch.zeros_like(n_act))
-    metrics.update(version_spread(inputs))
+    if cfg.version_diagnostics:
+        metrics.update(version_spread(inputs))
     return TokenLoss(pg.masked_fill(drop, 0.0), m, metrics)
