@@ -88,7 +88,7 @@ async def transport_read(target: str, args, group: str) -> tuple[int, float, int
     torch.set_num_threads(1)
     n = tokens = 0
     async with AsyncTrajectoryClient(target, group, "bench-learner", learner_version=4,
-                                     prefetch=args.batch) as c:
+                                     prefetch=args.prefetch * args.batch) as c:
         await c.create_group()  # a fresh group re-reads the same retained entries
         t0 = time.perf_counter()
         while n < args.trajectories:
@@ -113,6 +113,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="batches of credit the learner keeps in flight beyond the current one")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved raw/transport rounds; the medians are reported")
     p.add_argument("--cpu", type=int, default=0)

@@ -7,9 +7,11 @@ anything unexpected becomes INTERNAL with a generic message (logged here, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -103,8 +105,7 @@ class TrajectoryServicer:
     # ---- Pull: bidi, credit-based ----
 
     async def Pull(self, request_iterator, context):
-        held: list[StoredEntry] = []
-        group = ""
+        stream: _PullStream | None = None
         try:
             first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("kind") != "open":
@@ -112,57 +113,18 @@ class TrajectoryServicer:
             o = first.open
             group = check_name("group", o.group)
             consumer = check_name("consumer", o.consumer or f"anon-{uuid.uuid4().hex[:8]}")
-            if not await self.store.has_group(group):
-                raise NotFound(f"consumer group {group!r} does not exist; call CreateGroup")
-            state = {"version": o.learner_version,
-                     "max_lag": o.max_lag if o.HasField("max_lag") else None}
-            if state["max_lag"] is not None and state["max_lag"] < 0:
+            if o.HasField("max_lag") and o.max_lag < 0:
                 raise InvalidArgument("max_lag must be >= 0")
             if o.stale_policy and o.stale_policy not in _POLICIES:
                 raise InvalidArgument(f"unknown stale_policy {o.stale_policy}")
-            policy = _POLICIES.get(o.stale_policy, self.default_policy)
-            credit = _Credit()
-            changed = asyncio.Event()
-            failure: list[BaseException] = []
-            reader = asyncio.create_task(
-                self._read_requests(request_iterator, credit, state, changed, failure))
-            try:
-                while not reader.done() or credit.open():
-                    if failure:
-                        raise failure[0]
-                    if not credit.open():
-                        changed.clear()
-                        await changed.wait()
-                        continue
-                    if not held:
-                        n = self.max_read if credit.trajectories is None else min(
-                            credit.trajectories, self.max_read)
-                        held = await self.store.pull(
-                            group, consumer, n, learner_version=state["version"],
-                            max_lag=state["max_lag"], policy=policy, block_ms=self.poll_ms)
-                        if not held:
-                            if reader.done() and not failure:
-                                break
-                            continue
-                    if held and delivery_size(held[0]) > self.max_batch_bytes:
-                        await self._reject_oversize(group, held.pop(0))
-                        continue
-                    batch, size = [], 0
-                    while held and credit.fits(held[0]) and (
-                            not batch or size + delivery_size(held[0]) <= self.max_batch_bytes):
-                        e = held.pop(0)
-                        credit.take(e)
-                        batch.append(e)
-                        size += delivery_size(e)
-                    if batch:
-                        yield encode_batch(batch, credit.trajectories or 0, credit.tokens or 0)
-                    elif held:  # head does not fit the token credit: wait for more credit
-                        changed.clear()
-                        await changed.wait()
-                if failure:
-                    raise failure[0]
-            finally:
-                reader.cancel()
+            if not await self.store.has_group(group):
+                raise NotFound(f"consumer group {group!r} does not exist; call CreateGroup")
+            stream = _PullStream(self, group, consumer, o.learner_version,
+                                 o.max_lag if o.HasField("max_lag") else None,
+                                 _POLICIES.get(o.stale_policy, self.default_policy))
+            async with contextlib.aclosing(stream.run(request_iterator)) as blobs:
+                async for blob in blobs:
+                    yield blob
         except grpc.aio.AbortError:
             raise
         except asyncio.CancelledError:
@@ -170,11 +132,8 @@ class TrajectoryServicer:
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
         finally:
-            if held and group:  # leased but never sent: make them available again now
-                try:
-                    await self.store.nack(group, [e.entry_id for e in held], delivered=False)
-                except Exception:  # noqa: BLE001 - the lease expiry still covers them
-                    log.warning("could not release %d held entries", len(held))
+            if stream is not None:
+                await stream.close()
 
     async def _reject_oversize(self, group: str, e: StoredEntry) -> None:
         """An entry larger than one gRPC message can never be delivered: dead-letter it."""
@@ -182,29 +141,6 @@ class TrajectoryServicer:
                   e.trajectory_id, len(e.data), self.max_batch_bytes)
         await self.store.ack(group, [e.entry_id])
         await self.store._count(dead_lettered=1)
-
-    @staticmethod
-    async def _read_requests(it, credit: _Credit, state: dict, changed: asyncio.Event,
-                             failure: list[BaseException]) -> None:
-        try:
-            async for req in it:
-                if req.WhichOneof("kind") != "credit":
-                    raise InvalidArgument("only `credit` messages may follow `open`")
-                g = req.credit
-                credit.add(g)
-                if g.HasField("learner_version"):
-                    state["version"] = g.learner_version
-                if g.HasField("max_lag"):
-                    if g.max_lag < 0:
-                        raise InvalidArgument("max_lag must be >= 0")
-                    state["max_lag"] = g.max_lag
-                changed.set()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - surfaced by Pull
-            failure.append(exc)
-        finally:
-            changed.set()
 
     # ---- unary ----
 
@@ -262,6 +198,128 @@ class TrajectoryServicer:
             raise
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
+
+
+class _PullStream:
+    """One Pull stream: a producer leases entries from the store ahead of sending (up to
+    the granted credit), the sender frames what fits the credit; requests move credit.
+    Reading the store overlaps with sending the previous batch."""
+
+    def __init__(self, svc: TrajectoryServicer, group: str, consumer: str, version: int,
+                 max_lag: int | None, policy: StalePolicy):
+        self.svc, self.group, self.consumer = svc, group, consumer
+        self.version, self.max_lag, self.policy = version, max_lag, policy
+        self.credit = _Credit()
+        self.held: deque[StoredEntry] = deque()
+        self.held_tokens = 0
+        self.wake = asyncio.Event()  # any state change; loops clear, re-check, then wait
+        self.failure: list[BaseException] = []
+        self.requests_done = False
+        self.drained = False
+        self.tasks: list[asyncio.Task] = []  # after the requests ended, a store read came back empty
+
+    def _room(self) -> int:
+        c = self.credit
+        if not c.open() or (c.tokens is not None and self.held_tokens >= c.tokens):
+            return 0
+        n = self.svc.max_read if c.trajectories is None else c.trajectories - len(self.held)
+        return min(n, self.svc.max_read)
+
+    async def run(self, request_iterator):
+        self.tasks = [asyncio.create_task(self._requests(request_iterator)),
+                      asyncio.create_task(self._produce())]
+        try:
+            while True:
+                self.wake.clear()
+                if self.failure:
+                    raise self.failure[0]
+                if self.held and delivery_size(self.held[0]) > self.svc.max_batch_bytes:
+                    await self.svc._reject_oversize(self.group, self._pop())
+                    continue
+                batch, size = [], 0
+                while self.held and self.credit.fits(self.held[0]) and (
+                        not batch or size + delivery_size(self.held[0])
+                        <= self.svc.max_batch_bytes):
+                    e = self._pop()
+                    self.credit.take(e)
+                    batch.append(e)
+                    size += delivery_size(e)
+                if batch:
+                    self.wake.set()  # room for the producer
+                    yield encode_batch(batch, self.credit.trajectories or 0,
+                                       self.credit.tokens or 0)
+                    continue
+                if self.requests_done and (not self.credit.open() or self.drained):
+                    return
+                await self.wake.wait()
+        finally:
+            await self._stop_tasks()
+
+    async def _stop_tasks(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _pop(self) -> StoredEntry:
+        e = self.held.popleft()
+        self.held_tokens -= e.num_tokens
+        return e
+
+    async def _produce(self) -> None:
+        try:
+            while True:
+                self.wake.clear()
+                room = self._room()
+                if room <= 0:
+                    await self.wake.wait()
+                    continue
+                got = await self.svc.store.pull(
+                    self.group, self.consumer, room, learner_version=self.version,
+                    max_lag=self.max_lag, policy=self.policy, block_ms=self.svc.poll_ms)
+                self.held.extend(got)
+                self.held_tokens += sum(e.num_tokens for e in got)
+                if not got and self.requests_done:
+                    self.drained = True
+                self.wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced by the sender
+            self.failure.append(exc)
+            self.wake.set()
+
+    async def _requests(self, it) -> None:
+        try:
+            async for req in it:
+                if req.WhichOneof("kind") != "credit":
+                    raise InvalidArgument("only `credit` messages may follow `open`")
+                g = req.credit
+                self.credit.add(g)
+                if g.HasField("learner_version"):
+                    self.version = g.learner_version
+                if g.HasField("max_lag"):
+                    if g.max_lag < 0:
+                        raise InvalidArgument("max_lag must be >= 0")
+                    self.max_lag = g.max_lag
+                self.wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced by the sender
+            self.failure.append(exc)
+        finally:
+            self.requests_done = True
+            self.wake.set()
+
+    async def close(self) -> None:
+        """Stop the tasks; entries leased but never sent become available again at once."""
+        await self._stop_tasks()
+        if not self.held:
+            return
+        ids = [e.entry_id for e in self.held]
+        self.held.clear()
+        try:
+            await self.svc.store.nack(self.group, ids, delivered=False)
+        except Exception:  # noqa: BLE001 - lease expiry still covers them
+            log.warning("could not release %d held entries", len(ids))
 
 
 def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
