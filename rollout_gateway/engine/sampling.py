@@ -21,6 +21,11 @@ class SamplingSpec:
     top_k: int = -1  # -1 or >= vocab: disabled
     min_p: float = 0.0
 
+    @property
+    def is_plain(self) -> bool:
+        """No top-k/top-p/min-p filtering: sample the scaled distribution as is."""
+        return self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0.0
+
     @classmethod
     def make(cls, temperature: float, top_p: float, top_k: int, min_p: float) -> SamplingSpec:
         if temperature < GREEDY_EPS:
@@ -71,10 +76,16 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec],
     logp = scaled_logprobs(logits, temps)
     ent = entropy_of(logp)
     toks = torch.empty(len(specs), dtype=torch.long)
+    plain = []  # unseeded rows without filters: one multinomial call for all of them
     for i, (spec, gen) in enumerate(zip(specs, generators)):
         if spec.top_k == 1:
             toks[i] = torch.argmax(logp[i])
+        elif gen is None and spec.is_plain:
+            plain.append(i)
         else:
             toks[i] = torch.multinomial(filtered_probs(logp[i], spec), 1, generator=gen)[0]
+    if plain:
+        rows = torch.tensor(plain)
+        toks[rows] = torch.multinomial(logp[rows].exp(), 1)[:, 0]
     lp = logp.gather(1, toks[:, None])[:, 0]
     return SampleResult(tokens=toks, logprobs=lp, entropy=ent, logp=logp)

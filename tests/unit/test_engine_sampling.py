@@ -60,3 +60,13 @@ def test_complete_prefix_len_holds_back_partial_characters():
     cuts = [tok.complete_prefix_len(ids[:i]) for i in range(len(ids) + 1)]
     assert cuts == [0, 1, 1, 1, 4, 4, 6]
     assert tok.complete_prefix_len([0xFF]) == 1  # invalid byte: nothing to wait for
+
+
+def test_unseeded_plain_rows_sample_from_the_scaled_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(4000, 1)
+    res = sample(logits, [SamplingSpec.make(2.0, 1.0, -1, 0.0)] * 4000, [None] * 4000)
+    freq = torch.bincount(res.tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0] / 2.0, -1), atol=0.03)
+    assert torch.allclose(res.logprobs, torch.log_softmax(logits / 2.0, -1).gather(
+        1, res.tokens[:, None])[:, 0])
