@@ -37,6 +37,7 @@ class StreamDecoder:
         self.keep = keep
         self.max_event_bytes = max_event_bytes
         self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for an event end (no rescans)
         self._states: dict[object, _State] = {}
         self.done = False  # saw data: [DONE]
 
@@ -47,16 +48,20 @@ class StreamDecoder:
                              and all(s.finished for s in self._states.values()))
 
     def feed(self, data: bytes) -> list[Decoded]:
+        """Add bytes; return the deltas of every event they complete. A large event
+        arriving in many pieces is scanned once (linear, not quadratic)."""
         self._buf += data
         out: list[Decoded] = []
         while True:
-            cut, sep = _find_event_end(self._buf)
+            cut, sep = _find_event_end(self._buf, max(self._scanned - 3, 0))
             if cut < 0:
+                self._scanned = len(self._buf)
                 if len(self._buf) > self.max_event_bytes:
                     raise EngineError("engine stream event exceeds the size limit")
                 return out
             event = bytes(self._buf[:cut])
             del self._buf[:cut + sep]
+            self._scanned = 0
             out.extend(self._event(event))
 
     def close(self) -> list[Decoded]:
@@ -130,11 +135,12 @@ def _tail(col: np.ndarray, seen: int, new: int, total: int, name: str) -> np.nda
                       f"{total} cumulative")
 
 
-def _find_event_end(buf: bytearray) -> tuple[int, int]:
-    """Index of the first blank-line separator and its length (-1 if none yet)."""
+def _find_event_end(buf: bytearray, start: int = 0) -> tuple[int, int]:
+    """Index of the first blank-line separator at or after ``start`` and its length
+    (-1 if none yet)."""
     best, size = -1, 0
     for sep in (b"\n\n", b"\r\n\r\n"):
-        i = buf.find(sep)
+        i = buf.find(sep, start)
         if i >= 0 and (best < 0 or i < best):
             best, size = i, len(sep)
     return best, size
