@@ -217,3 +217,14 @@ async def test_client_disconnect_aborts_stream(make_engine):
             await asyncio.sleep(0.05)
         assert info["num_running_reqs"] + info["num_waiting_reqs"] == 0
         assert info["decode_steps"] < 300  # aborted long before its 400 tokens
+
+
+async def test_requests_beyond_max_running_wait_their_turn(make_engine, reference_model):
+    eng = make_engine(seed=SEED, max_running_requests=2)
+    prompts = [[256, 40 + i] for i in range(5)]
+    async with httpx.AsyncClient(timeout=120) as c:
+        rs = await asyncio.gather(*(c.post(eng.url + "/generate", json=gen_body(
+            p, sampling_seed=i, ignore_eos=True)) for i, p in enumerate(prompts)))
+    for p, r in zip(prompts, rs):
+        assert r.status_code == 200
+        check_against_reference(reference_model((CFG, SEED)), p, r.json(), 1.0)
