@@ -14,7 +14,8 @@ A. Hot path, in this process (one core): SGLang-format /generate response bytes 
 B. End to end: a replay engine process, the gateway (``rollout-gateway serve``) process
    and a closed-loop client with N concurrent requests. Output tokens/s direct to the
    engine vs through the gateway's SGLang-compatible /generate (stamped + published to
-   the embedded store), and the ratio.
+   the embedded store; engines read streamed, the default, and non-streamed), the ratio,
+   and stamped tokens per gateway CPU-second (from /proc).
 """
 
 from __future__ import annotations
@@ -299,67 +300,75 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
     return ok * tokens_per_req / elapsed, ok, err
 
 
-def part_b(concurrency: int, duration: float, prompt: int, out: int,
-           stream_from_engines: bool) -> dict[str, Any]:
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def part_b(concurrency: int, duration: float, prompt: int, out: int) -> dict[str, Any]:
+    """Direct, then the gateway reading engines streamed (its default) and non-streamed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
                ROLLOUT_GATEWAY_MAX_STALENESS="1000000",
-               ROLLOUT_GATEWAY_MAX_INFLIGHT_SAMPLES="100000",
-               ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(stream_from_engines).lower())
-    e_port, g_port = _free_port(), _free_port()
-    procs = []
+               ROLLOUT_GATEWAY_MAX_INFLIGHT_SAMPLES="100000")
+    body = {"input_ids": list(range(1, prompt + 1)),
+            "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
+            "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
+    warm = min(2.0, duration / 4)
+    e_port = _free_port()
+    engine_proc = subprocess.Popen(
+        [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
+         "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
+        env=env, stdout=subprocess.DEVNULL)
+    res: dict[str, Any] = {"prompt": prompt, "out": out, "concurrency": concurrency,
+                           "duration": duration, "gateway": {}}
     try:
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
-             "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
-            env=env, stdout=subprocess.DEVNULL))
         engine = f"http://127.0.0.1:{e_port}"
-        _wait_http(engine + "/health", procs[0])
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
-             "--port", str(g_port), "--grpc-host", "127.0.0.1", "--grpc-port", "0",
-             "--engine", f"replay={engine}", "--log-level", "warning"],
-            env=env, stdout=subprocess.DEVNULL))
-        gateway = f"http://127.0.0.1:{g_port}"
-        _wait_http(gateway + "/health", procs[1])
-        body = {"input_ids": list(range(1, prompt + 1)),
-                "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
-                "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
-        warm = min(2.0, duration / 4)
+        _wait_http(engine + "/health", engine_proc)
         asyncio.run(_load(engine + "/generate", body, out, concurrency, warm))
-        asyncio.run(_load(gateway + "/generate", body, out, concurrency, warm))
-        direct = asyncio.run(_load(engine + "/generate", body, out, concurrency, duration))
-        g0 = _cpu_seconds(procs[1].pid)
-        through = asyncio.run(_load(gateway + "/generate", body, out, concurrency, duration))
-        g_cpu = _cpu_seconds(procs[1].pid) - g0
-        return {"direct": direct, "gateway": through, "prompt": prompt, "out": out,
-                "gateway_cpu": g_cpu,
-                "concurrency": concurrency, "duration": duration,
-                "stream_from_engines": stream_from_engines}
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
+        res["direct"] = asyncio.run(_load(engine + "/generate", body, out, concurrency,
+                                          duration))
+        for streamed in (True, False):
+            g_port = _free_port()
+            gw = subprocess.Popen(
+                [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
+                 "--port", str(g_port), "--grpc-host", "127.0.0.1", "--grpc-port", "0",
+                 "--engine", f"replay={engine}", "--log-level", "warning"],
+                env=dict(env, ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(streamed).lower()),
+                stdout=subprocess.DEVNULL)
             try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                gateway = f"http://127.0.0.1:{g_port}"
+                _wait_http(gateway + "/health", gw)
+                asyncio.run(_load(gateway + "/generate", body, out, concurrency, warm))
+                c0 = _cpu_seconds(gw.pid)
+                r = asyncio.run(_load(gateway + "/generate", body, out, concurrency, duration))
+                res["gateway"][streamed] = (*r, _cpu_seconds(gw.pid) - c0)
+            finally:
+                _stop([gw])
+    finally:
+        _stop([engine_proc])
+    return res
 
 
 def print_b(r: dict[str, Any]) -> None:
-    (d, dok, derr), (g, gok, gerr) = r["direct"], r["gateway"]
+    d, dok, derr = r["direct"]
     print(f"\nB. end to end, closed loop, {r['concurrency']} concurrent, {r['duration']:.0f} s "
           f"each, prompt {r['prompt']} + output {r['out']} tokens, top-5 logprobs, routed "
           f"experts {LAYERS}x{TOPK}")
-    print(f"  direct to replay engine : {d / 1e3:10.1f}k tok/s  ({dok} requests, {derr} errors)")
-    print(f"  through gateway /generate: {g / 1e3:10.1f}k tok/s  ({gok} requests, {gerr} errors;"
-          " stamped + published)")
-    print(f"  ratio gateway / direct  : {g / d if d else float('nan'):10.3f}")
-    if r["gateway_cpu"] > 0:
-        print(f"  gateway CPU: {r['gateway_cpu']:.1f} s for {gok * r['out']} tokens = "
-              f"{gok * r['out'] / r['gateway_cpu'] / 1e3:.1f}k stamped tok per gateway "
-              "core-second (end to end: HTTP in/out, decode, stamp, publish)")
-    print(f"  (3 processes share {os.cpu_count()} cores: client, gateway, replay engine; "
-          f"gateway reads engines {'streamed' if r['stream_from_engines'] else 'non-streamed'})")
+    print(f"  {'direct to replay engine':52s} {d / 1e3:8.1f}k tok/s  ({dok} requests, "
+          f"{derr} errors)")
+    for streamed, (g, gok, gerr, cpu) in r["gateway"].items():
+        how = "streamed (default)" if streamed else "non-streamed"
+        print(f"  {'gateway /generate, engines read ' + how:52s} {g / 1e3:8.1f}k tok/s  ({gok} "
+              f"requests, {gerr} errors)  ratio {g / d if d else float('nan'):.3f}  "
+              f"{gok * r['out'] / cpu / 1e3 if cpu > 0 else float('nan'):.1f}k tok per "
+              "gateway CPU-s")
+    print(f"  gateway = stamped + published to the embedded store; 3 processes share "
+          f"{os.cpu_count()} cores (client, gateway, replay engine)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--out", type=int, default=1024)
-    ap.add_argument("--stream-from-engines", action="store_true",
-                    help="let the gateway stream engine output (default: one body per request)")
     args = ap.parse_args(argv)
     print_a(part_a(rounds=3 if args.quick else 7))
     print_a_wire(part_a_wire(rounds=3 if args.quick else 7))
@@ -379,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print("   (pybase64 is not installed: engines.decode uses its numpy fallback)")
     if not args.skip_e2e:
         print_b(part_b(args.concurrency, 3.0 if args.quick else args.duration,
-                       args.prompt, args.out, args.stream_from_engines))
+                       args.prompt, args.out))
     return 0
 
 
