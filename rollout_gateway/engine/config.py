@@ -91,6 +91,9 @@ class ModelConfig(BaseModel):
         rp = d.get("rope_parameters") or {}
         if "rope_theta" not in d and isinstance(rp, dict) and "rope_theta" in rp:
             d["rope_theta"] = rp["rope_theta"]
+        # transformers 5 writes the expert count as ``num_local_experts``.
+        if "num_experts" not in d and "num_local_experts" in d:
+            d["num_experts"] = d["num_local_experts"]
         if isinstance(d.get("eos_token_id"), list):
             d["eos_token_id"] = d["eos_token_id"][0]
         if d.get("mlp_only_layers") is None:

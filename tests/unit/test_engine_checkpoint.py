@@ -72,3 +72,12 @@ def test_partial_expert_update_touches_only_that_expert():
     assert torch.equal(gu[4, 32:], new)
     old = m.state_dict()["model.layers.2.mlp.experts.gate_up_proj"]
     assert torch.equal(gu[4, :32], old[4, :32]) and torch.equal(gu[3], old[3])
+
+
+def test_config_accepts_transformers5_expert_count_key():
+    from rollout_gateway.engine.config import ModelConfig
+
+    d = ModelConfig(num_experts=16, num_experts_per_tok=4).to_hf_dict()
+    d.pop("num_experts")
+    d["num_local_experts"] = 16
+    assert ModelConfig.from_hf_dict(d).num_experts == 16
