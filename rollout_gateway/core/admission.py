@@ -109,16 +109,21 @@ class Capacity:
 
 
 def capacity(cfg: AdmissionConfig, *, learner_version: int, running: int, backlog: int,
-             consumed: int | None = None) -> Capacity:
-    """Free sample slots under both limits (pure). See the module docstring."""
-    if learner_version < 0 or running < 0 or backlog < 0:
-        raise InvalidArgument("learner_version, running and backlog must be >= 0")
+             consumed: int | None = None, others_running: int = 0) -> Capacity:
+    """Free sample slots under both limits (pure). See the module docstring.
+
+    ``running`` is this replica's in-flight samples (bounded by max_concurrent);
+    ``others_running`` the other replicas' (they count against the shared staleness
+    bound, e.g. from ``VersionRegistry.running_elsewhere``)."""
+    if learner_version < 0 or running < 0 or backlog < 0 or others_running < 0:
+        raise InvalidArgument("learner_version, running, backlog and others_running "
+                              "must be >= 0")
     if consumed is None:
         limit = (cfg.max_staleness + 1) * cfg.batch_size
-        used = backlog + running
+        used = backlog + running + others_running
     else:
         limit = (cfg.max_staleness + learner_version + 1) * cfg.batch_size
-        used = consumed + backlog + running
+        used = consumed + backlog + running + others_running
     st = limit - used
     cc = cfg.max_concurrent - running
     return Capacity(available=min(st, cc), staleness_limit=limit, staleness_used=used,
@@ -146,24 +151,29 @@ class AdmissionController:
     def running(self) -> int:
         return self.stats.running
 
-    def capacity(self, *, learner_version: int, backlog: int,
-                 consumed: int | None = None) -> Capacity:
+    def capacity(self, *, learner_version: int, backlog: int, consumed: int | None = None,
+                 others_running: int = 0) -> Capacity:
         return capacity(self.config, learner_version=learner_version,
-                        running=self.stats.running, backlog=backlog, consumed=consumed)
+                        running=self.stats.running, backlog=backlog, consumed=consumed,
+                        others_running=others_running)
 
     def admit(self, n: int, *, learner_version: int, backlog: int,
-              consumed: int | None = None) -> Capacity:
-        """Admit ``n`` samples (all or none) or raise ResourceExhausted (HTTP 429)."""
+              consumed: int | None = None, others_running: int = 0) -> Capacity:
+        """Admit ``n`` samples (all or none) or raise ResourceExhausted (HTTP 429).
+
+        With several gateway replicas pass ``others_running`` (their in-flight samples),
+        or each replica would admit up to the whole bound."""
         if n < 1:
             raise InvalidArgument(f"n must be at least 1, got {n}")
         cap = self.capacity(learner_version=learner_version, backlog=backlog,
-                            consumed=consumed)
+                            consumed=consumed, others_running=others_running)
         if self.config.enabled and n > cap.available:
             self.stats.refused += n
             raise ResourceExhausted(
                 f"admission control: {n} sample(s) requested, {max(cap.available, 0)} "
                 f"available ({cap.binding} bound: in flight {cap.running}, "
-                f"unconsumed+in flight {cap.staleness_used} of {cap.staleness_limit}); "
+                f"unconsumed + in flight (all replicas) {cap.staleness_used} of "
+                f"{cap.staleness_limit}); "
                 "retry after the learner consumes more",
                 details={"requested": n, "available": max(cap.available, 0),
                          "binding": cap.binding, "running": cap.running,

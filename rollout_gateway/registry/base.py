@@ -211,6 +211,16 @@ class VersionRegistry(abc.ABC):
     async def lease_holder(self) -> str | None:
         """Owner of the current unexpired lease, if any."""
 
+    # ---- in-flight work across replicas (admission control) ----
+    @abc.abstractmethod
+    async def report_running(self, replica: str, running: int, ttl: float = 15.0) -> None:
+        """Publish how many samples this replica has in flight; the entry expires after
+        ttl seconds unless reported again (a crashed replica stops counting)."""
+
+    @abc.abstractmethod
+    async def running_elsewhere(self, replica: str) -> int:
+        """Sum of unexpired in-flight counts reported by every other replica."""
+
     # ---- change feed ----
     @abc.abstractmethod
     def watch(self) -> Watch:
@@ -269,6 +279,15 @@ class VersionRegistry(abc.ABC):
             "swap_leader": await self.lease_holder(),
             "recent_swaps": [s.to_dict() for s in await self.swaps(recent)],
         }
+
+
+def check_running(replica: str, running: int, ttl: float) -> None:
+    if not replica:
+        raise InvalidArgument("replica id must be non-empty")
+    if isinstance(running, bool) or not isinstance(running, int) or running < 0:
+        raise InvalidArgument(f"running must be a non-negative integer, got {running!r}")
+    if not 0 < ttl <= 3600:
+        raise InvalidArgument(f"ttl must be in (0, 3600] seconds, got {ttl}")
 
 
 def refuse_backwards(current: int, new: int) -> None:

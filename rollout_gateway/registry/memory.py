@@ -14,6 +14,7 @@ from rollout_gateway.registry.base import (
     VersionEvent,
     VersionRegistry,
     Watch,
+    check_running,
     check_version,
     refuse_backwards,
 )
@@ -28,6 +29,7 @@ class InMemoryRegistry(VersionRegistry):
         self._lease: tuple[str, str, float] | None = None  # (owner, token, expires_at)
         self._watchers: set[asyncio.Queue[VersionEvent]] = set()
         self._lock = asyncio.Lock()
+        self._running: dict[str, tuple[int, float]] = {}  # replica -> (count, expires_at)
 
     def _publish(self, ev: VersionEvent) -> None:
         for q in self._watchers:
@@ -102,6 +104,16 @@ class InMemoryRegistry(VersionRegistry):
         if self._lease is None or self._lease[2] <= time.time():
             return None
         return self._lease[0]
+
+    async def report_running(self, replica: str, running: int, ttl: float = 15.0) -> None:
+        check_running(replica, running, ttl)
+        self._running[replica] = (running, time.time() + ttl)
+
+    async def running_elsewhere(self, replica: str) -> int:
+        now = time.time()
+        for r in [r for r, (_, exp) in self._running.items() if exp <= now]:
+            del self._running[r]
+        return sum(n for r, (n, _) in self._running.items() if r != replica)
 
     def watch(self) -> Watch:
         return _MemoryWatch(self._watchers)

@@ -27,6 +27,7 @@ from rollout_gateway.registry.base import (
     VersionEvent,
     VersionRegistry,
     Watch,
+    check_running,
     check_version,
     refuse_backwards,
 )
@@ -67,6 +68,21 @@ return 0
 """
 
 
+_RUNNING_SUM = """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+if #expired > 0 then
+  redis.call('HDEL', KEYS[1], unpack(expired))
+  redis.call('ZREM', KEYS[2], unpack(expired))
+end
+local total = 0
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do
+  if flat[i] ~= ARGV[2] then total = total + tonumber(flat[i + 1]) end
+end
+return total
+"""
+
+
 def _event(kind: str, version: int | None, engine_id: str | None = None) -> bytes:
     return orjson.dumps({"kind": kind, "version": version, "engine_id": engine_id,
                          "at": time.time()})
@@ -79,6 +95,7 @@ class RedisRegistry(VersionRegistry):
         p = f"{prefix}:reg:"
         self._k_learner, self._k_engines = p + "learner", p + "engines"
         self._k_swaps, self._k_order, self._k_lease = p + "swaps", p + "swap_order", p + "lease"
+        self._k_running, self._k_running_exp = p + "running", p + "running_expiry"
         self.channel = p + "events"
         self._max_history = max_history
         self._set_learner = client.register_script(_SET_LEARNER)
@@ -86,6 +103,7 @@ class RedisRegistry(VersionRegistry):
         self._remove_engine = client.register_script(_REMOVE_ENGINE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._running_sum = client.register_script(_RUNNING_SUM)
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> RedisRegistry:
@@ -190,6 +208,22 @@ class RedisRegistry(VersionRegistry):
     async def lease_holder(self) -> str | None:
         raw = await self._call("read the swap lease", lambda: self._r.get(self._k_lease))
         return None if raw is None else raw.decode().rsplit(":", 1)[0]
+
+    async def report_running(self, replica: str, running: int, ttl: float = 15.0) -> None:
+        check_running(replica, running, ttl)
+
+        async def write() -> None:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hset(self._k_running, replica, running)
+                pipe.zadd(self._k_running_exp, {replica: time.time() + ttl})
+                await pipe.execute()
+
+        await self._call("report in-flight work", write)
+
+    async def running_elsewhere(self, replica: str) -> int:
+        n = await self._call("read in-flight work", lambda: self._running_sum(
+            keys=[self._k_running, self._k_running_exp], args=[time.time(), replica]))
+        return int(n)
 
     def watch(self) -> Watch:
         return _RedisWatch(self._r, self.channel)

@@ -154,3 +154,14 @@ def test_config_bounds_and_docs():
 def test_token_mask():
     m = stale_token_mask(10, np.array([7, 8, 9, 10], np.int32), max_lag=2)
     assert m.tolist() == [False, True, True, True]
+
+
+def test_other_replicas_in_flight_count_against_the_shared_bound():
+    cfg = AdmissionConfig(max_staleness=0, batch_size=10, max_concurrent=100)
+    a, b = AdmissionController(cfg), AdmissionController(cfg)
+    a.admit(6, learner_version=0, backlog=0)
+    with pytest.raises(ResourceExhausted):
+        b.admit(6, learner_version=0, backlog=0, others_running=a.running)
+    b.admit(4, learner_version=0, backlog=0, others_running=a.running)
+    assert capacity(cfg, learner_version=0, running=b.running, backlog=0,
+                    others_running=a.running).available == 0
