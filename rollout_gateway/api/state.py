@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -47,6 +49,7 @@ class Gateway:
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
         self.started_at = time.time()
         self.serving = False
+        self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         for spec in self.settings.engines:
@@ -59,7 +62,27 @@ class Gateway:
                           exc.message)
                 await self.pool.register_offline(spec.id, spec.url, spec.api_key, exc.message)
         self.pool.start()
+        self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
         self.serving = True
+
+    async def _follow_registry(self) -> None:
+        """Engine versions set by another replica's swap (shared Redis registry)."""
+        while True:
+            try:
+                async with self.registry.watch() as feed:
+                    async for ev in feed:
+                        if ev.kind == "engine" and ev.engine_id and ev.version is not None:
+                            try:
+                                eng = self.pool.get(ev.engine_id)
+                            except GatewayError:
+                                continue
+                            if eng.version is None or ev.version > eng.version:
+                                eng.version = ev.version
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep following after a registry blip
+                log.warning("registry watch failed (%s); retrying", exc)
+                await asyncio.sleep(1.0)
 
     async def _sync_engine_version(self, engine_id: str, version: int | None) -> None:
         if version is None:
@@ -71,6 +94,11 @@ class Gateway:
 
     async def stop(self) -> None:
         self.serving = False
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.pool.close()
         if self._own_store:
             await self.store.close()

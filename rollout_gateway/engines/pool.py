@@ -48,8 +48,6 @@ class Engine:
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     #: version -> how it was installed under running requests (for kv stamping)
     installed_by: dict[int, Transition] = field(default_factory=dict)
-    #: bumped whenever a swap aborts this engine's requests (abort_resume) or it fails
-    abort_epoch: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     registered_at: float = field(default_factory=time.time)
 
@@ -168,7 +166,6 @@ class EnginePool:
         if eng.state not in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):
             eng.state = EngineState.UNHEALTHY
         eng.last_error = why
-        eng.abort_epoch += 1
 
     async def _health_loop(self) -> None:
         while True:

@@ -31,6 +31,7 @@ from rollout_gateway.engines.decode import Decoded, DecodeOptions, RoutingSpec, 
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.pool import Engine, EnginePool
 from rollout_gateway.errors import EngineError, GatewayError, Timeout, Unavailable
+from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.settings import GatewaySettings
 
@@ -86,9 +87,27 @@ def decode_options(eng: Engine, settings: GatewaySettings) -> DecodeOptions:
 class SampleRunner:
     """Runs one sample to completion against the pool."""
 
-    def __init__(self, pool: EnginePool, settings: GatewaySettings) -> None:
+    def __init__(self, pool: EnginePool, settings: GatewaySettings,
+                 registry: VersionRegistry | None = None) -> None:
         self.pool = pool
         self.settings = settings
+        self.registry = registry
+
+    async def _learn_install_modes(self, eng: Engine, versions: set[int]) -> None:
+        """A version this replica did not install (another replica led the swap): read how
+        from the shared swap history, recorded before the leader paused any engine."""
+        unknown = {v for v in versions if v not in eng.installed_by}
+        if not unknown:
+            return
+        try:
+            records = await self.registry.swaps(50)
+        except GatewayError as exc:
+            log.warning("registry: cannot read swap history: %s", exc.message)
+            return
+        modes = {"in_place": Transition.IN_PLACE, "retract": Transition.RETRACT}
+        for r in records:
+            if r.version in unknown and eng.id in r.engines and r.mode in modes:
+                eng.installed_by[r.version] = modes[r.mode]
 
     def _payload(self, req: RolloutRequest, state: SampleState, rid: str, remaining: int,
                  *, want_prompt_ids: bool) -> dict[str, Any]:
@@ -179,7 +198,6 @@ class SampleRunner:
             want_ids = state.prompt_ids is None
             payload = self._payload(req, state, rid, remaining, want_prompt_ids=want_ids)
             input_len = len(payload.get("input_ids", ()))
-            epoch = eng.abort_epoch
             t0 = time.time()
             on_delta = None
             if on_chunk is not None:
@@ -200,6 +218,8 @@ class SampleRunner:
             if dec is not None and len(dec.output_ids) > 0:
                 if state.prompt_ids is None:
                     raise EngineError(f"engine {eng.id} returned output but no prompt ids")
+                if len(dec.spans) > 1 and self.registry is not None:
+                    await self._learn_install_modes(eng, {v for v, _, _ in dec.spans[1:]})
                 piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
                 state.pieces.append(piece)
             fin = dec.finish_reason if dec is not None else None
@@ -219,15 +239,14 @@ class SampleRunner:
                 exclude.add(eng.id)
                 began = Transition.FAILOVER
                 continue
-            if eng.abort_epoch != epoch:  # a swap aborted us (abort_resume) or its load failed
-                if eng.routable:
-                    began, prefer = Transition.ABORT_RESUME, eng.id
-                else:
-                    began = Transition.FAILOVER
-                    exclude.add(eng.id)
-                continue
-            finish = fin or {"type": "abort", "message": "engine ended the request without reason"}
-            break
+            # aborted: by a swap's pause (ours or another replica's) or a failed load. Resume
+            # from the tokens so far, same engine if it is still in rotation; max_attempts
+            # bounds an engine that keeps aborting.
+            if eng.routable:
+                began, prefer = Transition.ABORT_RESUME, eng.id
+            else:
+                began = Transition.FAILOVER
+                exclude.add(eng.id)
         text = "".join(p.text for p in state.pieces)
         return self._assemble(req, state, group_id, index, finish, created), text
 

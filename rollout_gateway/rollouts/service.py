@@ -32,7 +32,7 @@ class RolloutService:
         self.store = store
         self.settings = settings
         self.gatekeeper = gatekeeper
-        self.runner = SampleRunner(pool, settings)
+        self.runner = SampleRunner(pool, settings, gatekeeper.registry)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0}

@@ -150,8 +150,6 @@ class SwapOrchestrator:
                 return
             # record how the version is installed *before* any token can be sampled with it
             e.installed_by[req.version] = _INSTALLED[req.mode]
-            if req.mode is SwapMode.ABORT_RESUME:
-                e.abort_epoch += 1  # rollouts seeing an abort now resubmit
             await e.client.pause(_PAUSE_MODE[req.mode])
             r.paused_at = time.time()
         except GatewayError as exc:
@@ -221,7 +219,6 @@ class SwapOrchestrator:
             # out of rotation first, so rollouts that see their request end fail over
             e.state = EngineState.FAILED_LOAD
             e.last_error = r.error
-            e.abort_epoch += 1
             e.installed_by.pop(req.version, None)
             with contextlib.suppress(GatewayError):
                 await e.client.abort(abort_all=True)

@@ -162,8 +162,9 @@ def test_failed_load_takes_engine_out_and_leaves_no_mixed_stamps(cluster, models
     assert {v for t in trajs for v in t["policy_version"]} == {5}
     moved = [t for t in trajs if any(s["began"] == "failover" for s in t["segments"])]
     assert moved, "no rollout was in flight on the engine that failed to load"
-    for t in moved:  # partial output kept from e1, finished on e0
-        assert t["engine_ids"] == ["e1", "e0"] and t["segments"][0]["end"] > 0
+    assert all(t["engine_ids"][-1] == "e0" for t in moved)
+    # partial output kept from e1 (a request still queued on e1 may have had none)
+    assert any(t["engine_ids"] == ["e1", "e0"] and t["segments"][0]["end"] > 0 for t in moved)
     eng = httpx.get(gw.url + "/v1/engines/e1").json()
     assert eng["state"] == "failed_load" and eng["last_error"]
     # new rollouts avoid it
