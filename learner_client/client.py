@@ -65,7 +65,8 @@ class AsyncTrajectoryClient:
         self._tls = tls
         self._opts = [("grpc.max_receive_message_length", max_message_bytes),
                       ("grpc.max_send_message_length", 16 << 20),
-                      ("grpc.keepalive_time_ms", 60_000)]
+                      ("grpc.keepalive_time_ms", 60_000),
+                      ("grpc.http2.lookahead_bytes", 64 << 20)]
         if tls and tls.server_name:
             self._opts.append(("grpc.ssl_target_name_override", tls.server_name))
         self._backoff = (backoff_initial, backoff_max)

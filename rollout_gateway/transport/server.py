@@ -76,6 +76,7 @@ class GrpcServer:
         self._opts = [("grpc.max_send_message_length", max_send_bytes),
                       ("grpc.max_receive_message_length", max_receive_bytes),
                       ("grpc.keepalive_time_ms", 30_000),
+                      ("grpc.http2.lookahead_bytes", 64 << 20),
                       ("grpc.http2.max_pings_without_data", 0),
                       ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
                       ("grpc.keepalive_permit_without_calls", 1)]
