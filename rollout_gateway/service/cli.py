@@ -68,7 +68,9 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False)
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # we handle signals ourselves
+    # we handle SIGTERM/SIGINT ourselves (health off, drain, then stop uvicorn)
+    server.capture_signals = contextlib.nullcontext  # uvicorn >= 0.29
+    server.install_signal_handlers = lambda: None  # older uvicorn
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
