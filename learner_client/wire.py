@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,7 +115,11 @@ _ARRAY_FIELDS = {4: "prompt_token_ids", 5: "token_ids", 6: "logprobs", 7: "entro
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    result = shift = 0
+    b = buf[i]
+    if b < 0x80:
+        return b, i + 1
+    result, shift = b & 0x7F, 7
+    i += 1
     while True:
         b = buf[i]
         i += 1
@@ -127,24 +132,27 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
 
 
 def _fields(buf: bytes, i: int, end: int):
-    """(field number, wire type, value) where value is an int (varint) or (start, end)."""
+    """(field number, wire type, value, start of the field's key, end of the field); value
+    is an int (varint) or (start, end) of the payload."""
     while i < end:
+        first = i
         key, i = _varint(buf, i)
-        fno, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _varint(buf, i)
-            yield fno, wt, v, i
-        elif wt == 2:
+        wt = key & 7
+        if wt == 2:
             ln, i = _varint(buf, i)
-            if i + ln > end:
+            stop = i + ln
+            if stop > end:
                 raise DecodeError("length-delimited field runs past its message")
-            yield fno, wt, (i, i + ln), i + ln
-            i += ln
+            yield key >> 3, 2, (i, stop), first, stop
+            i = stop
+        elif wt == 0:
+            v, i = _varint(buf, i)
+            yield key >> 3, 0, v, first, i
         elif wt == 1:
-            yield fno, wt, (i, i + 8), i + 8
+            yield key >> 3, 1, (i, i + 8), first, i + 8
             i += 8
         elif wt == 5:
-            yield fno, wt, (i, i + 4), i + 4
+            yield key >> 3, 5, (i, i + 4), first, i + 4
             i += 4
         else:
             raise DecodeError(f"unsupported wire type {wt}")
@@ -154,22 +162,22 @@ def _fields(buf: bytes, i: int, end: int):
 
 def _array_view(buf: bytes, start: int, end: int, name: str) -> np.ndarray:
     dtype, shape, data = "", [], (start, start)
-    for fno, wt, v, _ in _fields(buf, start, end):
-        if fno == 1 and wt == 2:
-            dtype = bytes(buf[v[0]:v[1]]).decode()
+    for fno, wt, v, _, _ in _fields(buf, start, end):
+        if fno == 3 and wt == 2:
+            data = v
+        elif fno == 1 and wt == 2:
+            dtype = buf[v[0]:v[1]].decode()
         elif fno == 2 and wt == 2:
             j = v[0]
             while j < v[1]:
-                s, j = _varint(buf, j)
-                shape.append(s)
+                d, j = _varint(buf, j)
+                shape.append(d)
         elif fno == 2 and wt == 0:
             shape.append(v)
-        elif fno == 3 and wt == 2:
-            data = v
     if dtype not in _DTYPES:
         raise DecodeError(f"{name}: unsupported dtype {dtype!r}")
     dt = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if data[1] - data[0] != count * dt.itemsize:
         raise DecodeError(f"{name}: {data[1] - data[0]} bytes do not match {shape} {dt.str}")
     return np.frombuffer(buf, dtype=dt, count=count, offset=data[0]).reshape(shape)
@@ -178,40 +186,21 @@ def _array_view(buf: bytes, start: int, end: int, name: str) -> np.ndarray:
 def _parse_trajectory(buf: bytes, start: int, end: int) -> tuple[dict, trajectory_pb2.Trajectory]:
     cols: dict[str, Any] = {}
     small: list[bytes] = []
-    for fno, wt, v, stop in _fields(buf, start, end):
+    for fno, wt, v, first, stop in _fields(buf, start, end):
         name = _ARRAY_FIELDS.get(fno)
         if name is not None and wt == 2:
             cols[name] = _array_view(buf, v[0], v[1], name)
         elif fno == 13 and wt == 2:  # RoutedExperts {data=1, num_experts=2, start=3}
-            for f2, w2, v2, _ in _fields(buf, v[0], v[1]):
+            for f2, w2, v2, _, _ in _fields(buf, v[0], v[1]):
                 if f2 == 1 and w2 == 2:
                     cols["routed_experts"] = _array_view(buf, v2[0], v2[1], "routed_experts")
                 elif f2 == 2 and w2 == 0:
                     cols["num_experts"] = v2
                 elif f2 == 3 and w2 == 0:
                     cols["routed_start"] = v2
-        else:  # small fields: let protobuf parse them (tag bytes precede v)
-            small.append(_field_bytes(buf, fno, wt, v))
+        else:  # small fields (ids, segments, metadata, ...): protobuf parses their bytes
+            small.append(buf[first:stop])
     return cols, trajectory_pb2.Trajectory.FromString(b"".join(small))
-
-
-def _field_bytes(buf: bytes, fno: int, wt: int, v) -> bytes:
-    key = _encode_varint((fno << 3) | wt)
-    if wt == 0:
-        return key + _encode_varint(v)
-    if wt == 2:
-        return key + _encode_varint(v[1] - v[0]) + bytes(buf[v[0]:v[1]])
-    return key + bytes(buf[v[0]:v[1]])
-
-
-def _encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
 
 
 def parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
@@ -228,12 +217,12 @@ def parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
 def _parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
     out: list[Rollout] = []
     credit_n = credit_tok = 0
-    for fno, wt, v, _ in _fields(buf, 0, len(buf)):
+    for fno, wt, v, _, _ in _fields(buf, 0, len(buf)):
         if fno == 1 and wt == 2:
             entry_id, count, masked, traj = "", 0, False, None
-            for f2, w2, v2, _ in _fields(buf, v[0], v[1]):
+            for f2, w2, v2, _, _ in _fields(buf, v[0], v[1]):
                 if f2 == 1 and w2 == 2:
-                    entry_id = bytes(buf[v2[0]:v2[1]]).decode()
+                    entry_id = buf[v2[0]:v2[1]].decode()
                 elif f2 == 2 and w2 == 0:
                     count = v2
                 elif f2 == 3 and w2 == 0:
