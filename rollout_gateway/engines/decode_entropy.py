@@ -81,7 +81,10 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
     eps = p * (nlogp + 1.0) * _F32_REL
     d_top = (eps * (nlogp + 1.0)).sum(axis=1)
     d_r = eps.sum(axis=1)
-    d_rest = d_r * (np.log(max(m, 1.0)) + nlogp.max(axis=1) + 2.0)
+    # both tail bounds move by at most d_r * (log m + |log r| + 1) plus the modulus of
+    # continuity of -x log x, d log(1/d), when r itself is ~d_r
+    d_log = np.where(d_r > 0, -np.log(np.where(d_r > 0, d_r, 1.0)), 0.0)
+    d_rest = d_r * (np.log(max(m, 1.0)) + nlogp.max(axis=1) + 2.0 + d_log)
     estimate = h_top + 0.5 * (lower + upper)
     bound = 0.5 * (upper - lower) + d_top + d_rest + 1e-7 * (1.0 + np.abs(estimate))
     # the float32 cast of the outputs must not break the bound
