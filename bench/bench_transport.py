@@ -15,7 +15,9 @@ two machines):
              (tokens, columns, routed experts [N, L, K] uint8) -> ack.
 
 Tokens counted = output (tagged) tokens; routed experts cover prompt + output rows.
-Prints tokens/s for each and the ratio transport/raw.
+Prints tokens/s (wall clock) and tokens per CPU-second (this process + the gateway
+process + Redis, from /proc and INFO cpu; robust on a shared machine) for each, and the
+ratios transport/raw.
 """
 
 from __future__ import annotations
@@ -56,6 +58,39 @@ async def fill(url: str, prefix: str, args) -> int:
         await store.publish(t)
     await store.close()
     return args.trajectories * args.response
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu(url: str) -> float:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    info = r.info("cpu")
+    r.close()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+class CpuMeter:
+    """CPU seconds spent by this process, the gateway process and Redis over a block."""
+
+    def __init__(self, url: str, server_pid: int | None):
+        self.url, self.pid = url, server_pid
+
+    def _now(self) -> tuple[float, float, float]:
+        return (time.process_time(), proc_cpu(self.pid) if self.pid else 0.0,
+                redis_cpu(self.url))
+
+    def __enter__(self):
+        self.t0 = self._now()
+        return self
+
+    def __exit__(self, *exc):
+        self.used = sum(b - a for a, b in zip(self.t0, self._now()))
 
 
 def raw_read(url: str, prefix: str, batch: int) -> tuple[int, float, int]:
@@ -128,7 +163,7 @@ def main() -> int:
 
     try:
         asyncio.run(fill(args.redis, prefix, args))
-        raw, tr = [], []
+        raw, tr, raw_bytes = [], [], []
         with tempfile.TemporaryDirectory() as tmp:
             port_file = Path(tmp) / "port"
             server = subprocess.Popen(
@@ -147,10 +182,15 @@ def main() -> int:
                 target = f"127.0.0.1:{port_file.read_text()}"
                 for i in range(args.rounds):
                     pin(args.cpu)
-                    raw.append(raw_read(args.redis, prefix, args.batch))
+                    with CpuMeter(args.redis, None) as m:
+                        n, dt, nbytes = raw_read(args.redis, prefix, args.batch)
+                    raw.append((n, dt, m))
+                    raw_bytes.append(nbytes)
                     if args.learner_cpu is not None:
                         pin(args.learner_cpu)
-                    tr.append(asyncio.run(transport_read(target, args, f"bench-{i}")))
+                    with CpuMeter(args.redis, server.pid) as m:
+                        n, dt, tok = asyncio.run(transport_read(target, args, f"bench-{i}"))
+                    tr.append((tok, dt, m))
             finally:
                 server.terminate()
                 server.wait(timeout=10)
@@ -160,21 +200,29 @@ def main() -> int:
         if keys:
             r.delete(*keys)
         r.close()
-    raw_tps = sorted(n * args.response / dt for n, dt, _ in raw)[len(raw) // 2]
-    tr_tps = sorted(tok / dt for _, dt, tok in tr)[len(tr) // 2]
-    n_raw, _, nbytes = raw[0]
-    per = nbytes / n_raw  # bytes per trajectory
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    tokens = args.trajectories * args.response
+    raw_tps = median([tokens / dt for _, dt, _ in raw])
+    tr_tps = median([tok / dt for tok, dt, _ in tr])
+    raw_cpu = median([tokens / m.used for _, _, m in raw])
+    tr_cpu = median([tok / m.used for tok, _, m in tr])
+    per = raw_bytes[0] / args.trajectories
     print(f"payload: {args.trajectories} trajectories x {args.response} output tokens "
           f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
           f"{per / 1e3:.0f} KB/trajectory; gateway+raw on cpu {args.cpu}, learner on cpu "
           f"{args.cpu if args.learner_cpu is None else args.learner_cpu}; "
           f"median of {args.rounds} interleaved rounds")
     mbps = per / args.response / 1e6
-    print(f"raw redis XRANGE        : {raw_tps / 1e6:7.2f} M tokens/s  "
-          f"({raw_tps * mbps:6.0f} MB/s)")
-    print(f"store->gRPC->tensors    : {tr_tps / 1e6:7.2f} M tokens/s  "
-          f"({tr_tps * mbps:6.0f} MB/s)")
-    print(f"ratio transport/raw     : {tr_tps / raw_tps:7.2f}")
+    print("                           wall clock                    per CPU-second "
+          "(all processes incl. Redis)")
+    print(f"raw redis XRANGE        : {raw_tps / 1e6:7.2f} M tokens/s ({raw_tps * mbps:5.0f} MB/s)"
+          f"    {raw_cpu / 1e6:7.2f} M tokens/cpu-s")
+    print(f"store->gRPC->tensors    : {tr_tps / 1e6:7.2f} M tokens/s ({tr_tps * mbps:5.0f} MB/s)"
+          f"    {tr_cpu / 1e6:7.2f} M tokens/cpu-s")
+    print(f"ratio transport/raw     : {tr_tps / raw_tps:7.2f}"
+          f"                         {tr_cpu / raw_cpu:7.2f}")
     return 0
 
 
