@@ -31,6 +31,9 @@ def store_from_url(url: str, config: StoreConfig | None = None) -> TrajectorySto
     if parts.scheme == "memory":
         from rollout_gateway.store.memory import MemoryStore
 
+        if parts.netloc:
+            raise InvalidArgument(f"memory store URL {url!r} has a host part; use "
+                                  "memory:///abs/path/journal.db or memory://?journal=PATH")
         journal = query.pop("journal", None) or (parts.path or None)
         _no_extra(url, query)
         return MemoryStore(cfg, journal_path=journal)

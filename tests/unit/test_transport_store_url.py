@@ -12,6 +12,8 @@ def test_memory_urls(tmp_path):
     assert s.config.lease_seconds == 2.5 and s._db is None
     j = store_from_url(f"memory://?journal={tmp_path / 'j.db'}")
     assert j._db is not None and (tmp_path / "j.db").exists()
+    k = store_from_url(f"memory://{tmp_path / 'k.db'}")  # memory:///abs/path
+    assert k._db is not None and (tmp_path / "k.db").exists()
 
 
 def test_redis_url_keeps_connection_params_and_prefix():
@@ -22,7 +24,7 @@ def test_redis_url_keeps_connection_params_and_prefix():
     assert s._r.connection_pool.connection_kwargs["db"] == 3
 
 
-@pytest.mark.parametrize("url", ["kafka://x", "memory://?max_backlog=0",
+@pytest.mark.parametrize("url", ["kafka://x", "memory://relative.db", "memory://?max_backlog=0",
                                  "memory://?lease_seconds=abc", "memory://?bogus=1"])
 def test_bad_urls_are_invalid_argument(url):
     with pytest.raises(InvalidArgument):
