@@ -192,11 +192,18 @@ class EngineClient:
                                       f"{resp.status_code}: {text}",
                                       details={"engine_id": self.engine_id,
                                                "status": resp.status_code})
-                buf = b""
+                buf = bytearray()
+                scan = 0  # bytes of buf already searched for the event separator
                 async for chunk in resp.aiter_bytes():
                     buf += chunk
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
+                    while True:  # linear: each byte is searched once (big final chunks)
+                        cut = buf.find(b"\n\n", max(scan - 1, 0))
+                        if cut < 0:
+                            scan = len(buf)
+                            break
+                        event = bytes(buf[:cut])
+                        del buf[:cut + 2]
+                        scan = 0
                         for line in event.split(b"\n"):
                             if not line.startswith(b"data:"):
                                 continue
