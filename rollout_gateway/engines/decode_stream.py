@@ -137,17 +137,19 @@ def _tail(col: np.ndarray, seen: int, new: int, total: int, name: str) -> np.nda
 
 def _find_event_end(buf: bytearray, start: int = 0) -> tuple[int, int]:
     """Index of the first blank-line separator at or after ``start`` and its length
-    (-1 if none yet)."""
-    best, size = -1, 0
-    for sep in (b"\n\n", b"\r\n\r\n"):
-        i = buf.find(sep, start)
-        if i >= 0 and (best < 0 or i < best):
-            best, size = i, len(sep)
-    return best, size
+    (-1 if none yet). A CRLF separator is only looked for before the first LF one, so an
+    LF stream (SGLang's) is scanned once."""
+    i = buf.find(b"\n\n", start)
+    j = buf.find(b"\r\n\r\n", start, i + 2 if i >= 0 else len(buf))
+    if j >= 0 and (i < 0 or j < i):
+        return j, 4
+    return (i, 2) if i >= 0 else (-1, 0)
 
 
 def _data_of(event: bytes) -> bytes | None:
     """Concatenated ``data:`` field of one SSE event (None for comments/other fields)."""
+    if event.startswith(b"data:") and event.find(b"\n") < 0:  # the usual one-line event
+        return event[5:].strip()
     lines = [ln for ln in event.splitlines() if ln.startswith(b"data:")]
     if not lines:
         return None

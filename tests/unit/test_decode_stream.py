@@ -151,3 +151,14 @@ def test_separator_split_across_pieces():
     dec = StreamDecoder()
     got = dec.feed(raw[:cut]) + dec.feed(raw[cut:])
     assert sum(d.num_tokens for d in got) == 5
+
+
+def test_multiline_data_and_mixed_separators():
+    payload = orjson.dumps(_chunks(True)[0])
+    half = payload.index(b'"meta_info"')  # split between two keys: the newline is whitespace
+    # one event whose data spans two data: lines (joined with a newline, valid JSON whitespace)
+    raw = (b"data: " + payload[:half] + b"\ndata: " + payload[half:] + b"\r\n\r\n"
+           + b"event: ping\n\n" + b"data: [DONE]\n\n")
+    dec = StreamDecoder()
+    got = dec.feed(raw)
+    assert [d.num_tokens for d in got] == [2] and dec.done
