@@ -136,14 +136,23 @@ def _tail(col: np.ndarray, seen: int, new: int, total: int, name: str) -> np.nda
 
 
 def _find_event_end(buf: bytearray, start: int = 0) -> tuple[int, int]:
-    """Index of the first blank-line separator at or after ``start`` and its length
-    (-1 if none yet). A CRLF separator is only looked for before the first LF one, so an
-    LF stream (SGLang's) is scanned once."""
-    i = buf.find(b"\n\n", start)
-    j = buf.find(b"\r\n\r\n", start, i + 2 if i >= 0 else len(buf))
-    if j >= 0 and (i < 0 or j < i):
-        return j, 4
-    return (i, 2) if i >= 0 else (-1, 0)
+    """Index of the first blank-line separator (LF LF or CR LF CR LF) at or after
+    ``start`` and its length; (-1, 0) if none yet. Hops between newlines with a one-byte
+    find (memchr), which crosses a multi-megabyte routed_experts line at memory speed (a
+    two-byte pattern search is several times slower)."""
+    n = len(buf)
+    pos = start
+    while True:
+        i = buf.find(b"\n", pos)
+        if i < 0:
+            return -1, 0
+        if i + 1 < n and buf[i + 1] == 0x0A:  # \n\n
+            return i, 2
+        if i > 0 and buf[i - 1] == 0x0D and buf[i + 1:i + 3] == b"\r\n":  # \r\n\r\n
+            return i - 1, 4
+        if i + 3 > n:  # the separator may still be arriving
+            return -1, 0
+        pos = i + 1
 
 
 def _data_of(event: bytes) -> bytes | None:
