@@ -35,7 +35,9 @@ async def render(gw: Gateway) -> str:
                        ("duplicates", "Publishes ignored as duplicates"),
                        ("failed_samples", "Samples that failed"),
                        ("failovers", "Segments resumed on another engine after a failure"),
-                       ("abort_resumes", "Segments resumed after an abort_resume swap")):
+                       ("abort_resumes", "Segments resumed after an abort_resume swap"),
+                       ("tokens_reprefilled", "Prompt + output tokens re-prefilled by retract, "
+                        "abort_resume and failover")):
         o.metric(f"rollout_gateway_{key}_total", "counter", help_, [({}, c[key])])
     o.metric("rollout_gateway_inflight_samples", "gauge", "Samples generating now",
              [({}, gw.rollouts.inflight_samples)])

@@ -90,6 +90,7 @@ def stamp_request(
     installed_by: Mapping[int, Transition],
     started_at: float = 0.0,
     ended_at: float = 0.0,
+    cached_floor: int | None = None,
 ) -> RequestStamp:
     """Stamp one request's tokens (spans already normalized).
 
@@ -98,6 +99,9 @@ def stamp_request(
     ``installed_by``: for this engine, version -> how it was installed under running
     requests (IN_PLACE or RETRACT); unknown versions count as IN_PLACE (keeps the older
     KV version, never claims fresher KV than there was).
+    ``cached_floor``: when the engine served part of the input from its prefix cache and
+    that cache may still hold KV computed by an older version (kept by an in-place swap),
+    the oldest such version; the request's KV starts there instead of at its first span.
     Segment ``ended`` is set to FINISHED here; the caller fixes the last one.
     """
     n = spans[-1].end if spans else 0
@@ -105,6 +109,8 @@ def stamp_request(
     kv = np.empty(n, dtype=VERSION_DTYPE)
     segments: list[Segment] = []
     kv_now = spans[0].version if spans else 0
+    if cached_floor is not None:
+        kv_now = min(kv_now, cached_floor)
     for i, s in enumerate(spans):
         how = began
         if i > 0:

@@ -48,6 +48,9 @@ class Engine:
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     #: version -> how it was installed under running requests (for kv stamping)
     installed_by: dict[int, Transition] = field(default_factory=dict)
+    #: oldest version whose KV may still sit in the engine's prefix cache (an in-place swap
+    #: cannot flush it); None once a swap flushed the cache
+    cache_floor: int | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     registered_at: float = field(default_factory=time.time)
 

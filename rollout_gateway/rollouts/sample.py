@@ -264,7 +264,8 @@ class SampleRunner:
                                 total, d.weight_version) if d.spans else \
             normalize_spans([], total, d.weight_version)
         st = stamp_request(spans, offset=base, engine_id=eng.id, began=began,
-                           installed_by=eng.installed_by)
+                           installed_by=eng.installed_by,
+                           cached_floor=eng.cache_floor if d.cached_tokens else None)
         return {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
                 "logprobs": d.logprobs, "entropy": d.entropy,
                 "policy_version": st.policy_version[d.offset:],
@@ -275,8 +276,10 @@ class SampleRunner:
         n = len(dec.output_ids)
         spans = normalize_spans([Span(int(v), int(s), int(e)) for v, s, e in dec.spans], n,
                                 dec.weight_version)
+        floor = eng.cache_floor if dec.cached_tokens else None
         st = stamp_request(spans, offset=offset, engine_id=eng.id, began=began,
-                           installed_by=eng.installed_by, started_at=t0, ended_at=t1)
+                           installed_by=eng.installed_by, started_at=t0, ended_at=t1,
+                           cached_floor=floor)
         if dec.logprobs is None:
             raise EngineError(f"engine {eng.id} returned no output_token_logprobs")
         cols = TokenColumns(token_ids=dec.output_ids, logprobs=dec.logprobs, entropy=dec.entropy,

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.core.admission import Verdict
+from rollout_gateway.core.trajectory import Trajectory, Transition
+from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError, InvalidArgument
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
@@ -21,6 +21,8 @@ from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 
 log = logging.getLogger(__name__)
+
+REPREFILLS = frozenset({Transition.RETRACT, Transition.ABORT_RESUME, Transition.FAILOVER})
 
 
 class RolloutService:
@@ -35,7 +37,7 @@ class RolloutService:
         self.runner = SampleRunner(pool, settings, gatekeeper.registry)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
-                         "abort_resumes": 0}
+                         "abort_resumes": 0, "tokens_reprefilled": 0}
 
     @property
     def inflight_samples(self) -> int:
@@ -81,6 +83,10 @@ class RolloutService:
         self.counters["tokens"] += traj.num_tokens
         self.counters["failovers"] += sum(1 for s in traj.segments if s.began == "failover")
         self.counters["abort_resumes"] += sum(1 for s in traj.segments if s.began == "abort_resume")
+        # a retract / resubmission re-prefills prompt + output so far (exact, from segments)
+        p = int(traj.prompt_token_ids.shape[0])
+        self.counters["tokens_reprefilled"] += sum(
+            p + s.start for s in traj.segments if s.began in REPREFILLS)
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,

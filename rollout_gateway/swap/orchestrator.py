@@ -212,6 +212,12 @@ class SwapOrchestrator:
 
     async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.ok:
+            if req.mode is SwapMode.IN_PLACE:
+                old = r.version_before
+                if old is not None:
+                    e.cache_floor = old if e.cache_floor is None else min(e.cache_floor, old)
+            else:  # the update ran with flush_cache=true: no older KV is left
+                e.cache_floor = None
             e.version = req.version
             with contextlib.suppress(GatewayError):
                 await self.registry.set_engine_version(e.id, req.version)

@@ -55,3 +55,6 @@ def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, referen
         assert t["engine_ids"] == [survivor]
         m = httpx.get(gw.url + "/metrics").text
         assert "rollout_gateway_failovers_total 3" in m
+        # each resubmission re-prefilled prompt (3) + the partial output it carried
+        want = sum(3 + t["segments"][1]["start"] for t in trajs)
+        assert f"rollout_gateway_tokens_reprefilled_total {want}" in m

@@ -77,3 +77,10 @@ def test_stitch_routing_keeps_each_requests_own_rows_and_fills_gaps():
     out = stitch_routing([(3, None), (5, r2)])
     assert out.shape == (6, 2, 1) and (out == 2).all()
     assert stitch_routing([(3, None)]) is None
+
+
+def test_prefix_cache_hit_after_an_in_place_swap_keeps_the_old_kv_version():
+    spans = normalize_spans([Span(3, 0, 2)], 2, None)
+    st = stamp_request(spans, offset=0, engine_id="e0", began=Transition.START, installed_by={},
+                       cached_floor=1)
+    assert st.policy_version.tolist() == [3, 3] and st.kv_version.tolist() == [1, 1]
