@@ -275,7 +275,8 @@ class SampleRunner:
                t0: float, t1: float) -> Piece:
         n = len(dec.output_ids)
         spans = normalize_spans([Span(int(v), int(s), int(e)) for v, s, e in dec.spans], n,
-                                dec.weight_version)
+                                dec.weight_version if dec.weight_version is not None
+                                else eng.version)
         floor = eng.cache_floor if dec.cached_tokens else None
         st = stamp_request(spans, offset=offset, engine_id=eng.id, began=began,
                            installed_by=eng.installed_by, started_at=t0, ended_at=t1,

@@ -38,6 +38,15 @@ _INSTALLED = {SwapMode.IN_PLACE: Transition.IN_PLACE, SwapMode.RETRACT: Transiti
               SwapMode.ABORT_RESUME: Transition.ABORT_RESUME, SwapMode.DRAIN: Transition.DRAIN}
 
 
+def effective_mode(e: Engine, mode: SwapMode) -> SwapMode:
+    """Engines without weight_versions spans (SGLang < 0.5.21) cannot say where inside a
+    request the version changed, so requests must not straddle a swap there: in_place and
+    retract become abort_resume (the gateway resubmits prompt + partial output)."""
+    if mode in (SwapMode.IN_PLACE, SwapMode.RETRACT) and not e.client.info.has_spans:
+        return SwapMode.ABORT_RESUME
+    return mode
+
+
 class SwapOrchestrator:
     """One swap at a time per replica; across replicas, the registry's lease decides."""
 
@@ -149,8 +158,9 @@ class SwapOrchestrator:
                 r.paused_at = time.time()
                 return
             # record how the version is installed *before* any token can be sampled with it
-            e.installed_by[req.version] = _INSTALLED[req.mode]
-            await e.client.pause(_PAUSE_MODE[req.mode])
+            mode = effective_mode(e, req.mode)
+            e.installed_by[req.version] = _INSTALLED[mode]
+            await e.client.pause(_PAUSE_MODE[mode])
             r.paused_at = time.time()
         except GatewayError as exc:
             r.error = f"fence: {exc.message}"
@@ -161,7 +171,8 @@ class SwapOrchestrator:
         assert isinstance(req.source, DiskSource)
         try:
             await e.client.update_weights_from_disk(
-                req.source.path, req.version, flush_cache=req.mode is not SwapMode.IN_PLACE)
+                req.source.path, req.version,
+                flush_cache=effective_mode(e, req.mode) is not SwapMode.IN_PLACE)
         except GatewayError as exc:
             r.error = f"load: {exc.message}"
 
@@ -187,7 +198,7 @@ class SwapOrchestrator:
                 await e.client.update_weights_from_distributed(
                     names=src.names, dtypes=src.dtypes, shapes=src.shapes,
                     group_name=src.group_name, version=req.version,
-                    flush_cache=req.mode is not SwapMode.IN_PLACE)
+                    flush_cache=effective_mode(e, req.mode) is not SwapMode.IN_PLACE)
             except GatewayError as exc:
                 r.error = f"load: {exc.message}"
             finally:
@@ -212,7 +223,7 @@ class SwapOrchestrator:
 
     async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.ok:
-            if req.mode is SwapMode.IN_PLACE:
+            if effective_mode(e, req.mode) is SwapMode.IN_PLACE:
                 old = r.version_before
                 if old is not None:
                     e.cache_floor = old if e.cache_floor is None else min(e.cache_floor, old)

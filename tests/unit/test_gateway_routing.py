@@ -85,3 +85,16 @@ def test_mask_ranges():
 
     assert _ranges(np.array([0, 1, 2, 5, 7, 8])) == "0-3,5-6,7-9"
     assert _ranges(np.array([], dtype=np.int64)) == ""
+
+
+def test_engines_without_spans_never_straddle_a_swap():
+    from rollout_gateway.swap.models import SwapMode
+    from rollout_gateway.swap.orchestrator import effective_mode
+
+    pool = pool_of("new", "old")
+    pool.get("new").client.info.version = (0, 5, 23)
+    pool.get("old").client.info.version = (0, 5, 12)  # pause modes, no weight_versions spans
+    for mode in (SwapMode.IN_PLACE, SwapMode.RETRACT):
+        assert effective_mode(pool.get("new"), mode) is mode
+        assert effective_mode(pool.get("old"), mode) is SwapMode.ABORT_RESUME
+    assert effective_mode(pool.get("old"), SwapMode.DRAIN) is SwapMode.DRAIN
