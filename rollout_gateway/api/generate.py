@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-
-from rollout_gateway.api.errors import ORJSONResponse
 from pydantic import ValidationError
 
+from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway, sse
 from rollout_gateway.api.serialize import segment_to_json
 from rollout_gateway.api.state import Gateway

@@ -8,10 +8,9 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-
-from rollout_gateway.api.errors import ORJSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.serialize import trajectory_to_json
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.errors import EngineError, GatewayError, Unauthenticated
@@ -109,7 +108,7 @@ async def list_engines(gw: Gateway = Depends(gateway)) -> Response:
 async def register_engine(body: RegisterEngine, gw: Gateway = Depends(gateway)) -> Response:
     spec = EngineSpec(id=body.id, url=body.url, api_key=body.api_key)
     eng = await gw.pool.register(spec.id, spec.url, spec.api_key)
-    await gw._sync_engine_version(eng.id, eng.version)
+    await gw.sync_engine_version(eng.id, eng.version)
     return ORJSONResponse(eng.to_dict(), status_code=201)
 
 

@@ -55,7 +55,7 @@ class Gateway:
         for spec in self.settings.engines:
             try:
                 eng = await self.pool.register(spec.id, spec.url, spec.api_key)
-                await self._sync_engine_version(eng.id, eng.version)
+                await self.sync_engine_version(eng.id, eng.version)
             except GatewayError as exc:
                 # a configured engine that is not up yet is retried by the health loop
                 log.error("engine %s at %s is not reachable at start-up: %s", spec.id, spec.url,
@@ -84,7 +84,7 @@ class Gateway:
                 log.warning("registry watch failed (%s); retrying", exc)
                 await asyncio.sleep(1.0)
 
-    async def _sync_engine_version(self, engine_id: str, version: int | None) -> None:
+    async def sync_engine_version(self, engine_id: str, version: int | None) -> None:
         if version is None:
             return
         try:

@@ -30,7 +30,13 @@ from rollout_gateway.core.trajectory import (
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, RoutingSpec, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.pool import Engine, EnginePool
-from rollout_gateway.errors import EngineError, GatewayError, Timeout, Unavailable
+from rollout_gateway.errors import (
+    EngineError,
+    GatewayError,
+    InvalidArgument,
+    Timeout,
+    Unavailable,
+)
 from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.settings import GatewaySettings
@@ -230,7 +236,10 @@ class SampleRunner:
                 err = EngineError(f"engine {eng.id} answered /generate with no output at all",
                                   details={"engine_id": eng.id})
             if err is not None:
-                if not isinstance(err, EngineError | Timeout) or self._engine_rejected(err):
+                if self._engine_rejected(err):  # a 4xx: our request is bad, not the engine
+                    raise InvalidArgument(f"the engine rejected the request: {err.message}",
+                                          details=err.details) from err
+                if not isinstance(err, EngineError | Timeout):
                     raise err
                 log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id,
                             eng.id, err.message)

@@ -146,6 +146,7 @@ def test_generate_passthrough_is_sglang_shaped_and_stamped(gateway, models):
     ({"input_ids": "abc"}, 422, "input_ids"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 422, "bogus"),
     ({"input_ids": [-5]}, 422, "non-negative"),
+    ({"input_ids": [99999]}, 400, "engine rejected"),  # outside the model's vocabulary
 ])
 def test_bad_rollout_requests_are_clear_4xx(gateway, body, status, needle):
     r = httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=30)
