@@ -70,10 +70,16 @@ class StreamDecoder:
         self._buf.clear()
         return self._event(rest) if rest else []
 
+    def feed_payload(self, data: bytes) -> list[Decoded]:
+        """Like :meth:`feed` for one already-unframed SSE ``data:`` payload (a JSON
+        object/list, ``[DONE]`` or an ``{"error": ...}`` object): no framing, no copy."""
+        return self._payload(data.strip())
+
     def _event(self, event: bytes) -> list[Decoded]:
         payload = _data_of(event)
-        if payload is None:
-            return []
+        return [] if payload is None else self._payload(payload)
+
+    def _payload(self, payload: bytes) -> list[Decoded]:
         if payload == b"[DONE]":
             self.done = True
             return []

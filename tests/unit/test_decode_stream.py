@@ -162,3 +162,16 @@ def test_multiline_data_and_mixed_separators():
     dec = StreamDecoder()
     got = dec.feed(raw)
     assert [d.num_tokens for d in got] == [2] and dec.done
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_feed_payload_takes_unframed_data(incremental):
+    dec = StreamDecoder(DecodeOptions(routing=RoutingSpec(2, 2, 8)), keep=True)
+    got = []
+    for c in _chunks(incremental):
+        got += dec.feed_payload(orjson.dumps(c))
+    assert dec.feed_payload(b"[DONE]") == [] and dec.done
+    assert [d.offset for d in got] == [0, 2, 3]
+    assert dec.result().output_ids.tolist() == IDS
+    with pytest.raises(EngineError, match="boom"):
+        StreamDecoder().feed_payload(b'{"error": {"message": "boom"}}')
