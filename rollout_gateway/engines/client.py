@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import orjson
 
+from rollout_gateway.engines.rawhttp import RawHttpPool
 from rollout_gateway.errors import EngineError, Timeout
 from rollout_gateway.settings import Timeouts
 
@@ -82,7 +83,7 @@ class EngineClient:
     """Async client for one SGLang-protocol engine."""
 
     def __init__(self, engine_id: str, url: str, *, timeouts: Timeouts | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, use_raw: bool = True) -> None:
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.t = timeouts or Timeouts()
@@ -91,6 +92,11 @@ class EngineClient:
                                        limits=httpx.Limits(max_connections=1024,
                                                            max_keepalive_connections=256))
         self.info = EngineInfo()
+        u = httpx.URL(self.url)
+        #: the hot call (/generate) bypasses httpx on plain http (see rawhttp)
+        self._raw = (RawHttpPool(engine_id, u.host, u.port or 80,
+                                 connect_timeout=self.t.connect_s, headers=headers)
+                     if u.scheme == "http" and use_raw else None)
 
     def _timeout(self, read: float) -> httpx.Timeout:
         return httpx.Timeout(connect=self.t.connect_s, read=read, write=self.t.control_s,
@@ -167,23 +173,39 @@ class EngineClient:
     # ---- generation ------------------------------------------------------------------
     async def generate(self, payload: dict[str, Any]) -> bytes:
         """Non-streaming /generate; returns the raw JSON body."""
-        resp = await self._call("POST", "/generate", read=self.t.generate_s, body=payload,
-                                ok_statuses=(200, 400))
-        if resp.status_code == 400:
-            raise EngineError(f"engine {self.engine_id} rejected the request: "
-                              f"{resp.content[:300].decode('utf-8', 'replace')}",
-                              details={"engine_id": self.engine_id, "status": 400})
-        return resp.content
+        if self._raw is not None:
+            resp = await self._raw.post("/generate", orjson.dumps(payload),
+                                        read_timeout=self.t.generate_s)
+            content = await resp.read()
+            status = resp.status
+        else:
+            r = await self._call("POST", "/generate", read=self.t.generate_s, body=payload,
+                                 ok_statuses=tuple(range(200, 600)))
+            content, status = r.content, r.status_code
+        if status != 200:
+            raise EngineError(f"engine {self.engine_id} /generate: HTTP {status}: "
+                              f"{content[:300].decode('utf-8', 'replace')}",
+                              details={"engine_id": self.engine_id, "status": status})
+        return content
 
-    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
-        """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
-
-        A dropped connection raises EngineError after the payloads received so far were
-        yielded, so the caller keeps the partial output of a cumulative stream.
-        """
-        body = dict(payload, stream=True)
+    async def _stream_bytes(self, body: bytes) -> AsyncIterator[bytes]:
+        """Raw body chunks of a streamed /generate (non-200 -> EngineError with status)."""
+        if self._raw is not None:
+            resp = await self._raw.post("/generate", body, read_timeout=self.t.generate_s)
+            if resp.status != 200:
+                text = (await resp.read())[:300].decode("utf-8", "replace")
+                raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
+                                  f"{text}", details={"engine_id": self.engine_id,
+                                                      "status": resp.status})
+            chunks = resp.iter_bytes()
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()
+            return
         try:
-            async with self._http.stream("POST", "/generate", content=orjson.dumps(body),
+            async with self._http.stream("POST", "/generate", content=body,
                                          headers={"Content-Type": "application/json"},
                                          timeout=self._timeout(self.t.generate_s)) as resp:
                 if resp.status_code != 200:
@@ -192,29 +214,8 @@ class EngineClient:
                                       f"{resp.status_code}: {text}",
                                       details={"engine_id": self.engine_id,
                                                "status": resp.status_code})
-                buf = bytearray()
-                scan = 0  # bytes of buf already searched for the event separator
                 async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    while True:  # linear: each byte is searched once (big final chunks)
-                        cut = buf.find(b"\n\n", max(scan - 1, 0))
-                        if cut < 0:
-                            scan = len(buf)
-                            break
-                        event = bytes(buf[:cut])
-                        del buf[:cut + 2]
-                        scan = 0
-                        for line in event.split(b"\n"):
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == b"[DONE]":
-                                return
-                            if data.startswith(b'{"error"'):
-                                raise EngineError(f"engine {self.engine_id} stream error: "
-                                                  f"{data[:300].decode('utf-8', 'replace')}",
-                                                  details={"engine_id": self.engine_id})
-                            yield data
+                    yield chunk
         except httpx.TimeoutException as exc:
             raise Timeout(f"engine {self.engine_id} /generate stream timed out",
                           details={"engine_id": self.engine_id}) from exc
@@ -222,6 +223,40 @@ class EngineClient:
             raise EngineError(f"engine {self.engine_id} /generate stream broke: "
                               f"{type(exc).__name__}: {exc}",
                               details={"engine_id": self.engine_id, "dropped": True}) from exc
+
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
+
+        A dropped connection raises EngineError after the payloads received so far were
+        yielded, so the caller keeps the partial output of a cumulative stream.
+        """
+        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)))
+        try:
+            buf = bytearray()
+            scan = 0  # bytes of buf already searched for the event separator
+            async for chunk in source:
+                buf += chunk
+                while True:  # linear: each byte is searched once (big final chunks)
+                    cut = buf.find(b"\n\n", max(scan - 1, 0))
+                    if cut < 0:
+                        scan = len(buf)
+                        break
+                    event = bytes(buf[:cut])
+                    del buf[:cut + 2]
+                    scan = 0
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        if data.startswith(b'{"error"'):
+                            raise EngineError(f"engine {self.engine_id} stream error: "
+                                              f"{data[:300].decode('utf-8', 'replace')}",
+                                              details={"engine_id": self.engine_id})
+                        yield data
+        finally:
+            await source.aclose()
         raise EngineError(f"engine {self.engine_id} /generate stream ended without [DONE]",
                           details={"engine_id": self.engine_id, "dropped": True})
 
@@ -281,4 +316,6 @@ class EngineClient:
         return self._check_success(data, "update_weights_from_distributed", self.engine_id)
 
     async def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
         await self._http.aclose()

@@ -1,0 +1,91 @@
+"""The raw /generate HTTP client against a real loopback socket server."""
+
+import asyncio
+
+import pytest
+
+from rollout_gateway.engines.rawhttp import RawHttpPool
+from rollout_gateway.errors import EngineError, Timeout
+
+
+class Server:
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+                        [0].split(b":")[1])
+                body = await reader.readexactly(n)
+                path = head.split(b" ")[1]
+                self.requests.append(body)
+                if path == b"/cl":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+                elif path == b"/chunked":
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                                 b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n")
+                elif path == b"/close-after":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    await writer.drain()
+                    writer.close()  # idle keep-alive connection dropped by the server
+                    return
+                elif path == b"/garbage":
+                    writer.write(b"SPEAK FRIEND\r\n\r\n")
+                elif path == b"/cut":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b")
+                    await writer.drain()
+                    writer.close()
+                    return
+                elif path == b"/slow":
+                    await asyncio.sleep(2)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+
+@pytest.fixture
+async def server():
+    s = Server()
+    srv = await asyncio.start_server(s.handle, "127.0.0.1", 0)
+    s.port = srv.sockets[0].getsockname()[1]
+    yield s
+    srv.close()
+
+
+async def test_bodies_and_keep_alive(server):
+    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2)
+    r = await pool.post("/cl", b'{"a":1}', read_timeout=2)
+    assert r.status == 200 and await r.read() == b"hello"
+    r = await pool.post("/chunked", b"{}", read_timeout=2)
+    assert [c async for c in r.iter_bytes()] == [b"abc", b"de"]
+    assert server.connections == 1 and server.requests == [b'{"a":1}', b"{}"]
+    pool.close()
+
+
+async def test_a_dropped_idle_connection_is_retried_on_a_fresh_one(server):
+    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2)
+    assert await (await pool.post("/close-after", b"{}", read_timeout=2)).read() == b"ok"
+    await asyncio.sleep(0.05)
+    assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
+    assert server.connections == 2
+    pool.close()
+
+
+async def test_garbage_cut_bodies_timeouts_and_refused_connections(server):
+    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2)
+    with pytest.raises(EngineError, match="not an HTTP"):
+        await pool.post("/garbage", b"{}", read_timeout=2)
+    r = await pool.post("/cut", b"{}", read_timeout=2)
+    with pytest.raises(EngineError) as e:
+        await r.read()
+    assert e.value.details["dropped"] is True
+    with pytest.raises(Timeout):
+        await pool.post("/slow", b"{}", read_timeout=0.2)
+    pool.close()
+    dead = RawHttpPool("t", "127.0.0.1", 1, connect_timeout=2)
+    with pytest.raises(EngineError, match="cannot connect"):
+        await dead.post("/cl", b"{}", read_timeout=1)
