@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-factor", type=float, default=2.0)
+    ap.add_argument("--only", default="",
+                    help="comma-separated case names to run besides ppo_clip (default: all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = make_inputs(args.tokens, args.seq_len)
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
              "mis[geometric]": ("mis", {"level": "geometric"}),
              "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None})}
     cases = {n: (n, SPECIAL_CFG.get(n)) for n in names} | extra
+    if args.only:
+        keep = {"ppo_clip", *args.only.split(",")}
+        cases = {c: v for c, v in cases.items() if c in keep}
 
     def timed(case: str) -> tuple[float, float]:
         name, cfg = cases[case]

@@ -88,7 +88,7 @@ def aggregate_parts(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig
     """
     m = tok.denom_mask
     if cfg.aggregation == "token_mean":
-        return tok.loss.sum(), m.sum()
+        return tok.loss.sum(), _denom_tokens(tok, inputs)
     if cfg.aggregation == "constant":
         c = cfg.constant_normalizer if cfg.constant_normalizer is not None else float(
             inputs.num_tokens)
@@ -110,10 +110,15 @@ def aggregate(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig
     return loss, _metrics(tok, inputs, den)
 
 
+def _denom_tokens(tok: TokenLoss, inputs: LossInputs) -> Tensor:
+    """Number of denominator tokens (the cached mask count when the mask is the denominator)."""
+    return inputs.mask_count if tok.denom_mask is inputs.mask else tok.denom_mask.sum()
+
+
 def _metrics(tok: TokenLoss, inputs: LossInputs, den: Tensor) -> dict[str, Tensor]:
     metrics = dict(tok.metrics)
     metrics["num_active_tokens"] = inputs.mask_count
-    metrics["num_denominator_tokens"] = tok.denom_mask.sum()
+    metrics["num_denominator_tokens"] = _denom_tokens(tok, inputs)
     if inputs.has_sequences:
         metrics["num_sequences"] = torch.tensor(float(inputs.num_sequences),
                                                  device=den.device)

@@ -34,8 +34,9 @@ from torch import Tensor
 
 from .base import LossConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
-from .ops import masked_mean, safe_exp
-from .ppo import ppo_token_loss_ex
+from .fused import fused_token_loss, ppo_metrics, ppo_surrogate, safe_exp_
+from .ops import indices_above, masked_mean, safe_exp
+from .ppo import fused_ppo, ppo_token_loss_ex
 
 
 def version_alpha(versions: Tensor, learner_version: int,
@@ -131,13 +132,19 @@ def discrepancy_weight(log_rd: Tensor, cfg: DecoupledPPOConfig) -> tuple[Tensor,
     return torch.clamp(r_d, 1.0 / cfg.discrepancy_c, cfg.discrepancy_c), None  # truncate
 
 
-def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
+def decoupled_ppo_reference(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
+    """Decoupled PPO through eager ops (the weight multiplies the PPO token loss); the
+    registered loss is the fused ``decoupled_ppo`` (tests compare the two)."""
     m = inputs.mask
     n_act = inputs.mask_count
     logp = inputs.flat("logprobs")
     prox, use_rd, extra = proximal_logprobs(inputs, cfg)
     pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
-                                             cfg.eps_low, cfg.eps_high, cfg.dual_clip, n_act)
+                                             cfg.eps_low, cfg.eps_high, cfg.dual_clip, n_act,
+                                             bounds=(torch.tensor(1.0 - cfg.eps_low,
+                                                                  dtype=logp.dtype),
+                                                     torch.tensor(1.0 + cfg.eps_high,
+                                                                  dtype=logp.dtype)))
     metrics.update(extra)
     drop = None
     if use_rd:
@@ -145,6 +152,12 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
         w, drop = discrepancy_weight(log_rd, cfg)
         metrics["behav_weight_mean"] = masked_mean(w, m, n_act)
         pg = pg * w
+    _drop_metrics(metrics, drop, clipped, m, n_act)
+    return TokenLoss(pg, m, metrics)
+
+
+def _drop_metrics(metrics: dict[str, Tensor], drop: Tensor | None, clipped: Tensor,
+                  m: Tensor, n_act: Tensor) -> None:
     if drop is not None:
         rate = masked_mean(drop, m, n_act)
         metrics["behav_mask_rate"] = rate
@@ -154,7 +167,82 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
     else:
         metrics["behav_mask_rate"] = torch.zeros((), dtype=m.dtype, device=m.device)
         metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
+
+
+def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
+    """Fused decoupled PPO: M_d(r_d) * mask is folded into the surrogate's weight (one
+    autograd node, see fused.py). Tokens that M_d zeroes (a rare tail, found from one
+    aminmax over log r_d) get their PPO clip status recomputed on that subset, so clipfrac
+    and active_token_fraction count them as the eager form does. Dual clip: eager form."""
+    if cfg.dual_clip is not None:
+        return decoupled_ppo_reference(inputs, cfg)
+    m = inputs.mask
+    n_act = inputs.mask_count
+    prox, use_rd, extra = proximal_logprobs(inputs, cfg)
+    mu = inputs.flat("rollout_logprobs").detach()
+    adv = inputs.flat("advantages").detach()
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    if not use_rd or cfg.discrepancy == "none":
+        pg, s = fused_ppo(inputs.flat("logprobs"), prox, adv, m, n_act, cfg.eps_low,
+                          cfg.eps_high)
+        metrics = ppo_metrics(s, n_act)
+        metrics.update(extra)
+        if use_rd:
+            metrics["behav_weight_mean"] = torch.ones((), dtype=m.dtype) * (n_act > 0)
+        _drop_metrics(metrics, None, s.clipped, m, n_act)
+        return TokenLoss(pg, m, metrics)
+    box: dict[str, Tensor] = {}
+
+    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
+        a = adv.to(x.dtype)
+        log_rd = prox - mu
+        lo_rd, hi_rd = (float(v) for v in torch.aminmax(log_rd))
+        drop = None
+        if cfg.discrepancy == "cap_mask":
+            lc = math.log(cfg.behav_imp_weight_cap)
+            drop = indices_above(log_rd, lc) if hi_rd > lc else _EMPTY
+        elif cfg.discrepancy == "mask":
+            lc = math.log(cfg.discrepancy_c)
+            drop = indices_above(log_rd.abs(), lc) if max(-lo_rd, hi_rd) > lc else _EMPTY
+        w = safe_exp_(log_rd)
+        if cfg.discrepancy == "truncate":
+            w.clamp_(1.0 / cfg.discrepancy_c, cfg.discrepancy_c)
+        if drop is not None and drop.numel():
+            w.index_fill_(0, drop, 0.0)
+        wm = w.mul_(m)
+        box["w_sum"] = wm.sum()
+        s = ppo_surrogate(x - prox, a, m, lo, hi, weight=wm, own_d=True)
+        n_clip_drop = torch.zeros((), dtype=torch.long)
+        if drop is not None and drop.numel():  # clip status of zero-weight tokens
+            r_d = s.r.index_select(0, drop)
+            na = (a.index_select(0, drop) * m.index_select(0, drop)).neg_()
+            n_clip_drop = torch.count_nonzero(torch.clamp(r_d, lo, hi).mul_(na) > r_d * na)
+            box["drop_active"] = m.index_select(0, drop).sum()
+        box["s"], box["n_clip_drop"] = s, n_clip_drop  # type: ignore[assignment]
+        box["has_drop"] = torch.tensor(drop is not None)
+        return s.pg, s.grad
+
+    pg = fused_token_loss(inputs.flat("logprobs"), kernel)
+    s = box["s"]
+    den = n_act.clamp_min(1.0)
+    dt = pg.dtype
+    n_clip = torch.count_nonzero(s.clipped) + box["n_clip_drop"]  # type: ignore[union-attr]
+    metrics = ppo_metrics(s, n_act)  # type: ignore[arg-type]
+    metrics["clipfrac"] = n_clip.to(dt) / den
+    metrics.update(extra)
+    metrics["behav_weight_mean"] = box["w_sum"] / den
+    if bool(box["has_drop"]):
+        rate = box.get("drop_active", torch.zeros((), dtype=dt)) / den
+        metrics["behav_mask_rate"] = rate
+        both = box["n_clip_drop"].to(dt) / den
+        metrics["active_token_fraction"] = 1.0 - rate - metrics["clipfrac"] + both
+    else:
+        metrics["behav_mask_rate"] = torch.zeros((), dtype=dt)
+        metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
     return TokenLoss(pg, m, metrics)
+
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 class PPOEWMAConfig(LossConfig):

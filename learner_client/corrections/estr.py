@@ -13,13 +13,15 @@ boundaries and learner_version are given.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
 from .base import LossConfig, TokenLoss
 from .inputs import LossInputs
-from .ops import masked_mean, masked_quantile
+from .fused import fused_token_loss, ppo_metrics, ppo_surrogate
+from .ops import indices_above, masked_mean, masked_quantile, quantile_and_tail
 from .ppo import ppo_token_loss_ex
 
 
@@ -55,35 +57,77 @@ def version_spread(inputs: LossInputs) -> dict[str, Tensor]:
     active tokens; v_first / v_last = min / max policy_version over the active tokens."""
     if inputs.versions is None or not inputs.has_sequences:
         return {}
-    inactive = ~inputs.active
-    v = inputs.flat("versions")
+    v = inputs.flat("versions").detach()
     if torch.is_floating_point(v):
         v = v.to(torch.int64)
-    big = torch.iinfo(v.dtype).max
-    small = torch.iinfo(v.dtype).min
-    if inputs.logprobs.dim() == 2:  # one row per sequence: plain row reductions
-        b, t = inputs.logprobs.shape
-        v_first = v.masked_fill(inactive, big).view(b, t).amin(1)
-        v_last = v.masked_fill(inactive, small).view(b, t).amax(1)
+    if inputs.cu_seqlens is not None and v.device.type == "cpu":
+        firsts, lasts = _cpu_segment_min_max(v, inputs)
+        if firsts.size == 0:
+            return {}
+        n = firsts.size
+        first = torch.from_numpy(firsts)
+        last = torch.from_numpy(lasts)
     else:
-        idx, s = inputs.seq_index
-        v_first = torch.full((s,), big, dtype=v.dtype, device=v.device).scatter_reduce(
-            0, idx, v.masked_fill(inactive, big), "amin")
-        v_last = torch.full((s,), small, dtype=v.dtype, device=v.device).scatter_reduce(
-            0, idx, v.masked_fill(inactive, small), "amax")
-    has = v_first != big
-    n = int(has.sum())
-    if n == 0:
-        return {}
-    first = v_first[has].to(torch.float64)
-    last = v_last[has].to(torch.float64)
+        inactive = ~inputs.active
+        big = torch.iinfo(v.dtype).max
+        small = torch.iinfo(v.dtype).min
+        if inputs.logprobs.dim() == 2:  # one row per sequence: plain row reductions
+            b, t = inputs.logprobs.shape
+            v_first = v.masked_fill(inactive, big).view(b, t).amin(1)
+            v_last = v.masked_fill(inactive, small).view(b, t).amax(1)
+        else:
+            idx, s = inputs.seq_index
+            v_first = torch.full((s,), big, dtype=v.dtype, device=v.device).scatter_reduce(
+                0, idx, v.masked_fill(inactive, big), "amin")
+            v_last = torch.full((s,), small, dtype=v.dtype, device=v.device).scatter_reduce(
+                0, idx, v.masked_fill(inactive, small), "amax")
+        has = v_first != big
+        n = int(has.sum())
+        if n == 0:
+            return {}
+        first = v_first[has].to(torch.float64)
+        last = v_last[has].to(torch.float64)
     out = {"intra_mean": ((last - first).sum() / n).float()}
     if inputs.learner_version is not None:
         out["inter_mean"] = (float(inputs.learner_version) - last.sum() / n).float()
     return out
 
 
-def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
+def _cpu_segment_min_max(v: Tensor, inputs: LossInputs) -> tuple[np.ndarray, np.ndarray]:
+    """(v_first, v_last) as float64 arrays over the cu_seqlens sequences that have active
+    tokens: numpy's fmin/fmax.reduceat over the versions with inactive tokens set to NaN
+    (ignored by fmin/fmax). One pass each, no per-token index tensor."""
+    vn = v.numpy()
+    m = inputs.mask
+    inactive = None
+    if int(inputs.mask_count) != vn.size:
+        inactive = (m.numpy() == 0) if m.dtype in (torch.float32, torch.float64) else (
+            (m == 0).numpy())
+    # float32 holds every |version| < 2**24 exactly; larger ones are redone in float64
+    first = last = np.zeros(0)
+    for dt in (np.float32, np.float64):
+        w = vn.astype(dt)
+        if inactive is not None:
+            np.putmask(w, inactive, np.nan)
+        first, last = _reduce_segments(w, inputs)
+        if not (np.abs(first).max(initial=0) >= 2**24 or np.abs(last).max(initial=0) >= 2**24):
+            break
+    return first.astype(np.float64), last.astype(np.float64)
+
+
+def _reduce_segments(w: np.ndarray, inputs: LossInputs) -> tuple[np.ndarray, np.ndarray]:
+    cu = inputs.cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    offs = cu[:-1][cu[1:] > cu[:-1]]  # non-empty sequences (empty ones have no tokens)
+    if offs.size == 0:
+        return np.zeros(0), np.zeros(0)
+    first = np.fmin.reduceat(w, offs)
+    last = np.fmax.reduceat(w, offs)
+    keep = ~np.isnan(first)  # all-inactive sequences
+    return first[keep], last[keep]
+
+
+def estr_reference(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
+    """ESTR through eager [N] ops (for tests against the fused ``estr``)."""
     inputs.require("entropy")
     m = inputs.mask
     n_act = inputs.mask_count
@@ -110,3 +154,55 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     if cfg.version_diagnostics:
         metrics.update(version_spread(inputs))
     return TokenLoss(pg.masked_fill(drop, 0.0), m, metrics)
+
+
+def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
+    """ESTR as one fused autograd node: the PPO kernel plus the score and a sparse mask.
+
+    The masked set M = {score > tau} is applied by zeroing the loss and gradient at its
+    indices (it is a small tail: the target rate, or the few tokens past a fixed tau), so
+    the extra work over PPO is the score (3 elementwise passes) and finding that tail.
+    Target rate without missing entropy: the tail comes out of the exact selection of tau
+    on score * mask (inactive entries 0, see ops.quantile_and_tail). Missing entropy (NaN,
+    detected by one sum) takes the masked-copy path for tau.
+    """
+    inputs.require("entropy")
+    m = inputs.mask
+    n_act = inputs.mask_count
+    mu = inputs.flat("rollout_logprobs").detach()
+    h = inputs.flat("entropy").detach()
+    adv = inputs.flat("advantages").detach()
+    any_missing = bool(torch.isnan(h.sum()))  # inf - inf also lands here; exact check below
+    missing_b = torch.isnan(h) if any_missing else None
+    any_missing = bool(missing_b.any()) if missing_b is not None else False
+    box: dict[str, Tensor] = {}
+
+    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
+        d = x - mu
+        score = d.square().div_(h + cfg.eps_h)  # NaN where the entropy is missing
+        if cfg.tau is not None:
+            tau = torch.tensor(cfg.tau, dtype=score.dtype, device=score.device)
+            drop = indices_above(score, cfg.tau)
+        elif not any_missing:
+            tau, drop = quantile_and_tail(score.mul_(m), int(n_act), 1.0 - cfg.target_mask_rate)
+        else:
+            valid = inputs.active & ~missing_b
+            tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
+            drop = indices_above(score, float(tau))
+        s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
+                          own_d=True)
+        s.pg.index_fill_(0, drop, 0.0)
+        s.grad.index_fill_(0, drop, 0.0)
+        box["s"], box["tau"], box["drop"] = s, tau, drop  # type: ignore[assignment]
+        return s.pg, s.grad
+
+    pg = fused_token_loss(inputs.flat("logprobs"), kernel)
+    metrics = ppo_metrics(box["s"], n_act)  # type: ignore[arg-type]
+    den = n_act.clamp_min(1.0)
+    metrics["mask_rate"] = m.index_select(0, box["drop"]).sum() / den
+    metrics["tau"] = box["tau"].detach().to(torch.float32)
+    metrics["entropy_missing_rate"] = (masked_mean(missing_b.to(m.dtype), m, n_act)
+                                       if any_missing else torch.zeros_like(n_act))
+    if cfg.version_diagnostics:
+        metrics.update(version_spread(inputs))
+    return TokenLoss(pg, m, metrics)

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
-from .ops import clipped_surrogate, clipped_surrogate_bounds, masked_mean, safe_exp
+from .fused import Surrogate, fused_token_loss, ppo_metrics, ppo_surrogate
+from .ops import clipped_surrogate_bounds, masked_mean, safe_exp
 
 
 class PPOClipConfig(LossConfig):
@@ -44,13 +45,18 @@ def ppo_token_loss_ex(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: flo
 
     Metrics: clipfrac (share of active tokens whose clipped branch is the min), approx_kl
     (mean of log pi_old - log pi over active tokens, verl's ppo_kl), ratio_mean.
+    Scalar eps: one fused autograd node (``fused_ppo``); per-token bounds: eager ops.
     """
-    if bounds is not None:  # per-token [lo, hi] given directly (SAT)
-        s, clipped, r = clipped_surrogate_bounds(log_ratio, adv, bounds[0], bounds[1])
-    else:
-        s, clipped, r = clipped_surrogate(log_ratio, adv, eps_low, eps_high)
     if count is None:
         count = mask.sum()
+    if bounds is None and not isinstance(eps_low, Tensor) and not isinstance(eps_high, Tensor):
+        pg, s = fused_ppo(log_ratio, None, adv, mask, count, eps_low, eps_high,
+                          dual_clip=dual_clip)
+        return pg, s.clipped.to(mask.dtype), ppo_metrics(s, count)
+    if bounds is not None:  # per-token [lo, hi] given directly
+        s, clipped, r = clipped_surrogate_bounds(log_ratio, adv, bounds[0], bounds[1])
+    else:
+        s, clipped, r = clipped_surrogate_bounds(log_ratio, adv, 1.0 - eps_low, 1.0 + eps_high)
     metrics = {
         "clipfrac": masked_mean(clipped, mask, count),
         "approx_kl": -masked_mean(log_ratio.detach(), mask, count),
@@ -65,12 +71,31 @@ def ppo_token_loss_ex(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: flo
     return pg * mask, clipped, metrics
 
 
+def fused_ppo(x: Tensor, base: Tensor | None, adv: Tensor, mask: Tensor, count: Tensor,
+              eps_low: float, eps_high: float, *, weight: Tensor | None = None,
+              dual_clip: float | None = None) -> tuple[Tensor, Surrogate]:
+    """Per-token -S(exp(x - base), A) * w as one autograd node (see fused.py), w = mask or
+    ``weight`` (detached, mask already applied). Returns (pg [N], Surrogate for metrics)."""
+    adv = adv.detach().to(x.dtype)
+    box: list[Surrogate] = []
+
+    def kernel(xv: Tensor) -> tuple[Tensor, Tensor]:
+        d = xv - base if base is not None else xv
+        s = ppo_surrogate(d, adv, mask, 1.0 - eps_low, 1.0 + eps_high, weight=weight,
+                          dual_clip=dual_clip, own_d=base is not None)
+        box.append(s)
+        return s.pg, s.grad
+
+    pg = fused_token_loss(x, kernel)
+    return pg, box[0]
+
+
 def _ppo(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:
     m = inputs.mask
-    lr = inputs.flat("logprobs") - inputs.behavior_or_old()
-    tok, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
-                                  cfg.dual_clip, inputs.mask_count)
-    return TokenLoss(tok, m, metrics)
+    pg, s = fused_ppo(inputs.flat("logprobs"), inputs.behavior_or_old(),
+                      inputs.flat("advantages"), m, inputs.mask_count, cfg.eps_low,
+                      cfg.eps_high, dual_clip=cfg.dual_clip)
+    return TokenLoss(pg, m, ppo_metrics(s, inputs.mask_count))
 
 
 def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:

@@ -22,8 +22,9 @@ from torch import Tensor
 from .base import Aggregation, LossConfig, TokenLoss
 from .gspo import sequence_stats
 from .inputs import LossInputs
+from .fused import fused_token_loss, ppo_metrics, ppo_surrogate
 from .ops import (broadcast, clipped_surrogate, masked_mean, masked_quantile,
-                  weighted_run_quantile)
+                  quantile_and_tail, weighted_run_quantile)
 from .ppo import ppo_token_loss_ex
 
 
@@ -69,8 +70,8 @@ def _factors(d_sg: Tensor, q: Tensor, cfg: SATConfig) -> tuple[Tensor, Tensor]:
 
 
 def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> TokenLoss:
-    """SAT surrogate with per-token bounds lo = 1 - eps_low*c-, hi = 1 + eps_high*c+
-    (built with in-place ops on [N]; no N x vocab, no per-token Python)."""
+    """Reference (eager) SAT surrogate with full per-token bounds lo = 1 - eps_low*c-,
+    hi = 1 + eps_high*c+ ([N] ops; the registered loss uses the fused ``sat`` below)."""
     m = inputs.mask
     n_act = inputs.mask_count
     den = n_act.clamp_min(1.0)
@@ -109,9 +110,84 @@ def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> Tok
     return TokenLoss(pg, m, metrics)
 
 
-def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
+def sat_reference(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
+    """SAT through the eager per-token-bounds path (for tests against ``sat``)."""
     d = inputs.flat("logprobs") - inputs.flat("rollout_logprobs").detach()
     return _sat_core(d, inputs, inputs.flat("advantages"), cfg)
+
+
+def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
+    """SAT as one fused autograd node.
+
+    The factors differ from 1 only on the gated tail G = {active, |d| > q} (~10% of the
+    tokens), and there only the endpoint on d's side of 1 moves: for d > q, r = e^d >= 1
+    so clip(r, lo, hi) ignores lo; for d < -q, r <= 1 ignores hi. Hence clip(r, lo', hi')
+    = clip(r, 1 - eps_low*c, 1 + eps_high*c) with c = psi(|d|; q) on G, 1 elsewhere: the
+    kernel clamps with PPO's scalar bounds and re-clamps only G (gather/scatter of |G|).
+    q: exact quantile of |d|*mask (inactive entries are 0 and shift the rank, no masked
+    copy). Returns exactly the eager result (same float ops per token).
+    """
+    m = inputs.mask
+    n_act = inputs.mask_count
+    n_int = int(n_act)
+    den = n_act.clamp_min(1.0)
+    mu = inputs.flat("rollout_logprobs").detach()
+    adv = inputs.flat("advantages").detach()
+    el, eh, p = cfg.eps_low, cfg.eps_high, cfg.kernel_power
+    box: dict[str, Tensor] = {}
+
+    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
+        d = x - mu
+        am = torch.mul(d, m)
+        kl_sum = am.sum()
+        q, gate = quantile_and_tail(am.abs_(), n_int, cfg.quantile)
+        box["q"] = q
+        qf = float(q)
+        fix = None
+        if qf > 0.0:
+            d_g = d.index_select(0, gate)
+            psi = (d_g.abs() / qf).pow_(p).add_(1.0).reciprocal_()
+            box["psi"], box["pos"] = psi, d_g > 0
+
+            def fix(rc: Tensor, r: Tensor) -> None:
+                lo_g = psi.mul(-el).add_(1.0)
+                hi_g = psi.mul(eh).add_(1.0)
+                rc.index_copy_(0, gate, torch.clamp(r.index_select(0, gate), lo_g, hi_g))
+
+        s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - el, 1.0 + eh, fix_clamp=fix,
+                          own_d=True, kl_sum=kl_sum)
+        box["s"] = s  # type: ignore[assignment]
+        return s.pg, s.grad
+
+    pg = fused_token_loss(inputs.flat("logprobs"), kernel)
+    s = box["s"]
+    metrics = ppo_metrics(s, n_act)  # type: ignore[arg-type]
+    dt = pg.dtype
+    if "psi" in box:
+        psi, pos = box["psi"], box["pos"]
+        short = psi - 1.0  # c - 1 <= 0 on the gated tokens
+        hi_short = torch.where(pos, short, 0.0).sum()
+        lo_short = short.sum() - hi_short
+        n_g = psi.numel()
+        metrics.update({
+            "eps_low_mean": el + el * lo_short / den,
+            "eps_high_mean": eh + eh * hi_short / den,
+            "gate_rate": torch.tensor(float(n_g), dtype=dt) / den,
+            "c_min": psi.min() if n_g else torch.ones((), dtype=dt),
+        })
+    else:
+        metrics.update({
+            "eps_low_mean": torch.tensor(el, dtype=dt),
+            "eps_high_mean": torch.tensor(eh, dtype=dt),
+            "gate_rate": torch.zeros((), dtype=dt),
+            "c_min": torch.ones((), dtype=dt),
+        })
+    metrics["sat_q"] = box["q"]
+    return TokenLoss(pg, m, metrics)
+
+
+def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
+    return _sat_fused(inputs, cfg)
 
 
 def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
