@@ -10,8 +10,12 @@ is SGLang's shape plus the gateway's stamps in ``meta_info``: ``policy_versions`
 
 from __future__ import annotations
 
-import base64
 import math
+
+try:  # SIMD base64 (a base dependency); the stdlib is the fallback
+    from pybase64 import b64encode
+except ImportError:  # pragma: no cover
+    from base64 import b64encode
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -99,8 +103,8 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, c.token_ids.tolist())]
         meta["output_token_entropy"] = c.entropy
     if opts["routed"] and t.routed_experts is not None:
-        meta["routed_experts"] = base64.b64encode(
-            np.ascontiguousarray(t.routed_experts.data, dtype="<i4").tobytes()).decode()
+        meta["routed_experts"] = b64encode(
+            np.ascontiguousarray(t.routed_experts.data, dtype="<i4")).decode()
     out: dict[str, Any] = {"text": text, "output_ids": c.token_ids, "meta_info": meta}
     if t.sample_index or opts.get("n", 1) > 1:
         out["index"] = index

@@ -6,13 +6,18 @@ Routed experts travel as base64 of the narrow-dtype array."""
 
 from __future__ import annotations
 
-import base64
 import math
 from typing import Any
 
+import numpy as np
 import orjson
 
 from rollout_gateway.core.trajectory import Segment, TokenColumns, Trajectory
+
+try:  # SIMD base64 (a base dependency); the stdlib is the fallback
+    from pybase64 import b64encode
+except ImportError:  # pragma: no cover
+    from base64 import b64encode
 
 
 JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
@@ -49,5 +54,5 @@ def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
     if r is not None:
         out["routed_experts"] = {"shape": list(r.data.shape), "dtype": r.data.dtype.str,
                                  "num_experts": r.num_experts, "start": r.start,
-                                 "data_b64": base64.b64encode(r.data.tobytes()).decode()}
+                                 "data_b64": b64encode(np.ascontiguousarray(r.data)).decode()}
     return out
