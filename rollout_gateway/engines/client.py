@@ -236,10 +236,12 @@ class EngineClient:
             scan = 0  # bytes of buf already searched for the event separator
             async for chunk in source:
                 buf += chunk
-                while True:  # linear: each byte is searched once (big final chunks)
-                    cut = buf.find(b"\n\n", max(scan - 1, 0))
-                    if cut < 0:
-                        scan = len(buf)
+                while True:  # linear, memchr-speed: hop newlines, check the next byte
+                    cut = buf.find(b"\n", scan)
+                    while cut >= 0 and cut + 1 < len(buf) and buf[cut + 1] != 0x0A:
+                        cut = buf.find(b"\n", cut + 1)
+                    if cut < 0 or cut + 1 >= len(buf):
+                        scan = max(len(buf) - 1, 0)
                         break
                     event = bytes(buf[:cut])
                     del buf[:cut + 2]

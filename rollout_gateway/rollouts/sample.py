@@ -149,7 +149,7 @@ class SampleRunner:
             err: GatewayError | None = None
             try:
                 async for data in eng.client.generate_stream(payload):
-                    for d in sd.feed(b"data: " + data + b"\n\n"):
+                    for d in sd.feed_payload(data):
                         if on_delta is not None and d.num_tokens:
                             await on_delta(d)
             except GatewayError as exc:
