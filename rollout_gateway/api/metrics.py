@@ -33,6 +33,8 @@ async def render(gw: Gateway) -> str:
                        ("samples", "Samples finished"), ("tokens", "Output tokens stamped"),
                        ("published", "Trajectories published to the store"),
                        ("duplicates", "Publishes ignored as duplicates"),
+                       ("publish_failed", "Trajectories the store refused or failed to take "
+                        "(returned to the caller with metadata.publish_error)"),
                        ("failed_samples", "Samples that failed"),
                        ("failovers", "Segments resumed on another engine after a failure"),
                        ("abort_resumes", "Segments resumed after an abort_resume swap"),

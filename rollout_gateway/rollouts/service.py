@@ -37,7 +37,7 @@ class RolloutService:
         self.runner = SampleRunner(pool, settings, gatekeeper.registry)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
-                         "abort_resumes": 0, "tokens_reprefilled": 0}
+                         "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0}
 
     @property
     def inflight_samples(self) -> int:
@@ -72,11 +72,18 @@ class RolloutService:
         return group, ids, sticky
 
     async def _publish(self, traj: Trajectory, req: RolloutRequest) -> None:
-        if req.publish:
-            if await self.store.publish(traj):
-                self.counters["published"] += 1
-            else:
-                self.counters["duplicates"] += 1
+        """Publish; a store failure does not throw the generated tokens away: the caller
+        still gets the trajectory, marked ``metadata["publish_error"]``, and it is counted."""
+        if not req.publish:
+            return
+        try:
+            stored = await self.store.publish(traj)
+        except GatewayError as exc:
+            self.counters["publish_failed"] += 1
+            traj.metadata["publish_error"] = f"{exc.code.value}: {exc.message}"[:300]
+            log.error("publishing %s failed: %s", traj.trajectory_id, exc.message)
+            return
+        self.counters["published" if stored else "duplicates"] += 1
 
     def _count(self, traj: Trajectory) -> None:
         self.counters["samples"] += 1

@@ -65,3 +65,16 @@ def test_admin_routes_need_the_admin_key(engine):
         r = httpx.post(gw.url + "/v1/weights", json={"version": 1}, timeout=30,
                        headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["status"] == "succeeded"
+
+
+def test_a_full_store_does_not_lose_the_generated_trajectory(engine):
+    env = {"ROLLOUT_GATEWAY_ADMISSION__ENABLED": "false"}
+    with GatewayProcess({"e0": engine.url}, store_url="memory://?max_backlog=1", env=env) as gw:
+        r = post(gw.url, 2)
+        assert r.status_code == 200, r.text
+        trajs = r.json()["trajectories"]
+        assert all(t["num_tokens"] == 3 for t in trajs)
+        errs = [t["metadata"].get("publish_error", "") for t in trajs]
+        assert sorted(bool(e) for e in errs) == [False, True]
+        assert any(e.startswith("RESOURCE_EXHAUSTED") for e in errs)
+        assert metric(gw.url, "rollout_gateway_publish_failed_total") == 1
