@@ -78,3 +78,18 @@ def test_a_full_store_does_not_lose_the_generated_trajectory(engine):
         assert sorted(bool(e) for e in errs) == [False, True]
         assert any(e.startswith("RESOURCE_EXHAUSTED") for e in errs)
         assert metric(gw.url, "rollout_gateway_publish_failed_total") == 1
+
+
+def test_recycled_prompts_are_regenerated_then_dropped_when_exhausted(engine):
+    env = {"ROLLOUT_GATEWAY_ADMISSION__MAX_STALENESS": "0",
+           "ROLLOUT_GATEWAY_ADMISSION__STALE_POLICY": "recycle",
+           "ROLLOUT_GATEWAY_ADMISSION__MAX_RECYCLES": "1"}
+    with GatewayProcess({"e0": engine.url}, env=env) as gw:
+        assert httpx.post(gw.url + "/v1/weights", json={"version": 1}, timeout=30).status_code == 200
+        r = post(gw.url, 1)  # the engine still runs v0: every generation is stale
+        assert r.status_code == 200, r.text
+        assert r.json()["trajectories"][0]["metadata"]["stale_verdict"] == "drop"
+        assert metric(gw.url, "rollout_gateway_admission_stale_recycled_total") == 1
+        assert metric(gw.url, "rollout_gateway_admission_recycle_exhausted_total") == 1
+        assert metric(gw.url, "rollout_gateway_samples_total") == 2  # generated twice
+        assert metric(gw.url, "rollout_gateway_admission_running") == 0

@@ -169,6 +169,15 @@ def test_malformed_json_and_unknown_engine(gateway):
     assert r.status_code == 400 and "batched" in r.json()["error"]["message"]
 
 
+def test_swap_naming_an_unknown_engine_is_404(gateway, tmp_path):
+    r = httpx.post(gateway.url + "/v1/weights", timeout=30, json={
+        "version": 9, "engines": ["nope"], "source": {"kind": "disk", "path": str(tmp_path)}})
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/v1/weights", timeout=30, json={
+        "version": 9, "mode": "sideways", "source": {"kind": "disk", "path": str(tmp_path)}})
+    assert r.status_code == 422 and "mode" in r.json()["error"]["message"]
+
+
 def test_version_going_backwards_is_refused(gateway):
     r = httpx.post(gateway.url + "/v1/weights", json={"version": 0}, timeout=30)
     assert r.status_code == 409, r.text
