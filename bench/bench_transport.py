@@ -90,7 +90,8 @@ class CpuMeter:
         return self
 
     def __exit__(self, *exc):
-        self.used = sum(b - a for a, b in zip(self.t0, self._now()))
+        self.parts = [b - a for a, b in zip(self.t0, self._now())]
+        self.used = sum(self.parts)
 
 
 def raw_read(url: str, prefix: str, batch: int) -> tuple[int, float, int]:
@@ -140,6 +141,23 @@ async def transport_read(target: str, args, group: str) -> tuple[int, float, int
     return n, dt, tokens
 
 
+def start_server(args, prefix: str, cpu: int, tmp: str, name: str) -> tuple[subprocess.Popen, str]:
+    port_file = Path(tmp) / f"port-{name}"
+    server = subprocess.Popen(
+        ["taskset", "-c", str(cpu), sys.executable, "-m",
+         "rollout_gateway.transport.server", "--store",
+         f"{args.redis}?prefix={prefix}&max_backlog=1000000", "--port", "0",
+         "--port-file", str(port_file), "--grace", "1", "--message-kb", str(args.message_kb)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])},
+        stderr=subprocess.DEVNULL)
+    while not port_file.exists():
+        if server.poll() is not None:
+            raise RuntimeError("gRPC server failed to start")
+        time.sleep(0.05)
+    return server, f"127.0.0.1:{port_file.read_text()}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
@@ -153,77 +171,92 @@ def main() -> int:
                    help="batches of credit the learner keeps in flight beyond the current one")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved raw/transport rounds; the medians are reported")
-    p.add_argument("--cpu", type=int, default=0)
-    p.add_argument("--learner-cpu", type=int, default=None,
-                   help="pin the learner to this core instead of --cpu")
+    p.add_argument("--message-kb", type=int, default=1024,
+                   help="soft size of one gRPC Pull response message (KiB)")
+    p.add_argument("--cpu", type=int, default=0,
+                   help="core of the reader: raw redis-py reader and the learner")
+    p.add_argument("--gateway-cpu", type=int, default=None,
+                   help="core of the gateway in the split setup (default: another core; "
+                        "-1 skips the split setup)")
     args = p.parse_args()
+    if args.gateway_cpu is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        others = [c for c in cores if c != args.cpu]
+        args.gateway_cpu = others[0] if others else -1
     pin(args.cpu)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     import redis
 
+    setups = {"one core": args.cpu}
+    if args.gateway_cpu >= 0:
+        setups["split"] = args.gateway_cpu
+    raw, raw_bytes = [], []
+    tr: dict[str, list] = {k: [] for k in setups}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         asyncio.run(fill(args.redis, prefix, args))
-        raw, tr, raw_bytes = [], [], []
         with tempfile.TemporaryDirectory() as tmp:
-            port_file = Path(tmp) / "port"
-            server = subprocess.Popen(
-                ["taskset", "-c", str(args.cpu), sys.executable, "-m",
-                 "rollout_gateway.transport.server", "--store",
-                 f"{args.redis}?prefix={prefix}&max_backlog=1000000", "--port", "0",
-                 "--port-file", str(port_file), "--grace", "1"],
-                cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                    [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])},
-                stderr=subprocess.DEVNULL)
             try:
-                while not port_file.exists():
-                    if server.poll() is not None:
-                        raise RuntimeError("gRPC server failed to start")
-                    time.sleep(0.05)
-                target = f"127.0.0.1:{port_file.read_text()}"
+                for name, cpu in setups.items():
+                    servers[name] = start_server(args, prefix, cpu, tmp, name.replace(" ", "-"))
                 for i in range(args.rounds):
-                    pin(args.cpu)
                     with CpuMeter(args.redis, None) as m:
                         n, dt, nbytes = raw_read(args.redis, prefix, args.batch)
-                    raw.append((n, dt, m))
+                    raw.append((n * args.response, dt, m))
                     raw_bytes.append(nbytes)
-                    if args.learner_cpu is not None:
-                        pin(args.learner_cpu)
-                    with CpuMeter(args.redis, server.pid) as m:
-                        n, dt, tok = asyncio.run(transport_read(target, args, f"bench-{i}"))
-                    tr.append((tok, dt, m))
+                    for name, (server, target) in servers.items():
+                        with CpuMeter(args.redis, server.pid) as m:
+                            n, dt, tok = asyncio.run(transport_read(
+                                target, args, f"bench-{name.replace(' ', '-')}-{i}"))
+                        tr[name].append((tok, dt, m))
             finally:
-                server.terminate()
-                server.wait(timeout=10)
+                for server, _ in servers.values():
+                    server.terminate()
+                    server.wait(timeout=10)
     finally:
         r = redis.Redis.from_url(args.redis)
         keys = list(r.scan_iter(f"{prefix}:*"))
         if keys:
             r.delete(*keys)
         r.close()
-    def median(xs):
-        return sorted(xs)[len(xs) // 2]
+    report(args, raw, raw_bytes, tr, setups)
+    return 0
 
-    tokens = args.trajectories * args.response
-    raw_tps = median([tokens / dt for _, dt, _ in raw])
-    tr_tps = median([tok / dt for tok, dt, _ in tr])
-    raw_cpu = median([tokens / m.used for _, _, m in raw])
-    tr_cpu = median([tok / m.used for tok, _, m in tr])
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def report(args, raw, raw_bytes, tr, setups) -> None:
     per = raw_bytes[0] / args.trajectories
+    mbps = per / args.response / 1e6
     print(f"payload: {args.trajectories} trajectories x {args.response} output tokens "
           f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
-          f"{per / 1e3:.0f} KB/trajectory; gateway+raw on cpu {args.cpu}, learner on cpu "
-          f"{args.cpu if args.learner_cpu is None else args.learner_cpu}; "
+          f"{per / 1e3:.0f} KB/trajectory, {args.message_kb} KiB gRPC messages; "
           f"median of {args.rounds} interleaved rounds")
-    mbps = per / args.response / 1e6
-    print("                           wall clock                    per CPU-second "
-          "(all processes incl. Redis)")
-    print(f"raw redis XRANGE        : {raw_tps / 1e6:7.2f} M tokens/s ({raw_tps * mbps:5.0f} MB/s)"
-          f"    {raw_cpu / 1e6:7.2f} M tokens/cpu-s")
-    print(f"store->gRPC->tensors    : {tr_tps / 1e6:7.2f} M tokens/s ({tr_tps * mbps:5.0f} MB/s)"
-          f"    {tr_cpu / 1e6:7.2f} M tokens/cpu-s")
-    print(f"ratio transport/raw     : {tr_tps / raw_tps:7.2f}"
-          f"                         {tr_cpu / raw_cpu:7.2f}")
-    return 0
+    print(f"reader (raw redis-py / learner) on cpu {args.cpu}; gateway: " + ", ".join(
+        f"{k} -> cpu {v}" for k, v in setups.items()) + "; Redis where the OS puts it")
+
+    def row(label, runs, ref=None):
+        tps = median([tok / dt for tok, dt, _ in runs])
+        # CPU seconds per million tokens: reader process, gateway process, Redis server
+        me = median([m.parts[0] / tok * 1e6 for tok, _, m in runs])
+        gw = median([m.parts[1] / tok * 1e6 for tok, _, m in runs])
+        rd = median([m.parts[2] / tok * 1e6 for tok, _, m in runs])
+        out = (f"{label:<26}: {tps / 1e6:5.2f} M tok/s ({tps * mbps:5.0f} MB/s)  "
+               f"{me:5.3f} {gw:5.3f} {rd:5.3f} cpu-s/Mtok")
+        if ref is not None:
+            out += f"   ratio {tps / ref[0]:4.2f} wall, {ref[1] / me:4.2f} reader-cpu"
+        print(out)
+        return tps, me
+
+    print(f"{'':<26}  {'wall clock':<27}  reader gateway redis")
+    ref = row("raw redis XRANGE", raw)
+    for name, runs in tr.items():
+        row(f"store->gRPC->tensors {name}", runs, ref)
+    print("ratio wall = transport tok/s / raw tok/s; ratio reader-cpu = raw reader cpu-s/Mtok / "
+          "learner cpu-s/Mtok (the work each reading core pays; Redis' and the gateway's own "
+          "work runs beside it)")
 
 
 if __name__ == "__main__":

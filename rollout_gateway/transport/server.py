@@ -65,14 +65,16 @@ class GrpcServer:
                  port: int = 50051, *, default_policy: StalePolicy = StalePolicy.DROP,
                  max_send_bytes: int = 256 << 20, max_receive_bytes: int = 4 << 20,
                  auth_token: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, poll_ms: int = 200):
+                 tls_key: str | None = None, poll_ms: int = 200,
+                 target_message_bytes: int = 32 << 20):
         self.store = store
         self.control = control
         self.host = host
         self.port = port
         self.servicer = TrajectoryServicer(store, control, default_policy=default_policy,
                                            max_batch_bytes=max_send_bytes - (64 << 10),
-                                           poll_ms=poll_ms)
+                                           poll_ms=poll_ms,
+                                           target_batch_bytes=target_message_bytes)
         self._opts = [("grpc.max_send_message_length", max_send_bytes),
                       ("grpc.max_receive_message_length", max_receive_bytes),
                       ("grpc.keepalive_time_ms", 30_000),
@@ -132,7 +134,8 @@ async def serve(args: argparse.Namespace) -> None:
     control = InProcessControlPlane(version=args.version)
     server = GrpcServer(store, control, args.host, args.port,
                         default_policy=StalePolicy(args.stale_policy),
-                        auth_token=args.token or None)
+                        auth_token=args.token or None,
+                        target_message_bytes=args.message_kb << 10)
     port = await server.start()
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale-policy", default="drop", choices=[x.value for x in StalePolicy])
     p.add_argument("--version", type=int, default=0, help="initial policy version")
     p.add_argument("--token", default="", help="require this bearer token")
+    p.add_argument("--message-kb", type=int, default=32 << 10,
+                   help="soft size of one Pull response message (KiB)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     asyncio.run(serve(args))

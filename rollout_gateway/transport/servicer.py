@@ -94,11 +94,14 @@ class _Credit:
 class TrajectoryServicer:
     def __init__(self, store: TrajectoryStore, control: ControlPlane, *,
                  default_policy: StalePolicy = StalePolicy.DROP, max_batch_bytes: int = 32 << 20,
-                 max_read: int = 64, poll_ms: int = 200):
+                 max_read: int = 64, poll_ms: int = 200, target_batch_bytes: int = 32 << 20):
         self.store = store
         self.control = control
         self.default_policy = StalePolicy(default_policy)
         self.max_batch_bytes = max_batch_bytes
+        # soft size of one Pull message: deliveries are added while the message stays under
+        # it (a single larger entry still goes alone, up to the hard max_batch_bytes)
+        self.target_batch_bytes = min(target_batch_bytes, max_batch_bytes)
         self.max_read = max_read
         self.poll_ms = poll_ms
 
@@ -239,7 +242,7 @@ class _PullStream:
                 batch, size = [], 0
                 while self.held and self.credit.fits(self.held[0]) and (
                         not batch or size + delivery_size(self.held[0])
-                        <= self.svc.max_batch_bytes):
+                        <= self.svc.target_batch_bytes):
                     e = self._pop()
                     self.credit.take(e)
                     batch.append(e)

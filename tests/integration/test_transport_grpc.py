@@ -323,6 +323,28 @@ async def test_oversize_trajectory_is_dead_lettered_not_looped():
         await store.close()
 
 
+async def test_messages_split_at_the_target_size_within_credit():
+    """A soft per-message target splits a grant into several Batch messages (each under
+    the target unless one entry alone exceeds it); all granted entries arrive, no more."""
+    store = store_from_url("memory://")
+    await store.create_group("job")
+    for i in range(6):  # ~19 KB each with 48x8 routing
+        await store.publish(make_trajectory(f"t{i}", num_tokens=40, num_layers=48, seed=i))
+    server = GrpcServer(store, InProcessControlPlane(), port=0, target_message_bytes=40 << 10)
+    port = await server.start()
+    try:
+        batches = await raw_pull(f"127.0.0.1:{port}", "job",
+                                 [spb.CreditGrant(trajectories=5)], wait=0.8)
+        sizes = [len(b.deliveries) for b in batches]
+        assert sum(sizes) == 5 and len(sizes) >= 3 and max(sizes) <= 2
+        assert all(b.ByteSize() <= 40 << 10 for b in batches)
+        ids = [d.trajectory.trajectory_id for b in batches for d in b.deliveries]
+        assert ids == [f"t{i}" for i in range(5)]
+    finally:
+        await server.stop(0)
+        await store.close()
+
+
 async def test_blocking_client(gateway):
     from learner_client.client import TrajectoryClient
 
