@@ -4,8 +4,9 @@ Existing rollout workers (slime, verl, AReaL style) point at the gateway unchang
 request is SGLang's (``text`` or ``input_ids``, ``sampling_params`` with ``n``, ``rid``,
 ``return_logprob``, ``top_logprobs_num``, ``return_routed_experts``, ``stream``); the answer
 is SGLang's shape plus the gateway's stamps in ``meta_info``: ``policy_versions``,
-``kv_versions``, ``trajectory_id``, ``segments``, ``entropy_kind``. Input-token logprobs
-(``logprob_start_len >= 0``) are not forwarded: the gateway asks engines for what it stamps.
+``kv_versions``, ``trajectory_id``, ``segments``, ``entropy_kind``. Not forwarded:
+input-token logprobs (``logprob_start_len >= 0``) and top-k logprob rows (the gateway asks
+engines for what it stamps); batched prompts (one prompt per call, ``n`` samples).
 """
 
 from __future__ import annotations
@@ -130,11 +131,40 @@ async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response
 
 async def _stream(gw: Gateway, req: RolloutRequest, opts: dict[str, Any]
                   ) -> AsyncIterator[dict[str, Any]]:
-    """SGLang-style stream: one cumulative chunk per finished sample (then [DONE])."""
+    """SGLang-style cumulative stream: each chunk carries the sample's whole output so far
+    (``finish_reason`` null, ``text`` filled in the final chunk), stamps included; the final
+    chunk per sample is the complete answer. Then ``[DONE]``."""
     events = await gw.rollouts.open_stream(req)
+    sofar: dict[int, dict[str, list]] = {}
     async for ev in events:
-        if ev["type"] == "trajectory":
-            yield sglang_output(ev["trajectory"], ev["text"], opts, opts["rid"],
-                                ev["sample_index"])
+        i = ev["sample_index"]
+        if ev["type"] == "chunk":
+            acc = sofar.setdefault(i, {k: [] for k in ("ids", "lp", "pv", "kv")})
+            acc["ids"].append(ev["token_ids"])
+            acc["lp"].append(ev["logprobs"])
+            acc["pv"].append(ev["policy_version"])
+            acc["kv"].append(ev["kv_version"])
+            yield _partial(acc, opts, ev["trajectory_id"], i, req.n)
+        elif ev["type"] == "trajectory":
+            sofar.pop(i, None)
+            yield sglang_output(ev["trajectory"], ev["text"], opts, opts["rid"], i)
         elif ev["type"] == "error":
-            yield {"error": ev["error"]}
+            yield {"error": ev["error"], "index": i}
+
+
+def _partial(acc: dict[str, list], opts: dict[str, Any], tid: str, index: int, n: int
+             ) -> dict[str, Any]:
+    ids = np.concatenate(acc["ids"])
+    pv = np.concatenate(acc["pv"])
+    meta: dict[str, Any] = {"id": opts["rid"] or tid, "finish_reason": None,
+                            "completion_tokens": int(ids.shape[0]),
+                            "weight_version": str(int(pv[-1])), "trajectory_id": tid,
+                            "policy_versions": pv, "kv_versions": np.concatenate(acc["kv"])}
+    if opts["return_logprob"] and all(x is not None for x in acc["lp"]):
+        lps = np.concatenate(acc["lp"]).tolist()
+        meta["output_token_logprobs"] = [[_f(lp), tok, None]
+                                         for lp, tok in zip(lps, ids.tolist())]
+    out: dict[str, Any] = {"text": "", "output_ids": ids, "meta_info": meta}
+    if n > 1:
+        out["index"] = index
+    return out

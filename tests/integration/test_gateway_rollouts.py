@@ -139,6 +139,26 @@ def test_generate_passthrough_is_sglang_shaped_and_stamped(gateway, models):
         check_against_ground_truth(traj, models)
 
 
+def test_generate_passthrough_streams_cumulative_sglang_chunks(gateway):
+    body = {"input_ids": [10, 11, 12], "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    chunks = []
+    with httpx.stream("POST", gateway.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    outs = [json.loads(c) for c in chunks[:-1]]
+    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3, 4, 4]
+    assert all(o["meta_info"]["finish_reason"] is None for o in outs[:-1])
+    final = outs[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    assert final["output_ids"][:3] == outs[2]["output_ids"]
+    assert final["meta_info"]["policy_versions"] == [0, 0, 0, 0]
+    assert len(final["meta_info"]["output_token_logprobs"]) == 4
+
+
 @pytest.mark.parametrize("body,status,needle", [
     ({"input_ids": [1], "n": 100000}, 400, "n=100000"),
     ({"prompt": "x", "input_ids": [1]}, 422, "exactly one"),
