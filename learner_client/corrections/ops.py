@@ -241,9 +241,9 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float) -> tuple[Tensor, Tens
 
     CPU: a strided sample brackets the rank from below, one compare + flatnonzero keeps
     the entries at or above the bracket (the upper tail plus a ~1% margin), and numpy's
-    partition finds the rank among them; the tail indices come with it (no second pass
-    over N). A missed bracket falls back to argpartition over all N. Other devices: the
-    quantile, then indices_above.
+    partition finds the rank among them; the tail indices (ascending) come from the same
+    candidates (no second pass over N). A missed bracket falls back to a partition of all
+    N plus one compare pass. Other devices: the quantile, then indices_above.
     """
     n = int(n_active)
     if n == 0:
@@ -276,15 +276,15 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float) -> tuple[Tensor, Tens
                 kk -= below
             else:
                 cand = None
-    if cand is None:
-        cand = np.argpartition(a, kk)
-        part = a[cand]
+    if cand is None:  # no bracket: select over all N, then one compare pass for the tail
+        part = np.partition(a, kk)
+        vals = a
+        cand = None
     else:
-        order = np.argpartition(vals, kk)
-        cand, part = cand[order], vals[order]
+        part = np.partition(vals, kk)
     lo_v = torch.tensor(part[kk], dtype=xm.dtype)
-    rest_i, rest_v = cand[kk + 1:], part[kk + 1:]
     qv = lo_v
     if two:
-        qv = lo_v + (torch.tensor(rest_v.min(), dtype=xm.dtype) - lo_v) * frac
-    return qv, torch.from_numpy(rest_i[rest_v > float(qv)])
+        qv = lo_v + (torch.tensor(part[kk + 1:].min(), dtype=xm.dtype) - lo_v) * frac
+    keep = np.flatnonzero(vals > float(qv))  # ascending token order (cheap gathers later)
+    return qv, torch.from_numpy(keep if cand is None else cand[keep])

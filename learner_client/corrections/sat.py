@@ -166,7 +166,7 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     if "psi" in box:
         psi, pos = box["psi"], box["pos"]
         short = psi - 1.0  # c - 1 <= 0 on the gated tokens
-        hi_short = torch.where(pos, short, 0.0).sum()
+        hi_short = torch.dot(short, pos.to(dt))
         lo_short = short.sum() - hi_short
         n_g = psi.numel()
         metrics.update({

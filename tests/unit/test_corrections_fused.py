@@ -1,0 +1,229 @@
+"""Fused kernels (one autograd node per loss) against the eager reference forms, autograd
+gradchecks of the custom Function, and the numpy selection / segment helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from learner_client.corrections import LOSSES, LossInputs, compute_loss
+from learner_client.corrections.decoupled import decoupled_ppo_reference
+from learner_client.corrections.estr import estr_reference, version_spread
+from learner_client.corrections.fused import fused_token_loss, ppo_surrogate
+from learner_client.corrections.ops import quantile_and_tail
+from learner_client.corrections.ppo import fused_ppo
+from learner_client.corrections.sat import sat_reference
+
+
+def _batch(n=600, seed=0, scale=0.3, dtype=torch.float64, p_mask=0.1):
+    g = torch.Generator().manual_seed(seed)
+    mu = -torch.rand(n, generator=g, dtype=dtype) * 3
+    old = mu + torch.randn(n, generator=g, dtype=dtype) * scale
+    lp = old + torch.randn(n, generator=g, dtype=dtype) * scale
+    adv = torch.randn(n, generator=g, dtype=dtype)
+    mask = (torch.rand(n, generator=g) > p_mask).to(dtype)
+    ent = torch.rand(n, generator=g, dtype=dtype) * 3
+    return lp, mu, old, adv, mask, ent
+
+
+def _run(fn, inp_kw, cfg):
+    x = inp_kw["logprobs"].clone().requires_grad_()
+    inp = LossInputs(**{**inp_kw, "logprobs": x})
+    spec_cfg = fn[1].config(cfg)
+    tok = fn[0](inp, spec_cfg)
+    from learner_client.corrections.base import aggregate
+    loss, metrics = aggregate(tok, inp, spec_cfg)
+    loss.backward()
+    return loss.detach(), x.grad, metrics
+
+
+def _assert_same(a, b, rel=1e-10):
+    (la, ga, ma), (lb, gb, mb) = a, b
+    assert la.item() == pytest.approx(lb.item(), rel=rel, abs=1e-14)
+    assert torch.allclose(ga, gb, rtol=rel, atol=1e-14)
+    assert set(ma) == set(mb)
+    for k in ma:
+        assert ma[k].item() == pytest.approx(mb[k].item(), rel=1e-8, abs=1e-12), k
+
+
+@pytest.mark.parametrize("seed,scale", [(0, 0.3), (1, 0.05), (2, 1.5)])
+def test_sat_fused_equals_eager(seed, scale):
+    lp, mu, _, adv, mask, _ = _batch(seed=seed, scale=scale)
+    kw = dict(logprobs=lp, rollout_logprobs=mu, advantages=adv, loss_mask=mask)
+    spec = LOSSES["sat"]
+    _assert_same(_run((spec.token_fn, spec), kw, None), _run((sat_reference, spec), kw, None))
+
+
+def test_sat_fused_zero_quantile_is_ppo():
+    lp, mu, _, adv, mask, _ = _batch(seed=3)
+    mu = lp.clone()
+    mu[:5] -= 0.5  # 5 tokens off-policy, q of |d| is 0: no gate
+    kw = dict(logprobs=lp, rollout_logprobs=mu, advantages=adv, loss_mask=mask)
+    a = compute_loss("sat", LossInputs(**kw))
+    b = compute_loss("ppo_clip", LossInputs(**kw))
+    assert a[0].item() == pytest.approx(b[0].item(), rel=1e-12)
+    assert a[1]["gate_rate"].item() == 0.0 and a[1]["sat_q"].item() == 0.0
+
+
+@pytest.mark.parametrize("cfg", [{"tau": 0.05, "target_mask_rate": None},
+                                 {"tau": 0.0, "target_mask_rate": None},
+                                 {"target_mask_rate": 0.02}, {"target_mask_rate": 0.3}])
+@pytest.mark.parametrize("missing", [False, True])
+def test_estr_fused_equals_eager(cfg, missing):
+    lp, mu, _, adv, mask, ent = _batch(seed=4, scale=0.3)
+    if missing:
+        ent[::17] = float("nan")
+    seq = torch.arange(lp.numel()) // 50
+    kw = dict(logprobs=lp, rollout_logprobs=mu, advantages=adv, loss_mask=mask, entropy=ent,
+              versions=seq % 5, seq_ids=seq, learner_version=7)
+    spec = LOSSES["estr"]
+    _assert_same(_run((spec.token_fn, spec), kw, cfg), _run((estr_reference, spec), kw, cfg))
+
+
+@pytest.mark.parametrize("cfg", [{}, {"discrepancy": "mask"}, {"discrepancy": "truncate"},
+                                 {"discrepancy": "none"}, {"ratio_mode": "loglinear"},
+                                 {"ratio_mode": "bypass"}, {"ratio_mode": "linear_prox"},
+                                 {"behav_imp_weight_cap": 1.5}])
+def test_decoupled_fused_equals_eager(cfg):
+    lp, mu, old, adv, mask, _ = _batch(seed=5, scale=0.5)  # some r_d beyond the caps
+    ver = torch.randint(0, 6, lp.shape, generator=torch.Generator().manual_seed(1))
+    kw = dict(logprobs=lp, rollout_logprobs=mu, old_logprobs=old, advantages=adv,
+              loss_mask=mask, versions=ver, learner_version=6)
+    spec = LOSSES["decoupled_ppo"]
+    got = _run((spec.token_fn, spec), kw, cfg)
+    _assert_same(got, _run((decoupled_ppo_reference, spec), kw, cfg))
+    if cfg.get("behav_imp_weight_cap") == 1.5:
+        assert 0 < got[2]["behav_mask_rate"].item() < 1
+
+
+def _fused_ppo_fn(adv, mask, weight=None, dual=None):
+    def f(x):
+        base = torch.zeros_like(x)
+        pg, _ = fused_ppo(x, base, adv, mask, mask.sum(), 0.2, 0.2, weight=weight,
+                          dual_clip=dual)
+        return (pg * torch.linspace(0.5, 1.5, x.numel(), dtype=x.dtype)).sum()
+    return f
+
+
+@pytest.mark.parametrize("variant", ["plain", "weight", "dual"])
+def test_gradcheck_fused_ppo_function(variant):
+    g = torch.Generator().manual_seed(6)
+    n = 40
+    # log-ratios spread over inside / outside the clip interval, away from the kinks
+    x = torch.linspace(-0.6, 0.6, n, dtype=torch.float64) + 0.0123
+    x = x[torch.randperm(n, generator=g)]
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = (torch.rand(n, generator=g) > 0.2).to(torch.float64)
+    weight = mask * torch.rand(n, generator=g, dtype=torch.float64) if variant == "weight" else None
+    f = _fused_ppo_fn(adv, mask, weight, 1.5 if variant == "dual" else None)
+    assert torch.autograd.gradcheck(f, (x.clone().requires_grad_(),), eps=1e-6, atol=1e-6)
+
+
+def test_gradcheck_fused_function_with_sat_and_estr_kernels():
+    lp, mu, _, adv, mask, ent = _batch(n=30, seed=7, scale=0.2)
+    # SAT's q moves with x under finite differences (it is stop-gradient by definition):
+    # advantages of the opposite sign to d keep the tail tokens off the clipped branch, so
+    # the loss does not depend on q and the numerical Jacobian is the true one.
+    adv_sat = -adv.abs() * torch.sign(lp - mu)
+    for name, cfg in (("sat", None), ("estr", {"tau": 0.02, "target_mask_rate": None}),
+                      ("decoupled_ppo", {"behav_imp_weight_cap": 1.3})):
+        old = mu + 0.1 * torch.randn(30, generator=torch.Generator().manual_seed(8),
+                                     dtype=torch.float64)
+
+        def f(x, name=name, cfg=cfg, old=old):
+            a = adv_sat if name == "sat" else adv
+            return compute_loss(name, LossInputs(x, mu, a, mask, entropy=ent,
+                                                 old_logprobs=old), cfg)[0]
+
+        assert torch.autograd.gradcheck(f, (lp.clone().requires_grad_(),), eps=1e-6,
+                                        atol=1e-6), name
+
+
+def test_fused_backward_handles_non_scalar_upstream():
+    x = torch.tensor([0.1, -0.3, 0.5], dtype=torch.float64, requires_grad=True)
+
+    def kernel(v):
+        return v * v, 2 * v
+
+    y = fused_token_loss(x, kernel)
+    y.backward(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    assert torch.allclose(x.grad, torch.tensor([0.2, -1.2, 3.0], dtype=torch.float64))
+    x.grad = None
+    fused_token_loss(x, kernel).sum().backward()  # expanded-scalar upstream
+    assert torch.allclose(x.grad, 2 * x.detach())
+
+
+def test_ppo_surrogate_does_not_touch_its_input():
+    d = torch.tensor([0.5, -0.5, 0.0])
+    keep = d.clone()
+    ppo_surrogate(d, torch.ones(3), torch.ones(3), 0.8, 1.2)
+    assert torch.equal(d, keep)
+
+
+@pytest.mark.parametrize("n,q,p_mask", [(1000, 0.9, 0.3), (200_000, 0.9, 0.05),
+                                        (200_000, 0.98, 0.3), (150_001, 0.5, 0.0),
+                                        (100_000, 0.9999, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_quantile_and_tail_exact(n, q, p_mask, dtype):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g, dtype=dtype).abs()
+    x[::7] = 0.25  # ties
+    mask = (torch.rand(n, generator=g) >= p_mask).to(dtype)
+    xm = x * mask
+    qv, tail = quantile_and_tail(xm, int(mask.sum()), q)
+    act = x.numpy()[mask.numpy() > 0].astype(np.float64)
+    assert qv.item() == pytest.approx(np.quantile(act, q), rel=1e-6)
+    want = np.flatnonzero(xm.numpy() > qv.item())
+    assert np.array_equal(tail.numpy(), want)
+
+
+def test_quantile_and_tail_degenerate():
+    z = torch.zeros(100_000)
+    qv, tail = quantile_and_tail(z, 100_000, 0.9)
+    assert qv.item() == 0.0 and tail.numel() == 0
+    qv, tail = quantile_and_tail(z, 0, 0.9)
+    assert qv.item() == 0.0 and tail.numel() == 0
+
+
+def test_version_spread_cu_seqlens_matches_rows():
+    g = torch.Generator().manual_seed(9)
+    lens = [4, 0, 3, 5, 2, 0, 6]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    n = int(cu[-1])
+    ver = torch.randint(-1, 30, (n,), generator=g, dtype=torch.int32)
+    mask = (torch.rand(n, generator=g) > 0.3).float()
+    mask[7:12] = 0  # one sequence with no active token
+    x = torch.zeros(n)
+    got = version_spread(LossInputs(x, x, x, mask, versions=ver, cu_seqlens=cu,
+                                    learner_version=40))
+    firsts, lasts = [], []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        vs = [int(ver[i]) for i in range(s, e) if mask[i] > 0]
+        if vs:
+            firsts.append(min(vs))
+            lasts.append(max(vs))
+    assert got["intra_mean"].item() == pytest.approx(
+        sum(b - a for a, b in zip(firsts, lasts)) / len(firsts))
+    assert got["inter_mean"].item() == pytest.approx(40 - sum(lasts) / len(lasts))
+    big = torch.full((n,), 2**30, dtype=torch.int64)
+    big[0] = 2**30 + 1  # beyond float32's exact integers: the float64 redo
+    got = version_spread(LossInputs(x, x, x, torch.ones(n), versions=big, cu_seqlens=cu))
+    assert got["intra_mean"].item() == pytest.approx(1 / 5)
+
+
+@pytest.mark.parametrize("name", ["sat", "estr", "decoupled_ppo"])
+def test_fused_equals_eager_large_float32(name):
+    """Above 65536 tokens the CPU selection brackets the rank with a sample first."""
+    lp, mu, old, adv, mask, ent = _batch(n=120_000, seed=10, scale=0.1, dtype=torch.float32,
+                                         p_mask=0.05)
+    kw = dict(logprobs=lp, rollout_logprobs=mu, old_logprobs=old, advantages=adv,
+              loss_mask=mask, entropy=ent)
+    ref = {"sat": sat_reference, "estr": estr_reference,
+           "decoupled_ppo": decoupled_ppo_reference}[name]
+    spec = LOSSES[name]
+    (la, ga, ma), (lb, gb, mb) = _run((spec.token_fn, spec), kw, None), _run((ref, spec), kw, None)
+    assert la.item() == pytest.approx(lb.item(), rel=1e-5)
+    assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-12)
+    for k in ma:  # eager eps_*_mean = float32 dot(1 + eps*c, m)/n - 1: ~1e-5 cancellation
+        assert ma[k].item() == pytest.approx(mb[k].item(), rel=1e-4, abs=1e-4), k
