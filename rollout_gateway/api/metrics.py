@@ -70,6 +70,10 @@ async def render(gw: Gateway) -> str:
                  [({}, st.published)])
     except GatewayError:
         pass
+    lags = gw.gatekeeper.lag_counts
+    o.metric("rollout_gateway_trajectory_lag_total", "counter",
+             "Finished trajectories by max lag in versions at finish (8 = 8 or more)",
+             [({"lag": str(k) + ("+" if k == 8 else "")}, v) for k, v in sorted(lags.items())])
     for k, v in gw.gatekeeper.counters().items():
         kind = "gauge" if k == "running" else "counter"
         name = f"rollout_gateway_admission_{k}" + ("" if kind == "gauge" else "_total")

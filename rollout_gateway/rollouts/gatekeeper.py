@@ -23,6 +23,9 @@ class Gatekeeper:
         self.ctl = AdmissionController(config)
         self.store = store
         self.registry = registry
+        #: finished trajectories by max lag (learner version - oldest token version) at finish;
+        #: lags above 8 are counted under 8
+        self.lag_counts: dict[int, int] = {}
 
     @property
     def running(self) -> int:
@@ -38,6 +41,8 @@ class Gatekeeper:
         j = self.ctl.judge(traj.tokens.policy_version,
                            learner_version=await self.registry.learner_version(),
                            recycles=recycles)
+        lag = min(max(j.max_lag, 0), 8)
+        self.lag_counts[lag] = self.lag_counts.get(lag, 0) + 1
         if j.verdict is not Verdict.ACCEPT:
             traj.metadata["stale_verdict"] = j.verdict.value
             traj.metadata["stale_max_lag"] = str(j.max_lag)

@@ -51,6 +51,7 @@ def test_stale_trajectories_are_dropped_and_counted(engine):
         for t in r.json()["trajectories"]:
             assert t["metadata"]["stale_verdict"] == "drop" and t["metadata"]["stale_max_lag"] == "2"
         assert metric(gw.url, "rollout_gateway_admission_stale_dropped_total") == 2
+        assert 'rollout_gateway_trajectory_lag_total{lag="2"} 2' in httpx.get(gw.url + "/metrics").text
         assert metric(gw.url, "rollout_gateway_published_total") == 0
         assert metric(gw.url, "rollout_gateway_store_backlog") == 0
 
