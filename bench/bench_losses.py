@@ -13,17 +13,22 @@ backward; views and in-place ops excluded), a load-independent proxy for memory 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from learner_client.corrections import LOSSES, LossInputs, compute_loss  # noqa: E402
+from learner_client.corrections.estr import version_spread  # noqa: E402
+from learner_client.corrections.ops import quantile_and_tail  # noqa: E402
 
 SPECIAL_CFG = {"grpo": {}}  # published defaults everywhere (grpo's k3 KL uses ref_logprobs)
 
@@ -69,6 +74,27 @@ def make_inputs(n: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor |
                 cu_seqlens=cu, learner_version=10)
 
 
+def _floor_cases(data: dict) -> dict[str, Callable[[], object]]:
+    """Building blocks timed beside the losses: one elementwise pass, the exact selections
+    a quantile needs (numpy's introselect, as the losses use on CPU, and torch.kthvalue),
+    SAT's selection with its tail indices, and ESTR's version diagnostics."""
+    x = data["logprobs"]
+    d = (x - data["rollout_logprobs"]) * data["loss_mask"]
+    a = d.abs()
+    n_act = int(data["loss_mask"].sum())
+    k = int(0.9 * (n_act - 1)) + a.numel() - n_act
+    inp = LossInputs(**data)
+    inp.mask_count  # noqa: B018  (cached before timing, as inside a loss)
+    return {
+        "one elementwise pass (x * y over N)": lambda: x * data["rollout_logprobs"],
+        "exact 0.9-quantile: np.partition over N": lambda: np.partition(a.numpy(), k),
+        "exact 0.9-quantile: torch.kthvalue over N": lambda: torch.kthvalue(a, k + 1),
+        "SAT quantile + tail indices (ops.quantile_and_tail)":
+            lambda: quantile_and_tail(a, n_act, 0.9),
+        "ESTR version diagnostics (estr.version_spread)": lambda: version_spread(inp),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1_000_000)
@@ -84,13 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     names = ["ppo_clip"] + sorted(n for n in LOSSES if n != "ppo_clip")
     extra = {"decoupled_ppo[loglinear]": ("decoupled_ppo", {"ratio_mode": "loglinear"}),
              "mis[geometric]": ("mis", {"level": "geometric"}),
-             "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None})}
+             "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None}),
+             "estr[no version diag]": ("estr", {"version_diagnostics": False}),
+             "estr[tau,no version diag]": ("estr", {"tau": 0.05, "target_mask_rate": None,
+                                                    "version_diagnostics": False})}
     cases = {n: (n, SPECIAL_CFG.get(n)) for n in names} | extra
     if args.only:
         keep = {"ppo_clip", *args.only.split(",")}
         cases = {c: v for c, v in cases.items() if c in keep}
 
+    floors = _floor_cases(data)
+
     def timed(case: str) -> tuple[float, float]:
+        if case in floors:
+            t0, c0 = time.perf_counter(), time.process_time()
+            floors[case]()
+            return time.perf_counter() - t0, time.process_time() - c0
         name, cfg = cases[case]
         x = data["logprobs"].clone().requires_grad_()
         inp = LossInputs(**{**data, "logprobs": x})
@@ -99,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         return time.perf_counter() - t0, time.process_time() - c0
 
-    for c in cases:  # warm-up
+    order = [*cases, *floors]
+    for c in order:  # warm-up
         timed(c)
-    times: dict[str, list[float]] = {c: [] for c in cases}
-    cpu: dict[str, list[float]] = {c: [] for c in cases}
-    for _ in range(args.reps):  # round-robin: every loss sees the same machine state
-        for c in cases:
+    times: dict[str, list[float]] = {c: [] for c in order}
+    cpu: dict[str, list[float]] = {c: [] for c in order}
+    rng = random.Random(0)
+    for _ in range(args.reps):  # round-robin: every loss sees the same machine state, in a
+        rng.shuffle(order)  # fresh order each rep (no case always runs after the same one)
+        for c in order:
             w, p = timed(c)
             times[c].append(w)
             cpu[c].append(p)
@@ -134,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c:<26}{pc * 1e3:>8.1f}{pc / base_cpu:>12.2f}{med * 1e3:>9.1f}"
               f"{med / base_med:>12.2f}{f:>16.2f}{produced[c] / 2**20:>14.1f}"
               f"{produced[c] / produced['ppo_clip']:>12.2f}")
+    print("Floors (the same round-robin; what a loss cannot undercut):")
+    for c in floors:
+        pc = statistics.median(cpu[c])
+        print(f"  {c:<54}{pc * 1e3:>7.2f} ms {pc / base_cpu:>6.2f} x ppo_clip")
     print(f"no loss created a tensor larger than {args.max_factor} x N "
           f"(an N x vocab tensor would be vocab x N): {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
