@@ -8,13 +8,23 @@ Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAI
 entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
 past the lease so the next read re-claims it at once. Publish, group creation and ack are
 Lua scripts so the backlog bound and counters stay exact across replicas.
+
+Bulk reads of new entries (XREADGROUP without BLOCK) run on a small thread pool with a
+blocking redis-py client: its reply parsing (hiredis, recv_into a reused buffer) costs
+about half the CPU of the asyncio connection for multi-MB replies, and the socket wait
+runs without the GIL. Only when nothing is ready does a read wait with BLOCK, on the
+asyncio connection. A read abandoned by cancellation releases what it leased at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
@@ -70,6 +80,9 @@ return n
 """
 
 _CHUNK = 1000
+_BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
+
+log = logging.getLogger(__name__)
 
 
 def _parse_id(eid: str) -> tuple[int, int]:
@@ -96,6 +109,10 @@ class RedisStore(TrajectoryStore):
         self._claim_cursor: dict[str, str] = {}
         self._last_trim = 0.0
         self._closed = False
+        # blocking client for bulk reads (None when the caller supplied its own client)
+        self._bulk = None if client is not None else redis.Redis.from_url(
+            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0)
+        self._pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="redis-bulk")
 
     @asynccontextmanager
     async def _io(self, what: str):
@@ -157,6 +174,9 @@ class RedisStore(TrajectoryStore):
         if not self._closed:
             self._closed = True
             await self._r.aclose()
+            self._pool.shutdown(wait=False)
+            if self._bulk is not None:
+                self._bulk.close()
 
     # ---- learner side ----
 
@@ -202,13 +222,43 @@ class RedisStore(TrajectoryStore):
                 out = [self._entry(eid, f, counts.get(eid, 2)) for eid, f in claimed]
             want = count - len(out)
             if want > 0:
-                res = await self._r.xreadgroup(group, consumer, {self._k_stream: ">"},
-                                               count=want,
-                                               block=(block_ms if block_ms > 0 and not out
-                                                      else None))
+                res = await self._read_new(group, consumer, want)
+                if not res and block_ms > 0 and not out:  # nothing ready: wait for new entries
+                    res = await self._r.xreadgroup(group, consumer, {self._k_stream: ">"},
+                                                   count=want, block=block_ms)
                 for _stream, entries in res or []:
                     out.extend(self._entry(eid, f, 1) for eid, f in entries if f)
         return out
+
+    async def _read_new(self, group: str, consumer: str, count: int):
+        """XREADGROUP > without BLOCK, on the bulk thread pool."""
+        if self._bulk is None:
+            return await self._r.xreadgroup(group, consumer, {self._k_stream: ">"}, count=count)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._bulk.xreadgroup, group, consumer, {self._k_stream: ">"}, count)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # the read goes on in its thread; whatever it leases must not wait out a lease
+            fut.add_done_callback(lambda f: self._release_abandoned(f, group))
+            raise
+
+    def _release_abandoned(self, fut: Future, group: str) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        ids = [eid for _stream, entries in fut.result() or [] for eid, _f in entries]
+        if ids and not self._closed:
+            self._pool.submit(self._release_sync, group, ids)
+
+    def _release_sync(self, group: str, ids: list[bytes]) -> None:
+        """Like nack(delivered=False) for fresh reads: idle past the lease, count 0."""
+        try:
+            self._bulk.xclaim(self._k_stream, group, "__nacked__", 0, ids,
+                              idle=int(self.config.lease_seconds * 1000) + 1, retrycount=0,
+                              justid=True)
+            self._claim_cursor[group] = "0-0"
+        except RedisError as exc:  # the lease still expires
+            log.warning("could not release %d abandoned reads: %s", len(ids), exc)
 
     async def ack(self, group: str, entry_ids: list[str]) -> int:
         check_name("group", group)
