@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
              "mis[geometric]": ("mis", {"level": "geometric"}),
              "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None}),
              "estr[no version diag]": ("estr", {"version_diagnostics": False}),
-             "estr[tau,no version diag]": ("estr", {"tau": 0.05, "target_mask_rate": None,
+             "estr[tau][no version diag]": ("estr", {"tau": 0.05, "target_mask_rate": None,
                                                     "version_diagnostics": False})}
     cases = {n: (n, SPECIAL_CFG.get(n)) for n in names} | extra
     if args.only:

@@ -204,7 +204,7 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
         elif cfg.discrepancy == "mask":
             lc = math.log(cfg.discrepancy_c)
             drop = indices_above(log_rd.abs(), lc) if max(-lo_rd, hi_rd) > lc else _EMPTY
-        w = safe_exp_(log_rd)
+        w = safe_exp_(log_rd, (lo_rd, hi_rd))
         if cfg.discrepancy == "truncate":
             w.clamp_(1.0 / cfg.discrepancy_c, cfg.discrepancy_c)
         if drop is not None and drop.numel():

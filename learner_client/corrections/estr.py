@@ -179,18 +179,22 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
 
     def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
         d = x - mu
-        score = d.square().div_(h + cfg.eps_h)  # NaN where the entropy is missing
+        dm = torch.mul(d, m)  # d on active tokens, 0 elsewhere
+        kl_sum = dm.sum()
+        # score on active tokens (0 on inactive ones: never above tau >= 0, and below every
+        # active score for the quantile); NaN where the entropy is missing
+        score = dm.square_().div_(h + cfg.eps_h)
         if cfg.tau is not None:
             tau = torch.tensor(cfg.tau, dtype=score.dtype, device=score.device)
             drop = indices_above(score, cfg.tau)
         elif not any_missing:
-            tau, drop = quantile_and_tail(score.mul_(m), int(n_act), 1.0 - cfg.target_mask_rate)
+            tau, drop = quantile_and_tail(score, int(n_act), 1.0 - cfg.target_mask_rate)
         else:
             valid = inputs.active & ~missing_b
             tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
             drop = indices_above(score, float(tau))
         s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
-                          own_d=True)
+                          own_d=True, kl_sum=kl_sum)
         s.pg.index_fill_(0, drop, 0.0)
         s.grad.index_fill_(0, drop, 0.0)
         box["s"], box["tau"], box["drop"] = s, tau, drop  # type: ignore[assignment]

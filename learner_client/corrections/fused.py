@@ -58,9 +58,10 @@ def fused_token_loss(x: Tensor, kernel: Kernel) -> Tensor:
     return _FusedTokenLoss.apply(x, kernel)
 
 
-def safe_exp_(d: Tensor) -> Tensor:
-    """exp(clamp(d, -C, C)) in place on d (the clamp pass only when some |d| > C)."""
-    lo, hi = torch.aminmax(d)
+def safe_exp_(d: Tensor, bounds: tuple[float, float] | None = None) -> Tensor:
+    """exp(clamp(d, -C, C)) in place on d (the clamp pass only when some |d| > C).
+    ``bounds``: (min, max) of d when the caller already has them."""
+    lo, hi = torch.aminmax(d) if bounds is None else bounds
     if bool(lo < -LOG_RATIO_CLAMP) or bool(hi > LOG_RATIO_CLAMP):
         d.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return d.exp_()
