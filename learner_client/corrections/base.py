@@ -43,7 +43,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from .inputs import LossInputError, LossInputs
-from .ops import seg_sum
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
 
@@ -95,9 +94,8 @@ def aggregate_parts(tok: TokenLoss, inputs: LossInputs, cfg: LossConfig
         return tok.loss.sum(), torch.tensor(float(c), dtype=tok.loss.dtype,
                                             device=tok.loss.device)
     if cfg.aggregation == "seq_mean_token_mean":
-        idx, s = inputs.seq_index
-        cnt = inputs.seq_active_counts if m is inputs.mask else seg_sum(m, idx, s)
-        per_seq = seg_sum(tok.loss, idx, s) / cnt.clamp_min(1.0)
+        cnt = inputs.seq_active_counts if m is inputs.mask else inputs.seq_sum(m)
+        per_seq = inputs.seq_sum(tok.loss) / cnt.clamp_min(1.0)
         return per_seq.sum(), (cnt > 0).to(per_seq.dtype).sum()
     raise LossInputError(f"unknown aggregation {cfg.aggregation!r}")
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputs
-from .ops import broadcast, clipped_surrogate, masked_mean, safe_exp, seg_masked_mean, seg_sum
+from .ops import broadcast, clipped_surrogate, masked_mean, safe_exp
 
 
 class GSPOConfig(LossConfig):
@@ -29,8 +29,8 @@ class GSPOConfig(LossConfig):
 
 def sequence_mean(x: Tensor, inputs: LossInputs) -> tuple[Tensor, Tensor]:
     """(per-token broadcast of each sequence's active-token mean of x, per-seq mean [S])."""
-    idx, s = inputs.seq_index
-    per_seq, _ = seg_masked_mean(x, inputs.mask, idx, s, inputs.seq_active_counts)
+    idx, _ = inputs.seq_index
+    per_seq = inputs.seq_sum(x * inputs.mask) / inputs.seq_active_counts.clamp_min(1.0)
     return broadcast(per_seq, idx), per_seq
 
 
@@ -44,11 +44,11 @@ def _seq_metrics(log_s_tok: Tensor, clipped: Tensor, m: Tensor) -> dict[str, Ten
 
 def sequence_stats(inputs: LossInputs, d: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(log s_i [S] differentiable, A_i [S], active counts [S], token->seq index [N])."""
-    idx, s = inputs.seq_index
+    idx, _ = inputs.seq_index
     cnt = inputs.seq_active_counts
     m = inputs.mask
-    log_s = seg_sum(d * m, idx, s) / cnt.clamp_min(1.0)
-    adv_i = seg_sum(inputs.flat("advantages").detach() * m, idx, s) / cnt.clamp_min(1.0)
+    log_s = inputs.seq_sum(d * m) / cnt.clamp_min(1.0)
+    adv_i = inputs.seq_sum(inputs.flat("advantages").detach() * m) / cnt.clamp_min(1.0)
     return log_s, adv_i, cnt, idx
 
 

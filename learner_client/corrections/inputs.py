@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -117,9 +118,32 @@ class LossInputs:
     @cached_property
     def seq_active_counts(self) -> Tensor:
         """Active tokens per sequence [S] (float, detached)."""
+        return self.seq_sum(self.mask)
+
+    @cached_property
+    def seq_lengths(self) -> Tensor | None:
+        """[S] long lengths when sequences are contiguous runs of tokens ([B, T] rows or
+        cu_seqlens), else None (seq_ids may interleave)."""
+        if self.logprobs.dim() == 2:
+            b, t = self.logprobs.shape
+            return torch.full((b,), t, dtype=torch.long, device=self.logprobs.device)
+        if self.cu_seqlens is not None:
+            cu = self.cu_seqlens.to(device=self.logprobs.device, dtype=torch.long)
+            return cu[1:] - cu[:-1]
+        return None
+
+    def seq_sum(self, x: Tensor) -> Tensor:
+        """Per-sequence sums [S] of a float [N] tensor (differentiable): a row sum for
+        [B, T], segment_reduce over cu_seqlens runs, index_add over seq_ids."""
+        if self.logprobs.dim() == 2:
+            return x.reshape(self.logprobs.shape).sum(1)
+        lens = self.seq_lengths
+        if lens is not None:
+            if lens.numel() == 0:
+                return x.new_zeros(0)
+            return torch.segment_reduce(x, "sum", lengths=lens, unsafe=True)
         idx, s = self.seq_index
-        return torch.zeros(s, dtype=self.mask.dtype, device=self.mask.device).index_add_(
-            0, idx, self.mask)
+        return torch.zeros(s, dtype=x.dtype, device=x.device).index_add(0, idx, x)
 
     @property
     def has_sequences(self) -> bool:
@@ -133,8 +157,11 @@ class LossInputs:
             b, t = self.logprobs.shape
             return torch.arange(b, device=dev).repeat_interleave(t), b
         if self.cu_seqlens is not None:
-            lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(device=dev, dtype=torch.long)
+            lens = self.seq_lengths
             s = lens.numel()
+            if dev.type == "cpu":  # numpy's repeat is ~3x faster than repeat_interleave
+                return torch.from_numpy(np.repeat(np.arange(s, dtype=np.int64),
+                                                  lens.numpy())), s
             return torch.arange(s, device=dev).repeat_interleave(lens), s
         if self.seq_ids is not None:
             _, inverse = torch.unique(self.seq_ids.reshape(-1), return_inverse=True)

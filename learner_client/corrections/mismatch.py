@@ -17,7 +17,7 @@ from torch import Tensor
 from .base import LossConfig, TokenLoss
 from .gspo import sequence_mean
 from .inputs import LossInputs
-from .ops import broadcast, masked_mean, safe_exp, seg_sum
+from .ops import broadcast, masked_mean, safe_exp
 from .ppo import ppo_token_loss
 
 
@@ -80,8 +80,8 @@ def mis(inputs: LossInputs, cfg: MISConfig) -> TokenLoss:
     elif cfg.level == "geometric":
         log_rho, _ = sequence_mean(log_rho_t, inputs)
     else:  # sequence: log of prod over the active tokens
-        idx, s = inputs.seq_index
-        log_rho = broadcast(seg_sum(log_rho_t * m, idx, s), idx)
+        idx, _ = inputs.seq_index
+        log_rho = broadcast(inputs.seq_sum(log_rho_t * m), idx)
     rho = safe_exp(log_rho)
     keep = log_rho <= math.log(cfg.upper)
     if cfg.lower is not None and cfg.lower > 0:
@@ -90,8 +90,8 @@ def mis(inputs: LossInputs, cfg: MISConfig) -> TokenLoss:
     if cfg.veto_threshold is not None and cfg.veto_threshold > 0:
         bad = ((log_rho_t < math.log(cfg.veto_threshold)).to(m.dtype) * m)
         if inputs.has_sequences:
-            idx, s = inputs.seq_index
-            vetoed = broadcast((seg_sum(bad, idx, s) > 0).to(m.dtype), idx)
+            idx, _ = inputs.seq_index
+            vetoed = broadcast((inputs.seq_sum(bad) > 0).to(m.dtype), idx)
         else:  # no boundaries: the veto applies to the offending token only
             vetoed = bad
     accept = keep.to(m.dtype) * (1.0 - vetoed) * m
