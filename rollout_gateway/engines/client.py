@@ -60,6 +60,7 @@ class EngineInfo:
     top_k: int | None = None
     num_experts: int | None = None
     incremental_stream: bool = False  # --incremental-streaming-output: chunks are deltas
+    exact_entropy: bool = False  # its last answer carried output_token_entropy
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

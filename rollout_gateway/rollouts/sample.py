@@ -115,14 +115,17 @@ class SampleRunner:
             if r.version in unknown and eng.id in r.engines and r.mode in modes:
                 eng.installed_by[r.version] = modes[r.mode]
 
-    def _payload(self, req: RolloutRequest, state: SampleState, rid: str, remaining: int,
-                 *, want_prompt_ids: bool) -> dict[str, Any]:
+    def _payload(self, eng: Engine, req: RolloutRequest, state: SampleState, rid: str,
+                 remaining: int, *, want_prompt_ids: bool) -> dict[str, Any]:
+        # top-k rows only feed the entropy estimate: skip them once the engine has shown it
+        # returns exact entropy (they are most of the response bytes)
+        top = 0 if eng.client.info.exact_entropy else self.settings.top_logprobs_num
         p: dict[str, Any] = {
             "rid": rid,
             "sampling_params": req.sampling_params.to_engine(remaining),
             "return_logprob": True,
             "logprob_start_len": 0 if want_prompt_ids else -1,
-            "top_logprobs_num": self.settings.top_logprobs_num,
+            "top_logprobs_num": top,
             "return_entropy": True,
         }
         if req.return_routed_experts:
@@ -202,7 +205,7 @@ class SampleRunner:
             prefer = None
             rid = f"{trajectory_id}.{attempts}"
             want_ids = state.prompt_ids is None
-            payload = self._payload(req, state, rid, remaining, want_prompt_ids=want_ids)
+            payload = self._payload(eng, req, state, rid, remaining, want_prompt_ids=want_ids)
             input_len = len(payload.get("input_ids", ()))
             t0 = time.time()
             on_delta = None
@@ -215,6 +218,8 @@ class SampleRunner:
                 dec, err = await self._call(eng, payload, decode_options(eng, self.settings),
                                             on_delta)
             t1 = time.time()
+            if dec is not None and dec.num_tokens:
+                eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT
             if dec is not None and want_ids:
                 ids = dec.input_token_ids
                 if ids is None or len(ids) == 0:
