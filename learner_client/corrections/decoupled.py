@@ -267,12 +267,13 @@ def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig) -> TokenLoss:
     mu_adj = mu
     if cfg.imp_samp_max is not None:
         mu_adj = torch.maximum(mu, logp.detach() - math.log(cfg.imp_samp_max))
-    w = safe_exp(prox - mu_adj)  # pi_prox / mu_adj, detached
-    pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
-                                             cfg.eps_low, cfg.eps_high, count=inputs.mask_count)
+    w = safe_exp(prox - mu_adj)  # pi_prox / mu_adj, detached, > 0
+    pg, s = fused_ppo(logp, prox, inputs.flat("advantages"), m, inputs.mask_count,
+                      cfg.eps_low, cfg.eps_high, weight=w * m)
+    metrics = ppo_metrics(s, inputs.mask_count)
     metrics["behav_weight_mean"] = masked_mean(w, m, inputs.mask_count)
     if cfg.imp_samp_max is not None:
         metrics["imp_samp_clipfrac"] = masked_mean(
             (logp.detach() - mu > math.log(cfg.imp_samp_max)).to(m.dtype), m)
     metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
-    return TokenLoss(pg * w, m, metrics)
+    return TokenLoss(pg, m, metrics)

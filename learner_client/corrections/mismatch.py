@@ -18,7 +18,8 @@ from .base import LossConfig, TokenLoss
 from .gspo import sequence_mean
 from .inputs import LossInputs
 from .ops import broadcast, masked_mean, safe_exp
-from .ppo import ppo_token_loss
+from .fused import ppo_metrics
+from .ppo import fused_ppo, ppo_token_loss
 
 
 def _rho_log(inputs: LossInputs) -> Tensor:
@@ -40,12 +41,15 @@ def tis(inputs: LossInputs, cfg: TISConfig) -> TokenLoss:
     m = inputs.mask
     rho = safe_exp(_rho_log(inputs))
     w = torch.clamp(rho, max=cfg.cap)
-    lr = inputs.flat("logprobs") - inputs.flat("old_logprobs").detach()
-    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high)
+    wm = w * m  # > 0 on active tokens: folded into the fused surrogate's weight
+    pg, s = fused_ppo(inputs.flat("logprobs"), inputs.flat("old_logprobs").detach(),
+                      inputs.flat("advantages"), m, inputs.mask_count, cfg.eps_low,
+                      cfg.eps_high, weight=wm)
+    metrics = ppo_metrics(s, inputs.mask_count)
     metrics["tis_weight_mean"] = masked_mean(w, m)
     metrics["tis_capped_frac"] = masked_mean((rho > cfg.cap).to(m.dtype), m)
     metrics["rho_mean"] = masked_mean(rho, m)
-    return TokenLoss(pg * w, m, metrics)
+    return TokenLoss(pg, m, metrics)
 
 
 class MISConfig(LossConfig):

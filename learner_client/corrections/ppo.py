@@ -120,14 +120,36 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def grpo(inputs: LossInputs, cfg: GRPOConfig) -> TokenLoss:
-    tl = _ppo(inputs, cfg)
-    if cfg.kl_coef > 0.0:
-        if inputs.ref_logprobs is None:
-            raise LossInputError("grpo with kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
-        kl = k3_kl(inputs.flat("logprobs"), inputs.flat("ref_logprobs").detach())
-        tl.loss = tl.loss + cfg.kl_coef * kl * tl.denom_mask
-        tl.metrics["kl"] = masked_mean(kl.detach(), tl.denom_mask)
-    return tl
+    """PPO clip plus beta * k3(pi, pi_ref) on the active tokens, one fused node: the k3
+    term's gradient d/dlog pi [e^(ref - log pi) - (ref - log pi) - 1] = 1 - e^(ref - log pi)
+    is added to the surrogate's closed-form gradient."""
+    if cfg.kl_coef <= 0.0:
+        return _ppo(inputs, cfg)
+    if inputs.ref_logprobs is None:
+        raise LossInputError("grpo with kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
+    m = inputs.mask
+    base = inputs.behavior_or_old()
+    ref = inputs.flat("ref_logprobs").detach()
+    adv = inputs.flat("advantages").detach()
+    beta = cfg.kl_coef
+    box: dict[str, object] = {}
+
+    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
+        s = ppo_surrogate(x - base, adv.to(x.dtype), m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
+                          dual_clip=cfg.dual_clip, own_d=True)
+        e = ref - x
+        ex = safe_exp(e)
+        kl = (ex - e).sub_(1.0)  # k3 >= 0
+        box["kl_sum"] = torch.dot(kl, m)
+        s.pg.add_(kl.mul_(m), alpha=beta)
+        s.grad.add_(ex.neg_().add_(1.0).mul_(m), alpha=beta)
+        box["s"] = s
+        return s.pg, s.grad
+
+    pg = fused_token_loss(inputs.flat("logprobs"), kernel)
+    metrics = ppo_metrics(box["s"], inputs.mask_count)  # type: ignore[arg-type]
+    metrics["kl"] = box["kl_sum"] / inputs.mask_count.clamp_min(1.0)  # type: ignore[operator]
+    return TokenLoss(pg, m, metrics)
 
 
 class DrGRPOConfig(PPOClipConfig):
