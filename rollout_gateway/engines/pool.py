@@ -238,6 +238,10 @@ class EnginePool:
         start = time.monotonic()
         while True:
             eng = self.choose(sticky_key=sticky_key, prefer=prefer, exclude=exclude)
+            if eng is None and exclude:
+                # an engine that failed this request earlier and has since passed a health
+                # probe (failures take it out of rotation until then) may be tried again
+                eng = self.choose(sticky_key=sticky_key)
             if eng is not None and eng.gate.is_set():
                 return eng
             waited = time.monotonic() - start

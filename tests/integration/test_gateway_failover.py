@@ -58,3 +58,25 @@ def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, referen
         # each resubmission re-prefilled prompt (3) + the partial output it carried
         want = sum(3 + t["segments"][1]["start"] for t in trajs)
         assert f"rollout_gateway_tokens_reprefilled_total {want}" in m
+
+
+def test_the_only_engine_restarting_mid_rollout_resumes_on_it(make_engine, reference_model):
+    from rollout_gateway.engine.launch import EngineProcess
+
+    a = make_engine(seed=SEED, step_delay_ms=30)
+    models = {0: reference_model((ModelConfig(), SEED))}
+    env = {"ROLLOUT_GATEWAY_TIMEOUTS__NO_ENGINE_S": "30"}
+    with GatewayProcess({"a": a.url}, env=env) as gw:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(rollout, gw.url, [5, 5, 5], max_new_tokens=16)
+            time.sleep(0.3)
+            a.kill()
+            again = EngineProcess(seed=SEED, step_delay_ms=30, port=a.port).start()
+            try:
+                t = fut.result()["trajectories"][0]
+            finally:
+                again.stop()
+        segs = t["segments"]
+        assert [(s["engine_id"], s["began"]) for s in segs] == [("a", "start"), ("a", "failover")]
+        assert 0 < segs[0]["end"] < 16 and t["num_tokens"] == 16
+        check_against_ground_truth(t, models)
