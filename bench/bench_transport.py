@@ -171,7 +171,7 @@ def main() -> int:
                    help="batches of credit the learner keeps in flight beyond the current one")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved raw/transport rounds; the medians are reported")
-    p.add_argument("--message-kb", type=int, default=1024,
+    p.add_argument("--message-kb", type=int, default=4096,
                    help="soft size of one gRPC Pull response message (KiB)")
     p.add_argument("--cpu", type=int, default=0,
                    help="core of the reader: raw redis-py reader and the learner")

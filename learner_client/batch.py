@@ -201,13 +201,20 @@ def _routed(rollouts: list[Rollout], grid: tuple[int, ...], starts: list[int],
         raise ValueError("rollouts disagree on routed_experts [L, K]")
     dt = np.uint8 if all(x.dtype == np.uint8 for x in have) else np.int32
     cells = int(np.prod(grid))
-    out = np.zeros((cells, *lk), dt)
+    row = int(np.prod(lk))
+    # flat 1-D copies (one memcpy per rollout); only cells no rollout covers are zeroed
+    out = np.empty(cells * row, dt)
     mask = np.zeros(cells, bool)
+    width = grid[1] if len(grid) == 2 else None
     for r, s0, n in zip(rollouts, starts, seq.tolist()):
-        if r.routed_experts is None:
-            continue
-        k = max(min(r.routed_experts.shape[0], n - r.routed_start), 0)
-        a = s0 + r.routed_start
-        out[a:a + k] = r.routed_experts[:k]
-        mask[a:a + k] = True
-    return torch.from_numpy(out.reshape(*grid, *lk)), torch.from_numpy(mask.reshape(grid))
+        end = s0 + (width if width is not None else n)  # this sequence's cells in the grid
+        src = r.routed_experts
+        k = 0 if src is None else max(min(src.shape[0], n - r.routed_start), 0)
+        a = s0 + (r.routed_start if k else 0)
+        if k:
+            out[a * row:(a + k) * row] = src.reshape(-1)[:k * row]
+            mask[a:a + k] = True
+        out[s0 * row:a * row] = 0
+        out[(a + k) * row:end * row] = 0
+    return (torch.from_numpy(out.reshape(*grid, *lk)),
+            torch.from_numpy(mask.reshape(grid)))

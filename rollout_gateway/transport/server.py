@@ -66,7 +66,7 @@ class GrpcServer:
                  max_send_bytes: int = 256 << 20, max_receive_bytes: int = 4 << 20,
                  auth_token: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, poll_ms: int = 200,
-                 target_message_bytes: int = 32 << 20):
+                 target_message_bytes: int = 4 << 20):
         self.store = store
         self.control = control
         self.host = host
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale-policy", default="drop", choices=[x.value for x in StalePolicy])
     p.add_argument("--version", type=int, default=0, help="initial policy version")
     p.add_argument("--token", default="", help="require this bearer token")
-    p.add_argument("--message-kb", type=int, default=32 << 10,
+    p.add_argument("--message-kb", type=int, default=4 << 10,
                    help="soft size of one Pull response message (KiB)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)

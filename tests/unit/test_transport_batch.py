@@ -68,6 +68,28 @@ def test_collate_matches_naive_assembly(layout):
     assert torch.isnan(b.rewards[1]) and b.rewards[2].item() == 2.0
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_routed_cells_nobody_covers_are_zero(layout):
+    """Rows outside each rollout's routed span (prompt rows before ``routed_start``, the
+    last row, padding, a rollout without routing) are zero and unmasked."""
+    rs = rollouts([(3, 5, (4,), 3), (2, 4, (4,), 0), (4, 6, (4,), 3)])
+    rs[2].routed_start, rs[2].routed_experts = 2, rs[2].routed_experts[:5] + 1
+    for _ in range(3):  # reused allocations must not leak old contents either
+        b = collate(rs, learner_version=4, layout=layout)
+        re, mask = b.routed_experts, b.routed_mask
+        assert mask.sum().item() == 7 + 0 + 5
+        assert re[~mask].eq(0).all()
+        want = torch.zeros(mask.shape, dtype=torch.bool)
+        if layout == "packed":
+            want[0:7], want[8 + 6 + 2:8 + 6 + 7] = True, True
+            np.testing.assert_array_equal(re[16:21].numpy(), rs[2].routed_experts)
+        else:
+            want[0, 0:7], want[2, 2:7] = True, True
+            np.testing.assert_array_equal(re[2, 2:7].numpy(), rs[2].routed_experts)
+        assert torch.equal(mask, want)
+        b.routed_experts.fill_(7)  # dirty the memory before it is freed and reused
+
+
 def test_loss_inputs_from_batch():
     rs = rollouts(SPECS)
     for layout in ("padded", "packed"):
