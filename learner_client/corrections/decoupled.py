@@ -196,7 +196,8 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
     def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
         a = adv.to(x.dtype)
         log_rd = prox - mu
-        lo_rd, hi_rd = (float(v) for v in torch.aminmax(log_rd))
+        lo_rd, hi_rd = ((float(v) for v in torch.aminmax(log_rd)) if log_rd.numel()
+                        else (0.0, 0.0))
         drop = None
         if cfg.discrepancy == "cap_mask":
             lc = math.log(cfg.behav_imp_weight_cap)

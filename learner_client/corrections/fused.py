@@ -61,6 +61,8 @@ def fused_token_loss(x: Tensor, kernel: Kernel) -> Tensor:
 def safe_exp_(d: Tensor, bounds: tuple[float, float] | None = None) -> Tensor:
     """exp(clamp(d, -C, C)) in place on d (the clamp pass only when some |d| > C).
     ``bounds``: (min, max) of d when the caller already has them."""
+    if d.numel() == 0:
+        return d
     lo, hi = torch.aminmax(d) if bounds is None else bounds
     if bool(lo < -LOG_RATIO_CLAMP) or bool(hi > LOG_RATIO_CLAMP):
         d.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

@@ -139,8 +139,8 @@ class LossInputs:
             return x.reshape(self.logprobs.shape).sum(1)
         lens = self.seq_lengths
         if lens is not None:
-            if lens.numel() == 0:
-                return x.new_zeros(0)
+            if lens.numel() == 0:  # no sequence (N = 0): an empty view keeps the graph
+                return x[:0]
             return torch.segment_reduce(x, "sum", lengths=lens, unsafe=True)
         idx, s = self.seq_index
         return torch.zeros(s, dtype=x.dtype, device=x.device).index_add(0, idx, x)

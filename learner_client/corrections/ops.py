@@ -1,9 +1,13 @@
 """Small pure tensor helpers shared by the losses (all [N] tensors, no N x vocab).
 
-Speed: every op here touches [N] tensors only; the clipped surrogate is one autograd
-Function whose backward is a single multiply (the eager graph of min/clamp/exp would
-record ~10 extra [N] ops), and the quantile is an exact selection that sorts only a
-small bracket around the target rank.
+Speed: every op here touches [N] tensors only. ``clipped_surrogate`` (sequence-level
+losses, eager reference forms) is one autograd Function whose backward is a single
+multiply; the token-level losses use the fused kernels of fused.py instead. Quantiles are
+exact selections, never sorts: on CPU numpy's introselect (np.partition, several times
+faster than torch.kthvalue), on a bracket of candidates found from a strided sample when
+N is large (``quantile_and_tail`` also returns the indices above the quantile, so SAT's
+gate and ESTR's mask need no extra pass); elsewhere a torch Floyd-Rivest bracket and
+kthvalue.
 """
 
 from __future__ import annotations

@@ -227,3 +227,29 @@ def test_fused_equals_eager_large_float32(name):
     assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-12)
     for k in ma:  # eager eps_*_mean = float32 dot(1 + eps*c, m)/n - 1: ~1e-5 cancellation
         assert ma[k].item() == pytest.approx(mb[k].item(), rel=1e-4, abs=1e-4), k
+
+
+def test_empty_batch_gives_zero_loss_for_every_loss():
+    z = torch.zeros(0, dtype=torch.float64)
+    for name in sorted(LOSSES):
+        x = z.clone().requires_grad_()
+        inp = LossInputs(x, z, z, z, old_logprobs=z, ref_logprobs=z, entropy=z,
+                         cu_seqlens=torch.tensor([0]))
+        loss, _ = compute_loss(name, inp)
+        loss.backward()
+        assert loss.item() == 0.0, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_take_the_torch_paths(dtype):
+    """numpy cannot read bfloat16: selections fall back to torch; results match float32."""
+    lp, mu, old, adv, mask, ent = _batch(n=3000, seed=11, scale=0.2, dtype=torch.float32)
+    for name in ("sat", "estr", "decoupled_ppo", "ppo_clip"):
+        kw = dict(old_logprobs=old, entropy=ent)
+        lo = compute_loss(name, LossInputs(lp.to(dtype), mu.to(dtype), adv.to(dtype),
+                                           mask.to(dtype), **{k: v.to(dtype)
+                                                              for k, v in kw.items()}))[0]
+        hi = compute_loss(name, LossInputs(lp.to(dtype).float(), mu.to(dtype).float(),
+                                           adv.to(dtype).float(), mask,
+                                           **{k: v.to(dtype).float() for k, v in kw.items()}))[0]
+        assert lo.float().item() == pytest.approx(hi.item(), rel=0.05, abs=2e-3), name
