@@ -227,9 +227,9 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
     s = box["s"]
     den = n_act.clamp_min(1.0)
     dt = pg.dtype
-    n_clip = torch.count_nonzero(s.clipped) + box["n_clip_drop"]  # type: ignore[union-attr]
     metrics = ppo_metrics(s, n_act)  # type: ignore[arg-type]
-    metrics["clipfrac"] = n_clip.to(dt) / den
+    if bool(box["n_clip_drop"] > 0):  # zero-weight tokens whose clipped branch is the min
+        metrics["clipfrac"] = metrics["clipfrac"] + box["n_clip_drop"].to(dt) / den
     metrics.update(extra)
     metrics["behav_weight_mean"] = box["w_sum"] / den
     if bool(box["has_drop"]):
