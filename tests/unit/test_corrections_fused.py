@@ -253,3 +253,27 @@ def test_half_precision_inputs_take_the_torch_paths(dtype):
                                            adv.to(dtype).float(), mask,
                                            **{k: v.to(dtype).float() for k, v in kw.items()}))[0]
         assert lo.float().item() == pytest.approx(hi.item(), rel=0.05, abs=2e-3), name
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9, 0.98])
+def test_torch_selection_path_used_off_cpu_is_exact(monkeypatch, q):
+    """The non-numpy path (other devices): Floyd-Rivest bracket + kthvalue, and the
+    quantile-then-indices form of quantile_and_tail, forced here on CPU."""
+    from learner_client.corrections import ops
+
+    monkeypatch.setattr(ops, "_kth_cpu", lambda x, ranks: None)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(150_000, generator=g).abs()
+    x[::5] = 0.5
+    mask = (torch.rand(150_000, generator=g) > 0.2).float()
+    expect = np.quantile(x.numpy()[mask.numpy() > 0].astype(np.float64), q)
+    assert ops.masked_quantile(x, mask, q).item() == pytest.approx(expect, rel=1e-6)
+    assert ops.nonneg_quantile(x * mask, int(mask.sum()), q).item() == pytest.approx(
+        expect, rel=1e-6)
+    xm = (x * mask).to(torch.bfloat16).float()  # not a numpy path either way
+    act = xm.numpy()[mask.numpy() > 0].astype(np.float64)
+    monkeypatch.setattr(ops, "indices_above",
+                        lambda t, thr: torch.nonzero(t > thr).squeeze(1))
+    qv, tail = ops.quantile_and_tail(xm.to(torch.bfloat16), int(mask.sum()), q)
+    assert qv.float().item() == pytest.approx(np.quantile(act, q), rel=1e-2)
+    assert torch.equal(tail, torch.nonzero(xm.to(torch.bfloat16) > qv).squeeze(1))
