@@ -219,6 +219,7 @@ class _PullStream:
         self.failure: list[BaseException] = []
         self.requests_done = False
         self.drained = False
+        self.read_hint = min(8, svc.max_read)  # entries per store read: ~ one message
         self.tasks: list[asyncio.Task] = []  # after the requests ended, a store read came back empty
 
     def _room(self) -> int:
@@ -226,7 +227,7 @@ class _PullStream:
         if not c.open() or (c.tokens is not None and self.held_tokens >= c.tokens):
             return 0
         n = self.svc.max_read if c.trajectories is None else c.trajectories - len(self.held)
-        return min(n, self.svc.max_read)
+        return min(n, self.read_hint)
 
     async def run(self, request_iterator):
         self.tasks = [asyncio.create_task(self._requests(request_iterator)),
@@ -281,6 +282,10 @@ class _PullStream:
                     max_lag=self.max_lag, policy=self.policy, block_ms=self.svc.poll_ms)
                 self.held.extend(got)
                 self.held_tokens += sum(e.num_tokens for e in got)
+                if got:  # small reads of large entries: the first message leaves sooner
+                    avg = sum(len(e.data) for e in got) / len(got)
+                    self.read_hint = max(1, min(self.svc.max_read,
+                                                int(self.svc.target_batch_bytes // avg)))
                 if not got and self.requests_done:
                     self.drained = True
                 self.wake.set()
