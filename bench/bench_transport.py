@@ -1,23 +1,26 @@
 """Tagged tokens/s from the store through gRPC into learner tensors, vs a raw Redis read.
 
     .venv/bin/python bench/bench_transport.py [--trajectories 256 --prompt 128 --response 1024
-                                               --layers 48 --top-k 8 --batch 32 --cpu 0]
+                                               --layers 48 --top-k 8 --batch 32 --cpu 0
+                                               --gateway-cpu 1 --message-kb 4096]
 
-Both measurements run in one invocation, side by side, on the same pinned CPU core
-(the gateway's gRPC server process, the learner process and the raw reader are all
-pinned to --cpu; Redis itself is the store and runs where it runs). With
---learner-cpu N the learner runs on another core (gateway and learner pipelined, as on
-two machines):
+One invocation measures, in interleaved rounds, side by side:
 
-* raw:       XRANGE the stream (the exact serialized trajectory bytes) with redis-py;
-* transport: Redis -> gateway (XREADGROUP, staleness filter, framing) -> gRPC ->
-             learner client (parse, numpy views) -> collate into packed torch tensors
-             (tokens, columns, routed experts [N, L, K] uint8) -> ack.
+* raw:        XRANGE the stream (the exact serialized trajectory bytes) with redis-py
+              (hiredis parser when installed) in this process, pinned to --cpu;
+* one core:   Redis -> gateway gRPC server (XREADGROUP, staleness filter, framing) ->
+              gRPC -> learner client (parse, numpy views) -> collate into packed torch
+              tensors (tokens, columns, routed experts [N, L, K] uint8) -> ack, with the
+              gateway process AND the learner pinned to --cpu;
+* split:      the same with the gateway process pinned to --gateway-cpu (default: another
+              core), the learner on --cpu: like with like, since Redis' own server work
+              also runs in its own process beside the raw reader.
 
 Tokens counted = output (tagged) tokens; routed experts cover prompt + output rows.
-Prints tokens/s (wall clock) and tokens per CPU-second (this process + the gateway
-process + Redis, from /proc and INFO cpu; robust on a shared machine) for each, and the
-ratios transport/raw.
+For each: tokens/s (wall clock; noisy on a shared machine) and CPU seconds per million
+tokens of the reading process, the gateway process and Redis (from /proc and INFO cpu).
+Ratios: wall clock transport/raw, and reader CPU (raw reader cpu-s/Mtok / learner
+cpu-s/Mtok: what the consuming core pays per token).
 """
 
 from __future__ import annotations
@@ -186,6 +189,10 @@ def main() -> int:
     pin(args.cpu)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     import redis
+    import torch  # noqa: F401 - imported before any measured round
+
+    import learner_client.batch  # noqa: F401
+    import learner_client.client  # noqa: F401
 
     setups = {"one core": args.cpu}
     if args.gateway_cpu >= 0:
@@ -227,12 +234,19 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
+def hiredis_on() -> str:
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return "on" if HIREDIS_AVAILABLE else "off"
+
+
 def report(args, raw, raw_bytes, tr, setups) -> None:
     per = raw_bytes[0] / args.trajectories
     mbps = per / args.response / 1e6
     print(f"payload: {args.trajectories} trajectories x {args.response} output tokens "
           f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
-          f"{per / 1e3:.0f} KB/trajectory, {args.message_kb} KiB gRPC messages; "
+          f"{per / 1e3:.0f} KB/trajectory, {args.message_kb} KiB gRPC messages, "
+          f"hiredis {hiredis_on()}; "
           f"median of {args.rounds} interleaved rounds")
     print(f"reader (raw redis-py / learner) on cpu {args.cpu}; gateway: " + ", ".join(
         f"{k} -> cpu {v}" for k, v in setups.items()) + "; Redis where the OS puts it")
@@ -243,14 +257,14 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
         me = median([m.parts[0] / tok * 1e6 for tok, _, m in runs])
         gw = median([m.parts[1] / tok * 1e6 for tok, _, m in runs])
         rd = median([m.parts[2] / tok * 1e6 for tok, _, m in runs])
-        out = (f"{label:<26}: {tps / 1e6:5.2f} M tok/s ({tps * mbps:5.0f} MB/s)  "
+        out = (f"{label:<30}: {tps / 1e6:5.2f} M tok/s ({tps * mbps:5.0f} MB/s)  "
                f"{me:5.3f} {gw:5.3f} {rd:5.3f} cpu-s/Mtok")
         if ref is not None:
             out += f"   ratio {tps / ref[0]:4.2f} wall, {ref[1] / me:4.2f} reader-cpu"
         print(out)
         return tps, me
 
-    print(f"{'':<26}  {'wall clock':<27}  reader gateway redis")
+    print(f"{'':<31}  {'wall clock':<27}  reader gateway redis")
     ref = row("raw redis XRANGE", raw)
     for name, runs in tr.items():
         row(f"store->gRPC->tensors {name}", runs, ref)
