@@ -231,13 +231,16 @@ class AsyncTrajectoryClient:
             self._credit[0] += want_n
             self._credit[1] += max(want_tok, 0)
         while len(self._buffer) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                item = await asyncio.wait_for(self._inbox.get(), timeout=left)
-            except TimeoutError:
-                break
+            if not self._inbox.empty():  # already here: no timer task per delivery
+                item = self._inbox.get_nowait()
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self._inbox.get(), timeout=left)
+                except TimeoutError:
+                    break
             if isinstance(item, BaseException):
                 raise item
             self._credit[0] = max(self._credit[0] - 1, 0)
