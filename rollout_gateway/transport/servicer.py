@@ -218,9 +218,9 @@ class _PullStream:
         self.wake = asyncio.Event()  # any state change; loops clear, re-check, then wait
         self.failure: list[BaseException] = []
         self.requests_done = False
-        self.drained = False
+        self.drained = False  # after the requests ended, a store read came back empty
         self.read_hint = min(8, svc.max_read)  # entries per store read: ~ one message
-        self.tasks: list[asyncio.Task] = []  # after the requests ended, a store read came back empty
+        self.tasks: list[asyncio.Task] = []
 
     def _room(self) -> int:
         c = self.credit
