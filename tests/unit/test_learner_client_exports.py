@@ -25,3 +25,14 @@ def test_unknown_name_is_an_attribute_error():
         assert "nope" in str(exc)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def test_the_two_sides_meet_only_at_the_wire():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for pkg, other in (("learner_client", "rollout_gateway"), ("rollout_gateway", "learner_client")):
+        pat = re.compile(rf"^\s*(from|import)\s+{other}\b", re.M)
+        bad = [str(p) for p in (root / pkg).rglob("*.py") if pat.search(p.read_text())]
+        assert not bad, f"{pkg} imports {other}: {bad}"
