@@ -23,9 +23,14 @@ def test_sigterm_drains_in_flight_rollouts(make_engine):
             fut = ex.submit(rollout, gw.url, [1, 2, 3], n=2, max_new_tokens=30)
             time.sleep(0.3)
             gw.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-            h = httpx.get(gw.url + "/health", timeout=5)
+            deadline = time.monotonic() + 3
+            while True:  # health turns off while the rollout is still draining
+                h = httpx.get(gw.url + "/health", timeout=5)
+                if h.status_code == 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
             assert h.status_code == 503 and h.json()["serving"] is False
+            assert not fut.done()
             body = fut.result()
         assert [t["num_tokens"] for t in body["trajectories"]] == [30, 30]
         assert gw.proc.wait(30) == 0
