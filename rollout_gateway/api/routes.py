@@ -108,6 +108,11 @@ async def list_engines(gw: Gateway = Depends(gateway)) -> Response:
 async def register_engine(body: RegisterEngine, gw: Gateway = Depends(gateway)) -> Response:
     spec = EngineSpec(id=body.id, url=body.url, api_key=body.api_key)
     eng = await gw.pool.register(spec.id, spec.url, spec.api_key)
+    gw.pool.close_gate(eng)  # no traffic before it runs the pool's current weights
+    try:
+        await gw.swaps.catch_up(eng)
+    finally:
+        await gw.pool.open_gate(eng)
     await gw.sync_engine_version(eng.id, eng.version)
     return ORJSONResponse(eng.to_dict(), status_code=201)
 

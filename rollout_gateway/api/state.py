@@ -61,6 +61,13 @@ class Gateway:
                 log.error("engine %s at %s is not reachable at start-up: %s", spec.id, spec.url,
                           exc.message)
                 await self.pool.register_offline(spec.id, spec.url, spec.api_key, exc.message)
+        for eng in self.pool.list():  # a restarted gateway may face engines left behind
+            if eng.routable:
+                try:
+                    await self.swaps.catch_up(eng)
+                except GatewayError as exc:
+                    log.warning("engine %s could not catch up: %s", eng.id, exc.message)
+        self.pool.on_recovered = self.swaps.catch_up
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
         self.serving = True

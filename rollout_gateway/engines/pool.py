@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -83,6 +83,8 @@ class EnginePool:
         self._engines: dict[str, Engine] = {}
         self._changed = asyncio.Condition()
         self._health_task: asyncio.Task[None] | None = None
+        #: called with an engine that came back from UNHEALTHY (e.g. to catch its weights up)
+        self.on_recovered: Callable[[Engine], Awaitable[Any]] | None = None
 
     # ---- registration ------------------------------------------------------------------
     async def register(self, engine_id: str, url: str, api_key: str | None = None) -> Engine:
@@ -162,6 +164,12 @@ class EnginePool:
                 except GatewayError as exc:
                     eng.state = EngineState.UNHEALTHY
                     eng.last_error = exc.message
+                if eng.state is not EngineState.UNHEALTHY and self.on_recovered is not None:
+                    try:
+                        await self.on_recovered(eng)
+                    except GatewayError as exc:
+                        log.warning("engine %s recovered but could not catch up: %s", eng.id,
+                                    exc.message)
                 await self._notify()
         return eng.state
 

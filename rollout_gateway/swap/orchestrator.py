@@ -76,6 +76,43 @@ class SwapOrchestrator:
             finally:
                 self.in_progress = None
 
+    async def catch_up(self, eng: Engine) -> SwapRecord | None:
+        """Bring an engine that (re)joined behind the pool up to the newest version a swap
+        delivered from disk, before it serves (its gate stays closed meanwhile). Returns the
+        record, or None when there is nothing to do (or nothing on disk to load from)."""
+        self.pool.close_gate(eng)
+        try:
+            records = await self.registry.swaps(50)
+            done = [r for r in records if r.status in ("succeeded", "partial") and r.source
+                    and not r.source.startswith("distributed:")]
+            if not done:
+                return None
+            target = max(done, key=lambda r: r.version)
+            if eng.version is not None and eng.version >= target.version:
+                return None
+            req = SwapRequest(version=target.version, source=DiskSource(path=target.source),
+                              mode=SwapMode.ABORT_RESUME, engines=[eng.id])
+            async with self._lock:
+                self.in_progress = req
+                try:
+                    async with self.registry.swap_lease(self.holder):
+                        rec = SwapRecord(version=target.version, mode=req.mode.value,
+                                         source=target.source, leader=self.holder,
+                                         message=f"catch-up of {eng.id}")
+                        rec.engines[eng.id] = EngineSwapOutcome(
+                            engine_id=eng.id, version_before=eng.version,
+                            version_after=eng.version)
+                        await self._swap_group([eng], req, rec)
+                        ok = rec.engines[eng.id].ok
+                        rec.status = "succeeded" if ok else "failed"
+                        rec.finished_at = time.time()
+                        await self.registry.record_swap(rec)
+                        return rec
+                finally:
+                    self.in_progress = None
+        finally:
+            await self.pool.open_gate(eng)
+
     def _targets(self, req: SwapRequest) -> list[Engine]:
         if req.engines is not None:
             engines = [self.pool.get(e) for e in req.engines]  # NotFound for unknown ids

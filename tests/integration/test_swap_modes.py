@@ -174,3 +174,21 @@ def test_failed_load_takes_engine_out_and_leaves_no_mixed_stamps(cluster, models
     assert httpx.delete(gw.url + "/v1/engines/e1").status_code == 200
     r = httpx.post(gw.url + "/v1/engines", json={"id": "e1", "url": engines["e1"].url})
     assert r.status_code == 201 and r.json()["weight_version"] == 5
+
+
+def test_an_engine_joining_behind_catches_up_before_serving(cluster, ckpts, models):
+    gw, _ = cluster
+    with EngineProcess(checkpoint=ckpts[0]) as late:  # still at version 0
+        r = httpx.post(gw.url + "/v1/engines", json={"id": "late", "url": late.url}, timeout=60)
+        assert r.status_code == 201, r.text
+        assert r.json()["weight_version"] == 5  # the newest version a swap delivered
+        swaps = httpx.get(gw.url + "/v1/versions").json()["recent_swaps"]
+        assert swaps[0]["message"] == "catch-up of late" and swaps[0]["status"] == "succeeded"
+        body = httpx.post(gw.url + "/v1/rollouts", timeout=60, json={
+            "input_ids": [1, 2], "n": 6, "sampling_params": {"max_new_tokens": 4}}).json()
+        ran = [t for t in body["trajectories"] if t["engine_ids"] == ["late"]]
+        assert ran, "the caught-up engine got no traffic"
+        for t in ran:
+            assert set(t["policy_version"]) == {5}
+            check_against_ground_truth(t, models)
+        assert httpx.delete(gw.url + "/v1/engines/late").status_code == 200
