@@ -60,7 +60,8 @@ async def test_duplicate_inflight_rid(make_engine):
     eng = make_engine(seed=1, step_delay_ms=20)
     async with httpx.AsyncClient(timeout=60) as c:
         first = asyncio.create_task(c.post(eng.url + "/generate", json={
-            "input_ids": [1, 2], "rid": "dup", "sampling_params": {"max_new_tokens": 60}}))
+            "input_ids": [1, 2], "rid": "dup",
+            "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}))
         for _ in range(100):
             info = (await c.get(eng.url + "/server_info")).json()
             if info["num_running_reqs"] + info["num_waiting_reqs"]:

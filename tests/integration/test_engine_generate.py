@@ -132,7 +132,8 @@ def test_n_and_batch_return_lists(engine):
     assert len({o["meta_info"]["id"] for o in outs}) == 3
     r = httpx.post(engine.url + "/generate", timeout=60, json={
         "input_ids": [[256, 1], [256, 2, 3]], "rid": ["b1", "b2"],
-        "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3}]})
+        "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True},
+                            {"max_new_tokens": 3, "ignore_eos": True}]})
     outs = r.json()
     assert [o["meta_info"]["id"] for o in outs] == ["b1", "b2"]
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3]
