@@ -32,6 +32,7 @@ from rollout_gateway.engines.decode_experts import (
     decode_routed_experts,
     decode_routed_experts_str,
 )
+from rollout_gateway.engines.decode_toplogprobs import placeholder_index, splice_top
 from rollout_gateway.errors import EngineError, InvalidArgument
 
 _KEY = b'"routed_experts"'
@@ -152,9 +153,10 @@ def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Deco
     """
     opts = opts or DecodeOptions()
     spliced, regions = _splice(body)
+    spliced, tops = splice_top(spliced)
     obj = _loads(spliced)
     items = obj if isinstance(obj, list) else [obj]
-    return [decode_output(item, opts, body=body, regions=regions) for item in items]
+    return [decode_output(item, opts, body=body, regions=regions, tops=tops) for item in items]
 
 
 def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
@@ -166,8 +168,10 @@ def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
 
 
 def decode_output(item: Any, opts: DecodeOptions, *, body: bytes = b"",
-                  regions: list[tuple[int, int]] | None = None) -> Decoded:
-    """Decode one parsed output dict (``routed_experts`` may be a splice placeholder)."""
+                  regions: list[tuple[int, int]] | None = None,
+                  tops: list[np.ndarray] | None = None) -> Decoded:
+    """Decode one parsed output dict (``routed_experts`` and ``output_top_logprobs`` may
+    be splice placeholders, resolved through ``regions`` / ``tops``)."""
     if not isinstance(item, dict):
         raise EngineError(f"engine output is a {type(item).__name__}, not an object")
     if "error" in item:
@@ -187,7 +191,7 @@ def decode_output(item: Any, opts: DecodeOptions, *, body: bytes = b"",
     if lp_rows is not None:
         logprobs = _logprob_column(lp_rows, t, output_ids if opts.check_logprob_ids else None)
 
-    entropy, kind, err, err_max = _entropy(meta, t, opts)
+    entropy, kind, err, err_max = _entropy(meta, t, opts, tops or [])
     wv_raw = meta.get("weight_version")
     wv_raw = None if wv_raw is None else str(wv_raw)
     completion = _opt_int(meta, "completion_tokens")
@@ -261,7 +265,7 @@ def _ids_from_rows(rows: list, name: str) -> np.ndarray:
         raise EngineError(f"{name} rows are not [logprob, id, text]") from exc
 
 
-def _entropy(meta: dict, t: int, opts: DecodeOptions
+def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[np.ndarray]
              ) -> tuple[np.ndarray, EntropyKind, np.ndarray | None, float]:
     exact = meta.get("output_token_entropy")
     if exact is not None:
@@ -276,7 +280,14 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions
         return col, EntropyKind.EXACT, None, 0.0
     top = meta.get("output_top_logprobs")
     if top and t:
-        est, err = topk_entropy(_top_matrix(top, t), opts.vocab_size)
+        idx = placeholder_index(top, len(tops))
+        if idx is None:
+            mat = _top_matrix(top, t)
+        elif tops[idx].shape[0] != t:
+            raise EngineError(f"output_top_logprobs must have {t} rows")
+        else:  # already parsed from the raw bytes (decode_toplogprobs); nulls are NaN
+            mat = _null_to_neg_inf(tops[idx])
+        est, err = topk_entropy(mat, opts.vocab_size)
         return est, EntropyKind.TOPK_ESTIMATE, err, float(err.max())
     return np.full(t, np.nan, np.float32), EntropyKind.NONE, None, float("inf")
 

@@ -1,0 +1,152 @@
+"""The byte-level output_top_logprobs fast path gives exactly what the general path gives."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import orjson
+import pytest
+
+from rollout_gateway.engines import decode as decode_mod
+from rollout_gateway.engines.decode import DecodeOptions, decode_generate
+from rollout_gateway.engines.decode_toplogprobs import parse_top_segment, splice_top
+from rollout_gateway.errors import EngineError
+
+SPECIALS = [float("-inf"), 1e-05, -1e-05, -0.0, 0.0, -5e-324, -2.2250738585072014e-308,
+            -1.0000000000000002, -0.1, -87.33654475055310898657, -3.4028234663852886e38]
+
+
+def _rows(rng: np.random.Generator, t: int, k: int) -> list:
+    vals = np.log(rng.dirichlet(np.ones(k + 3), size=t)[:, :k])
+    vals = vals.astype(np.float32).astype(float) if rng.random() < 0.5 else vals
+    rows = []
+    for r in vals.tolist():
+        row = []
+        for lp in r:
+            if rng.random() < 0.1:
+                lp = SPECIALS[int(rng.integers(len(SPECIALS)))]
+            row.append([lp, int(rng.integers(0, 200_000)), None])
+        rows.append(row)
+    return rows
+
+
+def _general(rows: list) -> np.ndarray:
+    """What the orjson path computes: float() of each parsed logprob, None -> NaN."""
+    flat = [np.nan if e[0] is None else float(e[0]) for row in rows for e in row]
+    return np.array(flat, dtype=np.float64).reshape(len(rows), -1)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bytes(a.tobytes()) == bytes(b.tobytes())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_segments_bit_identical(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    t, k = int(rng.integers(1, 40)), int(rng.integers(1, 8))
+    seg = orjson.dumps(_rows(rng, t, k))
+    got = parse_top_segment(seg)
+    assert got is not None
+    want = _general(orjson.loads(seg))
+    assert _same_bits(got, want)
+
+
+def test_hand_written_number_forms() -> None:
+    seg = b"[[[-1E-5,1,null],[-0,2,null],[-0.0,3,null]],[[-1.5e+2,4,null],[null,5,null],[-2e0,6,null]]]"
+    got = parse_top_segment(seg)
+    assert got is not None
+    assert _same_bits(got, _general(orjson.loads(seg)))
+    # JSON -0 is the integer 0 (orjson), -0.0 a negative zero: both paths agree
+    assert not np.signbit(got[0, 1]) and np.signbit(got[0, 2]) and np.isnan(got[1, 1])
+
+
+def test_whitespace_between_values_is_fine() -> None:
+    seg = b"[[[ -0.1 , 1 ,null]],[[-0.2,2, null ]]]"
+    got = parse_top_segment(seg)
+    assert got is not None and _same_bits(got, _general(orjson.loads(seg)))
+
+
+@pytest.mark.parametrize("seg", [
+    b'[[[-0.1,1,"a]],[b"]]]',  # text strings (may hold brackets): general path
+    b"[[[-0.1,1,null] ],[[-0.2,2,null]]]",  # whitespace between brackets
+    b"[[[-0.1,1,null]],[[-0.2,2,null],[-0.3,3,null]]]",  # ragged rows
+    b"[[[-0.1,1]]]",  # pairs, not triples
+    b"[[[-0.1,1,null,4]]]",
+    b"[[[,1,null]]]",  # empty value
+    b"[[[NaN,1,null]]]",  # not JSON
+    b"[[[-0.1,1,null]],[[-0.2,2,null]]",  # truncated
+    b"[[[{},1,null]]]",  # not a number
+    b"[[[[-0.1],1,null]]]",  # nested deeper
+])
+def test_non_canonical_segments_are_left_to_the_general_path(seg: bytes) -> None:
+    assert parse_top_segment(seg) is None
+    body = b'{"meta_info":{"output_top_logprobs":' + seg + b"}}"
+    assert splice_top(body) == (body, [])
+
+
+def _body(rng: np.random.Generator, t: int, k: int, *, n: int = 1, pretty: bool = False) -> bytes:
+    outs = []
+    for _ in range(n):
+        rows = _rows(rng, t, k)
+        ids = [int(rng.integers(0, 1000)) for _ in range(t)]
+        meta = {"id": "r", "finish_reason": {"type": "length", "length": t},
+                "prompt_tokens": 3, "completion_tokens": t, "weight_version": "2",
+                "output_token_logprobs": [[-0.5, i, None] for i in ids],
+                "output_top_logprobs": rows}
+        outs.append({"text": "x", "output_ids": ids, "meta_info": meta})
+    obj = outs if n > 1 else outs[0]
+    if pretty:  # json.dumps writes -inf as -Infinity, which is not JSON: use null like orjson
+        return json.dumps(orjson.loads(orjson.dumps(obj)), indent=1).encode()
+    return orjson.dumps(obj)
+
+
+def _both(body: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[object, object]:
+    """decode_generate with the fast path, and with it switched off: (result or error)."""
+    def run() -> object:
+        try:
+            return decode_generate(body, DecodeOptions(vocab_size=151936))
+        except EngineError as exc:
+            return exc
+    fast = run()
+    with monkeypatch.context() as m:
+        m.setattr(decode_mod, "splice_top", lambda b: (b, []))
+        slow = run()
+    return fast, slow
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_generate_matches_general_path(seed: int, n: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(100 + seed)
+    body = _body(rng, int(rng.integers(1, 30)), int(rng.integers(1, 6)), n=n,
+                 pretty=seed % 4 == 3)
+    # orjson's compact bodies take the fast path; indented ones the general path
+    assert len(splice_top(body)[1]) == (0 if seed % 4 == 3 else n)
+    fast, slow = _both(body, monkeypatch)
+    if isinstance(slow, EngineError):  # random specials can make the top-k sum exceed 1
+        assert isinstance(fast, EngineError) and fast.message == slow.message
+        return
+    assert isinstance(fast, list) and len(fast) == len(slow) == n
+    for a, b in zip(fast, slow):
+        assert a.entropy_kind == b.entropy_kind
+        assert _same_bits(a.entropy, b.entropy)
+        assert _same_bits(a.entropy_error, b.entropy_error)
+        assert a.entropy_error_bound == b.entropy_error_bound
+        assert "output_top_logprobs" not in a.meta
+
+
+@pytest.mark.parametrize("top", [
+    b"[[[-0.1,1,null]],[[-0.2,2,null]]]",  # 2 rows for 3 tokens
+    b"[[[0.5,1,null]],[[-0.2,2,null]],[[-0.3,3,null]]]",  # positive logprob
+    b'"#tk:0"',  # an engine sending our placeholder text: not a list
+])
+def test_malformed_top_logprobs_give_the_same_engine_error(
+        top: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = (b'{"output_ids":[1,2,3],"meta_info":{"prompt_tokens":1,"completion_tokens":3,'
+            b'"output_token_logprobs":[[-0.1,1,null],[-0.2,2,null],[-0.3,3,null]],'
+            b'"output_top_logprobs":' + top + b"}}")
+    fast, slow = _both(body, monkeypatch)
+    assert isinstance(slow, EngineError) and isinstance(fast, EngineError)
+    assert fast.message == slow.message
