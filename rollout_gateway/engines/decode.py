@@ -29,7 +29,7 @@ import orjson
 from rollout_gateway.core.trajectory import EntropyKind, RoutedExperts
 from rollout_gateway.engines.decode_entropy import DEFAULT_VOCAB_UPPER, topk_entropy
 from rollout_gateway.engines.decode_experts import (
-    decode_routed_experts,
+    decode_routed_experts_quoted,
     decode_routed_experts_str,
 )
 from rollout_gateway.engines.decode_toplogprobs import placeholder_index, splice_top
@@ -101,17 +101,20 @@ class Decoded:
         return self.finish_reason is not None
 
 
-def _splice(body: bytes) -> tuple[bytes, list[tuple[int, int]]]:
+def _splice(body: bytes, num_experts: int | None
+            ) -> tuple[bytes, list[np.ndarray | EngineError]]:
     """Cut every routed_experts base64 value out of the raw JSON, leaving placeholders.
 
     The key with an unescaped quote cannot occur inside a JSON string, so a match is a
-    real key. Returns the smaller JSON and the (start, end) of each payload in ``body``.
+    real key. Each value is decoded while its closing quote is searched for (one pass over
+    the text); a decoding error is kept, to be raised only if that value is used. Returns
+    the smaller JSON and, per placeholder number, the ids or the error.
     """
     pos = body.find(_KEY)
     if pos < 0:
         return body, []
     parts: list[bytes] = []
-    regions: list[tuple[int, int]] = []
+    decoded: list[np.ndarray | EngineError] = []
     last = 0
     n = len(body)
     while pos >= 0:
@@ -123,18 +126,16 @@ def _splice(body: bytes) -> tuple[bytes, list[tuple[int, int]]]:
             while i < n and body[i] in b" \t\r\n":
                 i += 1
             if i < n and body[i] == 0x22:  # '"'
-                end = body.find(b'"', i + 1)
-                if end < 0:
-                    raise EngineError("engine response has an unterminated routed_experts string")
+                ids, end = decode_routed_experts_quoted(body, i + 1, num_experts=num_experts)
                 parts.append(body[last:i])
-                parts.append(f'"{_PLACEHOLDER}{len(regions)}"'.encode())
-                regions.append((i + 1, end))
+                parts.append(f'"{_PLACEHOLDER}{len(decoded)}"'.encode())
+                decoded.append(ids)
                 last = end + 1
                 pos = body.find(_KEY, last)
                 continue
         pos = body.find(_KEY, i)
     parts.append(body[last:])
-    return b"".join(parts), regions
+    return b"".join(parts), decoded
 
 
 def _loads(data: bytes) -> Any:
@@ -152,11 +153,11 @@ def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Deco
     malformed, including an SGLang error object (``{"error": ...}``).
     """
     opts = opts or DecodeOptions()
-    spliced, regions = _splice(body)
+    spliced, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
     spliced, tops = splice_top(spliced)
     obj = _loads(spliced)
     items = obj if isinstance(obj, list) else [obj]
-    return [decode_output(item, opts, body=body, regions=regions, tops=tops) for item in items]
+    return [decode_output(item, opts, regions=regions, tops=tops) for item in items]
 
 
 def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
@@ -167,8 +168,8 @@ def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
     return out[0]
 
 
-def decode_output(item: Any, opts: DecodeOptions, *, body: bytes = b"",
-                  regions: list[tuple[int, int]] | None = None,
+def decode_output(item: Any, opts: DecodeOptions, *,
+                  regions: list[np.ndarray | EngineError] | None = None,
                   tops: list[np.ndarray] | None = None) -> Decoded:
     """Decode one parsed output dict (``routed_experts`` and ``output_top_logprobs`` may
     be splice placeholders, resolved through ``regions`` / ``tops``)."""
@@ -196,7 +197,7 @@ def decode_output(item: Any, opts: DecodeOptions, *, body: bytes = b"",
     wv_raw = None if wv_raw is None else str(wv_raw)
     completion = _opt_int(meta, "completion_tokens")
     prompt = _opt_int(meta, "prompt_tokens")
-    flat = _routed(meta.get("routed_experts"), body, regions or [], opts)
+    flat = _routed(meta.get("routed_experts"), regions or [], opts)
     routed = None
     if flat is not None and opts.routing is not None:
         routed = _shape_routed(flat, opts, prompt, completion)
@@ -318,16 +319,19 @@ def _null_to_neg_inf(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _routed(value: Any, body: bytes, regions: list[tuple[int, int]], opts: DecodeOptions
+def _routed(value: Any, regions: list[np.ndarray | EngineError], opts: DecodeOptions
             ) -> np.ndarray | None:
     if value is None:
         return None
     if not isinstance(value, str):
         raise EngineError("routed_experts must be a base64 string")
     n_exp = opts.routing.num_experts if opts.routing else None
-    if value.startswith(_PLACEHOLDER):
-        start, end = regions[int(value[len(_PLACEHOLDER):])]
-        return decode_routed_experts(body, start, end, num_experts=n_exp)
+    idx = value[len(_PLACEHOLDER):] if value.startswith(_PLACEHOLDER) else ""
+    if idx.isdigit() and int(idx) < len(regions):  # else: not ours ('#' is not base64)
+        got = regions[int(idx)]
+        if isinstance(got, EngineError):
+            raise got
+        return got
     return decode_routed_experts_str(value, num_experts=n_exp)
 
 

@@ -198,3 +198,56 @@ def _pybase64(text: memoryview, num_experts: int | None) -> np.ndarray:
         out[pos:pos + ids.size] = ids
         pos += ids.size
     return out[:pos]
+
+
+def decode_routed_experts_quoted(buf: bytes, start: int, *, num_experts: int | None
+                                 ) -> tuple[np.ndarray | EngineError, int]:
+    """Decode the base64 JSON string body at ``buf[start:]`` up to its closing quote.
+
+    Finding the quote and decoding happen chunk by chunk, so the text is read from memory
+    once (a separate ``find`` over a multi-megabyte string costs about as much as the
+    decode). Returns (ids, or the EngineError decoding them raised, to be raised only if
+    the caller uses them; index of the closing quote). Raises EngineError only when there
+    is no closing quote.
+    """
+    if not USE_PYBASE64 or num_experts is None:
+        end = buf.find(b'"', start)
+        if end < 0:
+            raise EngineError("engine response has an unterminated routed_experts string")
+        try:
+            return decode_routed_experts(buf, start, end, num_experts=num_experts), end
+        except EngineError as exc:
+            return exc, end
+    mv = memoryview(buf)
+    bound = (len(buf) - start) // 16 * 3 + 3
+    out = np.empty(bound, np.uint8 if num_experts <= 256 else np.int32)
+    pos = 0
+    a = start
+    while True:
+        end = buf.find(b'"', a, a + _PY_CHUNK)
+        stop = a + _PY_CHUNK if end < 0 else end
+        try:
+            raw = _b64(mv[a:stop])
+            if end < 0 and len(raw) != _PY_CHUNK // 4 * 3:
+                raise EngineError("routed_experts is not valid base64: padding inside the text")
+            if end >= 0 and len(raw) % 4:
+                raise EngineError(f"routed_experts has {pos * 4 + len(raw)} bytes, not a "
+                                  "whole number of int32")
+            ids = np.frombuffer(raw, "<u4")
+            if ids.size and int(ids.max()) >= num_experts:
+                raise EngineError(f"routed_experts ids outside [0, {num_experts})")
+        except EngineError as exc:
+            end = end if end >= 0 else buf.find(b'"', stop)
+            if end < 0:
+                raise EngineError("engine response has an unterminated routed_experts string"
+                                  ) from None
+            return exc, end
+        out[pos:pos + ids.size] = ids
+        pos += ids.size
+        if end >= 0:
+            break
+        a = stop
+        if a >= len(buf):
+            raise EngineError("engine response has an unterminated routed_experts string")
+    # a batch body bounds the first outputs loosely: don't pin the others' share
+    return (out[:pos] if 2 * pos >= bound else out[:pos].copy()), end
