@@ -24,6 +24,8 @@ _KEY = b'"output_top_logprobs":[[['
 _PLACEHOLDER = "#tk:"  # never valid as a top-logprobs value, so never confused with one
 _STRUCT = b"[],"
 _NON_STRUCT = bytes(c for c in range(256) if c not in _STRUCT)
+#: brackets to spaces (a translate table is ~2x cheaper than deleting them)
+_BRACKETS_TO_SPACE = bytes(range(256)).replace(b"[", b" ").replace(b"]", b" ")
 
 
 @lru_cache(maxsize=256)
@@ -52,7 +54,7 @@ def parse_top_segment(seg: bytes) -> np.ndarray | None:
     if skel != _skeleton(t, k):
         return None
     try:
-        flat = orjson.loads(b"[" + seg.translate(None, b"[]") + b"]")
+        flat = orjson.loads(b"[" + seg.translate(_BRACKETS_TO_SPACE) + b"]")
     except orjson.JSONDecodeError:
         return None
     if len(flat) != 3 * t * k:
@@ -78,9 +80,14 @@ def splice_top(body: bytes) -> tuple[bytes, list[np.ndarray]]:
     last = 0
     while pos >= 0:
         i = pos + len(_KEY) - 3  # start of the value
-        end = body.find(b"]]]", i)
+        # a canonical value holds no '"': it ends at the last ']]]' before the next '"'
+        # (a reverse search over a few bytes instead of a forward one over the value);
+        # a quote-free prefix that is a whole canonical array is the whole value
+        q = body.find(b'"', i)
+        end = body.rfind(b"]]]", i, q if q >= 0 else len(body))
         if end < 0:
-            break
+            pos = body.find(_KEY, i)
+            continue
         end += 3
         mat = parse_top_segment(body[i:end])
         if mat is not None:
