@@ -150,3 +150,33 @@ def test_malformed_top_logprobs_give_the_same_engine_error(
     fast, slow = _both(body, monkeypatch)
     assert isinstance(slow, EngineError) and isinstance(fast, EngineError)
     assert fast.message == slow.message
+
+
+@pytest.mark.parametrize("tail", [
+    b"}}",  # last key of the last object: no quote after the value
+    b',"input_top_logprobs":[[[-0.4,9,null]]],"x":1}}',  # another canonical array follows
+    b'},"text":"]]] [[["}',  # brackets inside a later string
+    b',"input_top_logprobs":[[[-0.4,9,null]]]}}]',
+])
+def test_value_end_is_found_whatever_follows(tail: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    top = b"[[[-1.0,1,null],[-2.5,2,null]],[[-0.2,2,null],[null,3,null]]]"
+    head = b'{"output_ids":[1,2],"meta_info":{"prompt_tokens":1,"completion_tokens":2,'
+    body = head + b'"output_top_logprobs":' + top + tail
+    if tail.endswith(b"]"):
+        body = b"[" + body
+    spliced, mats = splice_top(body)
+    assert len(mats) == 1 and _same_bits(mats[0], _general(orjson.loads(top)))
+    assert spliced.endswith(tail)
+    fast, slow = _both(body, monkeypatch)
+    assert isinstance(fast, list) and isinstance(slow, list)
+    assert _same_bits(fast[0].entropy, slow[0].entropy)
+
+
+def test_text_strings_with_brackets_take_the_general_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    top = b'[[[-1.0,1,"]]]"],[-2.5,2,"[[["]],[[-0.2,2,"a"],[-3.0,3,","]]]'
+    body = (b'{"output_ids":[1,2],"meta_info":{"prompt_tokens":1,"completion_tokens":2,'
+            b'"output_top_logprobs":' + top + b"}}")
+    assert splice_top(body) == (body, [])
+    fast, slow = _both(body, monkeypatch)
+    assert isinstance(fast, list) and _same_bits(fast[0].entropy, slow[0].entropy)
