@@ -9,3 +9,16 @@ def test_help_is_fast_and_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "engine" in out.stdout and "serve" in out.stdout
+
+
+def test_gateway_side_never_imports_torch():
+    code = ("import sys\n"
+            "from rollout_gateway.api.app import create_app\n"
+            "from rollout_gateway.service import cli\n"
+            "from rollout_gateway.transport import server\n"
+            "from rollout_gateway.store import memory, redis_streams\n"
+            "from rollout_gateway.registry import redis_registry\n"
+            "create_app()\n"
+            "assert 'torch' not in sys.modules, 'the gateway imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
