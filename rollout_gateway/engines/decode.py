@@ -3,9 +3,12 @@
 One call per response body (a dict, or a list for batches and n > 1) or per SSE ``data:``
 payload (see :mod:`rollout_gateway.engines.decode_stream`). Per-token data never becomes
 per-token Python objects beyond what the JSON parser itself creates: routed experts are
-cut out of the raw bytes before parsing and decoded straight from them
-(:mod:`~rollout_gateway.engines.decode_experts`); logprob columns are pulled from the
-parsed lists with C-level iterators.
+cut out of the raw bytes before parsing and decoded straight from them, in one pass that
+also finds the string's end (:mod:`~rollout_gateway.engines.decode_experts`); top-k
+logprobs in SGLang's canonical layout are cut out too and parsed as one flat array
+(:mod:`~rollout_gateway.engines.decode_toplogprobs`); the other logprob columns are pulled
+from the parsed lists with C-level iterators. Every fast path gives bit-identical results
+to plain ``orjson`` parsing (tests/unit/test_decode_fastpath.py).
 
 Field shapes follow SGLang 0.5.23 ``tokenizer_manager``: ``output_token_logprobs`` is
 ``[[logprob, token_id, text|null], ...]`` (orjson writes -inf as null),

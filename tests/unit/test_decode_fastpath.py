@@ -132,3 +132,18 @@ def test_out_of_range_expert_in_one_of_n_outputs() -> None:
     items[1]["meta_info"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
     with pytest.raises(EngineError, match="outside"):
         decode_generate(orjson.dumps(items), DecodeOptions(routing=RoutingSpec(L, K, E)))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("output_top_logprobs", b"[[[NaN,1,null]],[[-0.1,1,null]]]"),
+    ("output_top_logprobs", b"[[[-Infinity,1,null]],[[-0.1,1,null]]]"),
+    ("output_token_logprobs", b"[[NaN,1,null],[-0.1,2,null]]"),
+    ("output_token_entropy", b"[NaN,0.5]"),
+])
+def test_nan_and_infinity_literals_are_not_json(field: str, value: bytes) -> None:
+    meta = (b'"prompt_tokens":1,"completion_tokens":2,"output_token_entropy":[0.1,0.2],'
+            b'"output_token_logprobs":[[-0.1,1,null],[-0.1,2,null]],')
+    body = b'{"output_ids":[1,2],"meta_info":{' + meta + b'"' + field.encode() + b'":' + value
+    body += b"}}"
+    with pytest.raises(EngineError, match="invalid JSON"):
+        decode_generate(body)

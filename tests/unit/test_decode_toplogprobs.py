@@ -53,7 +53,8 @@ def test_random_segments_bit_identical(seed: int) -> None:
 
 
 def test_hand_written_number_forms() -> None:
-    seg = b"[[[-1E-5,1,null],[-0,2,null],[-0.0,3,null]],[[-1.5e+2,4,null],[null,5,null],[-2e0,6,null]]]"
+    seg = (b"[[[-1E-5,1,null],[-0,2,null],[-0.0,3,null]],"
+           b"[[-1.5e+2,4,null],[null,5,null],[-2e0,6,null]]]")
     got = parse_top_segment(seg)
     assert got is not None
     assert _same_bits(got, _general(orjson.loads(seg)))
