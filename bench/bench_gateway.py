@@ -7,8 +7,9 @@ by side in the same run.
 A. Hot path, in this process (one core): SGLang-format /generate response bytes (from
    ``bench/replay_engine.py``'s generator: 48 layers x top-8 routed experts over 128
    experts, mixed prompt/output lengths) -> ``engines.decode`` -> ``core.stamping`` ->
-   ``Trajectory``. Side by side: a straightforward decoder (orjson + stdlib b64decode +
-   numpy on the parsed lists), ``orjson.loads`` alone and a memcpy of the same bytes; then
+   ``Trajectory``. Side by side: the same with the decoder's byte-level fast paths off, a
+   straightforward decoder (orjson + stdlib b64decode + numpy on the parsed lists),
+   ``orjson.loads`` alone and a memcpy of the same bytes; then
    routed experts alone per wire format. Tokens are output tokens; per CPU-second of this
    thread, best of several interleaved rounds (the machine is shared).
 B. End to end: a replay engine process, the gateway (``rollout-gateway serve``) process
@@ -58,6 +59,7 @@ from rollout_gateway.engines.decode import (  # noqa: E402
     decode_one,
 )
 from rollout_gateway.engines.decode_entropy import topk_entropy  # noqa: E402
+from rollout_gateway.engines import decode as decode_mod  # noqa: E402
 from rollout_gateway.engines import decode_experts  # noqa: E402
 from rollout_gateway.engines.decode_experts import decode_routed_experts  # noqa: E402
 
@@ -112,6 +114,19 @@ def naive_decode(body: bytes, opts: DecodeOptions) -> Decoded:
                    routed_experts=None, routed=routed)
 
 
+def decode_without_fast_paths(body: bytes, opts: DecodeOptions) -> Decoded:
+    """engines.decode with its byte-level fast paths off (top-k logprobs parsed as nested
+    JSON; routed experts found by a separate scan, then decoded in one piece): the
+    decoder as it was before them, for the side-by-side column."""
+    saved = decode_mod.splice_top, decode_experts._PY_CHUNK
+    decode_mod.splice_top = lambda b: (b, [])
+    decode_experts._PY_CHUNK = 1 << 40
+    try:
+        return decode_one(body, opts)
+    finally:
+        decode_mod.splice_top, decode_experts._PY_CHUNK = saved
+
+
 def _best(fns: list, bodies: list[bytes], rounds: int) -> list[float]:
     """Best CPU time (this thread) over rounds for each fn, interleaved round-robin, so a
     busy shared machine skews every column alike and descheduled time is not counted."""
@@ -159,19 +174,28 @@ def part_a(rounds: int) -> list[dict[str, Any]]:
         def base(b: bytes) -> None:
             stamp(naive_decode(b, opt_of[id(b)]), f"t{next(it)}")
 
+        def slow(b: bytes) -> None:
+            stamp(decode_without_fast_paths(b, opt_of[id(b)]), f"t{next(it)}")
+
         for b in bodies:  # correctness first: both decoders agree
             x = stamp(decode_one(b, opt_of[id(b)]), "a")
             y = stamp(naive_decode(b, opt_of[id(b)]), "b")
+            z = stamp(decode_without_fast_paths(b, opt_of[id(b)]), "c")
+            for col in ("token_ids", "logprobs", "entropy"):  # fast paths: bit-identical
+                assert getattr(x.tokens, col).tobytes() == getattr(z.tokens, col).tobytes()
+            assert (x.routed_experts is None
+                    or x.routed_experts.data.tobytes() == z.routed_experts.data.tobytes())
             assert np.array_equal(x.tokens.token_ids, y.tokens.token_ids)
             assert np.array_equal(x.tokens.logprobs, y.tokens.logprobs)
             assert np.allclose(x.tokens.entropy, y.tokens.entropy)
             assert (x.routed_experts is None) == (y.routed_experts is None)
             if x.routed_experts is not None:
                 assert np.array_equal(x.routed_experts.data, y.routed_experts.data)
-        t_ours, t_naive, t_parse, t_copy = _best(
-            [ours, base, orjson.loads, lambda b: bytes(bytearray(b))], bodies, rounds)
+        t_ours, t_slow, t_naive, t_parse, t_copy = _best(
+            [ours, slow, base, orjson.loads, lambda b: bytes(bytearray(b))], bodies, rounds)
         rows.append({"scenario": name, "MB": mb, "tokens": tokens,
-                     "ours_tok_s": tokens / t_ours, "naive_tok_s": tokens / t_naive,
+                     "ours_tok_s": tokens / t_ours, "slow_tok_s": tokens / t_slow,
+                     "naive_tok_s": tokens / t_naive,
                      "parse_tok_s": tokens / t_parse, "memcpy_tok_s": tokens / t_copy})
     return rows
 
@@ -231,15 +255,18 @@ def print_a_wire(rows: list[tuple[str, float, float]]) -> None:
 def print_a(rows: list[dict[str, Any]]) -> None:
     print("\nA. hot path on one core: decode + stamp + Trajectory, output tokens per CPU-second "
           f"(mix {MIX}, {LAYERS} layers x top-{TOPK})")
-    print(f"{'scenario':40s} {'MB':>6s} {'ours':>10s} {'naive':>10s} {'x naive':>8s} "
-          f"{'parse':>10s} {'memcpy':>10s}")
+    print(f"{'scenario':40s} {'MB':>6s} {'ours':>10s} {'no fast':>10s} {'x':>6s} "
+          f"{'naive':>10s} {'x naive':>8s} {'parse':>10s} {'memcpy':>10s}")
     for r in rows:
         print(f"{r['scenario']:40s} {r['MB']:6.1f} {r['ours_tok_s'] / 1e6:9.2f}M "
+              f"{r['slow_tok_s'] / 1e6:9.2f}M {r['ours_tok_s'] / r['slow_tok_s']:5.2f}x "
               f"{r['naive_tok_s'] / 1e6:9.2f}M {r['ours_tok_s'] / r['naive_tok_s']:7.2f}x "
               f"{r['parse_tok_s'] / 1e6:9.2f}M {r['memcpy_tok_s'] / 1e6:9.2f}M")
     print("  ours/naive = engines.decode / a straightforward decoder (orjson + numpy on parsed "
-          "lists + b64decode), each + core.stamping + Trajectory; parse = orjson.loads alone; "
-          "memcpy = copying the bytes once")
+          "lists + b64decode), each + core.stamping + Trajectory; no fast = engines.decode with "
+          "its byte-level fast paths off (top-k cut + flat parse, routed experts decoded in "
+          "cache-sized chunks while finding the string's end; results bit-identical); "
+          "parse = orjson.loads alone; memcpy = copying the bytes once")
 
 
 # ------------------------------------------------------------------------- part B
