@@ -40,6 +40,10 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
     ``-inf`` entries are tokens of probability 0. Returns (estimate, error_bound), both
     float32 [T], with ``|estimate - H_exact| <= error_bound`` for every row. Raises
     EngineError if a row is NaN/positive or its probabilities sum above 1.
+
+    Masked steps take an unmasked branch when the mask is all true (the usual case):
+    the same element-wise operations on the same values, without the fancy-indexing
+    copies that dominate small (streamed) inputs.
     """
     lp = np.asarray(top_logprobs, dtype=np.float64)
     if lp.ndim != 2:
@@ -49,13 +53,14 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
     if k == 0:
         raise EngineError("top logprobs rows are empty")
-    if np.isnan(lp).any() or (lp > 1e-6).any():
+    if not (lp <= 1e-6).all():  # NaN compares false
         raise EngineError("top logprobs contain NaN or positive values")
     if vocab_size < k:
         raise EngineError(f"vocab_size {vocab_size} is smaller than top-k {k}")
     lp = np.minimum(lp, 0.0)
     p = np.exp(lp)
-    nlogp = np.where(p > 0, -lp, 0.0)  # -log p, with 0 log 0 = 0
+    p_pos = p > 0
+    nlogp = -lp if p_pos.all() else np.where(p_pos, -lp, 0.0)  # -log p, with 0 log 0 = 0
     h_top = (p * nlogp).sum(axis=1)
     total = p.sum(axis=1)
     if (total > 1.0 + _SUM_TOLERANCE).any():
@@ -64,18 +69,29 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
     c = p.min(axis=1)
     m = float(vocab_size - k)
 
-    upper = np.zeros(t)
     pos = (r > 0) & (m > 0)
-    upper[pos] = r[pos] * np.log(m / r[pos])
-
-    lower = np.zeros(t)
     ok = pos & (c > 0)
-    n = np.minimum(np.floor(r[ok] / c[ok]), m)
-    s = np.clip(r[ok] - n * c[ok], 0.0, None)
-    lo = n * c[ok] * -np.log(c[ok])
-    s_pos = s > 0
-    lo[s_pos] += s[s_pos] * -np.log(s[s_pos])
-    lower[ok] = np.minimum(lo, upper[ok])
+    if ok.all():
+        upper = r * np.log(m / r)
+        n = np.minimum(np.floor(r / c), m)
+        s = np.clip(r - n * c, 0.0, None)
+        lo = n * c * -np.log(c)
+        s_pos = s > 0
+        if s_pos.all():
+            lo += s * -np.log(s)
+        else:
+            lo[s_pos] += s[s_pos] * -np.log(s[s_pos])
+        lower = np.minimum(lo, upper)
+    else:
+        upper = np.zeros(t)
+        upper[pos] = r[pos] * np.log(m / r[pos])
+        lower = np.zeros(t)
+        n = np.minimum(np.floor(r[ok] / c[ok]), m)
+        s = np.clip(r[ok] - n * c[ok], 0.0, None)
+        lo = n * c[ok] * -np.log(c[ok])
+        s_pos = s > 0
+        lo[s_pos] += s[s_pos] * -np.log(s[s_pos])
+        lower[ok] = np.minimum(lo, upper[ok])
 
     # float32 rounding: each p_i is off by at most eps_i = p_i * |lp_i| * 2^-23 (plus one ulp)
     eps = p * (nlogp + 1.0) * _F32_REL
@@ -83,7 +99,11 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
     d_r = eps.sum(axis=1)
     # both tail bounds move by at most d_r * (log m + |log r| + 1) plus the modulus of
     # continuity of -x log x, d log(1/d), when r itself is ~d_r
-    d_log = np.where(d_r > 0, -np.log(np.where(d_r > 0, d_r, 1.0)), 0.0)
+    d_pos = d_r > 0
+    if d_pos.all():
+        d_log = -np.log(d_r)
+    else:
+        d_log = np.where(d_pos, -np.log(np.where(d_pos, d_r, 1.0)), 0.0)
     d_rest = d_r * (np.log(max(m, 1.0)) + nlogp.max(axis=1) + 2.0 + d_log)
     estimate = h_top + 0.5 * (lower + upper)
     bound = 0.5 * (upper - lower) + d_top + d_rest + 1e-7 * (1.0 + np.abs(estimate))
