@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_gateway.engines import decode_experts
+from rollout_gateway.engines import decode_experts, decode_toplogprobs
 from rollout_gateway.engines.decode import DecodeOptions, RoutingSpec, decode_generate
 from rollout_gateway.engines.decode_entropy import topk_entropy
 from rollout_gateway.errors import EngineError
@@ -27,6 +27,11 @@ SPECIALS = [float("-inf"), -1e-05, -0.0, -2.5e-300, -1.0000000000000002, -12.75]
 def chunk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setattr(decode_experts, "_PY_CHUNK", request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def fast_for_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_toplogprobs, "MIN_BYTES", 0)
 
 
 def _output(rng: np.random.Generator, top_k: int) -> dict:

@@ -9,9 +9,24 @@ import orjson
 import pytest
 
 from rollout_gateway.engines import decode as decode_mod
+from rollout_gateway.engines import decode_toplogprobs
 from rollout_gateway.engines.decode import DecodeOptions, decode_generate
 from rollout_gateway.engines.decode_toplogprobs import parse_top_segment, splice_top
 from rollout_gateway.errors import EngineError
+
+@pytest.fixture(autouse=True)
+def fast_for_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_toplogprobs, "MIN_BYTES", 0)
+
+
+def test_small_values_keep_the_nested_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_toplogprobs, "MIN_BYTES", 8192)
+    small = b'{"meta_info":{"output_top_logprobs":[[[-0.1,1,null]],[[-0.2,2,null]]]}}'
+    assert splice_top(small) == (small, [])
+    rows = [[[-0.5, 1, None]]] * 600
+    big = b'{"meta_info":{"output_top_logprobs":' + orjson.dumps(rows) + b"}}"
+    assert len(splice_top(big)[1]) == 1
+
 
 SPECIALS = [float("-inf"), 1e-05, -1e-05, -0.0, 0.0, -5e-324, -2.2250738585072014e-308,
             -1.0000000000000002, -0.1, -87.33654475055310898657, -3.4028234663852886e38]
