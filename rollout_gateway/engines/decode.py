@@ -48,6 +48,7 @@ _COLUMN_KEYS = frozenset({
 })
 _lp = itemgetter(0)
 _id = itemgetter(1)
+_I32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +238,7 @@ def _int_array(values: Any, name: str) -> np.ndarray:
         arr = np.fromiter(values, dtype=np.int64, count=len(values))
     except (TypeError, ValueError, OverflowError) as exc:
         raise EngineError(f"engine output {name} holds non-integers") from exc
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+    if arr.size and (arr.min() < 0 or arr.max() > _I32_MAX):
         raise EngineError(f"engine output {name} has token ids outside int32")
     return arr.astype(np.int32)
 
@@ -255,7 +256,7 @@ def _logprob_column(rows: Any, t: int, ids: np.ndarray | None) -> np.ndarray:
         raise EngineError("output_token_logprobs has positive logprobs")
     if ids is not None:
         got = _ids_from_rows(rows, "output_token_logprobs")
-        if not np.array_equal(got, ids):
+        if got.shape != ids.shape or not (got == ids).all():
             bad = int(np.flatnonzero(got != ids)[0])
             raise EngineError(f"output_token_logprobs token id {int(got[bad])} at {bad} does "
                               f"not match output_ids {int(ids[bad])}")

@@ -31,6 +31,7 @@ USE_PYBASE64 = pybase64 is not None
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _ERR = 0x100  # flag bit in the lookup tables: not base64, or a bit of a high byte is set
 _BLOCK = 16  # base64 characters per three int32
+_I32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _build_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -176,7 +177,7 @@ def _pybase64(text: memoryview, num_experts: int | None) -> np.ndarray:
             raise EngineError(f"routed_experts has {len(raw)} bytes, not a whole number of int32")
         ids = np.frombuffer(raw, "<u4")  # negative int32 become huge: max() checks both ends
         if num_experts is None:
-            if ids.size and int(ids.max()) > np.iinfo(np.int32).max:
+            if ids.size and int(ids.max()) > _I32_MAX:
                 raise EngineError("routed_experts has negative expert ids")
             return ids.view("<i4")
         if ids.size and int(ids.max()) >= num_experts:
