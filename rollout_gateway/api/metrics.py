@@ -75,7 +75,7 @@ async def render(gw: Gateway) -> str:
              "Finished trajectories by max lag in versions at finish (8 = 8 or more)",
              [({"lag": str(k) + ("+" if k == 8 else "")}, v) for k, v in sorted(lags.items())])
     for k, v in gw.gatekeeper.counters().items():
-        kind = "gauge" if k == "running" else "counter"
+        kind = "gauge" if k in ("running", "recycle_waiting") else "counter"
         name = f"rollout_gateway_admission_{k}" + ("" if kind == "gauge" else "_total")
         o.metric(name, kind, f"Admission control: {k.replace('_', ' ')} samples", [({}, v)])
     return "\n".join(o.lines) + "\n"

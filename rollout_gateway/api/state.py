@@ -70,6 +70,7 @@ class Gateway:
         self.pool.on_recovered = self.swaps.catch_up
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
+        self.gatekeeper.start()
         self.serving = True
 
     async def _follow_registry(self) -> None:
@@ -106,6 +107,7 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.gatekeeper.stop()
         await self.pool.close()
         if self._own_store:
             await self.store.close()

@@ -55,6 +55,18 @@ class AdmissionConfig(BaseModel):
     (keep, stale tokens masked out of the loss) or recycle (re-generate its prompt)."""
     max_recycles: int = Field(3, ge=0, le=100)
     """How often one prompt may be recycled; past this it is dropped (and counted)."""
+    recycle_wait_s: float = Field(60.0, ge=0, le=3600)
+    """How long a recycled prompt waits (bounded backoff inside its rollout) for an
+    admission slot to free up before it is regenerated; past this its request fails with
+    429 (the sample is counted under ``recycle_refused``), never silently lost."""
+    replica_id: str | None = Field(None, min_length=1, max_length=200,
+                                   pattern=r"^[A-Za-z0-9_.:@/-]+$")
+    """This gateway replica's name in the shared registry's in-flight counts (replicas
+    sharing a Redis registry must differ). Default: ``hostname:pid``."""
+    running_report_ttl_s: float = Field(15.0, gt=0, le=3600)
+    """Shared registry: how long this replica's reported in-flight count stands unless
+    reported again (it is re-reported every third of this, and after admits/releases);
+    a crashed replica stops counting against the bound after this."""
 
 
 class Verdict(StrEnum):
@@ -86,6 +98,8 @@ class AdmissionStats:
     stale_dropped: int = 0
     stale_recycled: int = 0
     recycle_exhausted: int = 0  # would be recycled but hit max_recycles: dropped
+    recycle_waiting: int = 0  # recycled samples waiting for an admission slot now
+    recycle_refused: int = 0  # recycled, no slot within recycle_wait_s: request failed (429)
     failed: int = 0  # released without a trajectory (engine failure, client abort)
 
     def to_dict(self) -> dict[str, int]:
@@ -167,21 +181,40 @@ class AdmissionController:
             raise InvalidArgument(f"n must be at least 1, got {n}")
         cap = self.capacity(learner_version=learner_version, backlog=backlog,
                             consumed=consumed, others_running=others_running)
-        if self.config.enabled and n > cap.available:
+        # recycled samples waiting for a slot go first: new rollouts leave them room
+        reserved = self.stats.recycle_waiting
+        if self.config.enabled and n > cap.available - reserved:
             self.stats.refused += n
             raise ResourceExhausted(
-                f"admission control: {n} sample(s) requested, {max(cap.available, 0)} "
+                f"admission control: {n} sample(s) requested, {max(cap.available - reserved, 0)} "
                 f"available ({cap.binding} bound: in flight {cap.running}, "
                 f"unconsumed + in flight (all replicas) {cap.staleness_used} of "
-                f"{cap.staleness_limit}); "
-                "retry after the learner consumes more",
-                details={"requested": n, "available": max(cap.available, 0),
+                f"{cap.staleness_limit}"
+                + (f"; {reserved} slot(s) reserved for recycled prompts" if reserved else "")
+                + "); retry after the learner consumes more",
+                details={"requested": n, "available": max(cap.available - reserved, 0),
+                         "reserved_for_recycled": reserved,
                          "binding": cap.binding, "running": cap.running,
                          "staleness_used": cap.staleness_used,
                          "staleness_limit": cap.staleness_limit})
         self.stats.admitted += n
         self.stats.running += n
         return cap
+
+    def try_admit(self, n: int, *, learner_version: int, backlog: int,
+                  consumed: int | None = None, others_running: int = 0) -> bool:
+        """Admit ``n`` samples if they fit now (True); otherwise change nothing, count
+        nothing (False). For re-admitting recycled samples while they wait for a slot
+        (they may use the slots :meth:`admit` keeps free for them)."""
+        if n < 1:
+            raise InvalidArgument(f"n must be at least 1, got {n}")
+        cap = self.capacity(learner_version=learner_version, backlog=backlog,
+                            consumed=consumed, others_running=others_running)
+        if self.config.enabled and n > cap.available:
+            return False
+        self.stats.admitted += n
+        self.stats.running += n
+        return True
 
     def _release(self, n: int) -> None:
         if n < 0 or n > self.stats.running:

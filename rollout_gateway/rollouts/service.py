@@ -101,7 +101,9 @@ class RolloutService:
         """One admitted sample: run, judge against the staleness bound, publish.
 
         Releases its admission slot exactly once. A recycled sample is generated again
-        (re-admitted) up to ``admission.max_recycles`` times."""
+        (re-admitted, waiting up to ``admission.recycle_wait_s`` for a slot) up to
+        ``admission.max_recycles`` times; with no slot in time its request fails with 429
+        (counted as ``recycle_refused``)."""
         recycles = 0
         while True:
             try:
@@ -115,7 +117,11 @@ class RolloutService:
             verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
             if verdict is Verdict.RECYCLE:
                 recycles += 1
-                await self.gatekeeper.admit(1)
+                try:  # waits for a slot (bounded); never drops the prompt silently
+                    await self.gatekeeper.readmit_recycled(tid)
+                except BaseException:
+                    self.counters["failed_samples"] += 1
+                    raise
                 continue
             if verdict is not Verdict.DROP:
                 await self._publish(traj, req)

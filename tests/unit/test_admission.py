@@ -165,3 +165,37 @@ def test_other_replicas_in_flight_count_against_the_shared_bound():
     b.admit(4, learner_version=0, backlog=0, others_running=a.running)
     assert capacity(cfg, learner_version=0, running=b.running, backlog=0,
                     others_running=a.running).available == 0
+
+
+def test_try_admit_counts_nothing_when_full_and_admit_leaves_room_for_recycled():
+    ctl = AdmissionController(AdmissionConfig(max_staleness=0, batch_size=2, max_concurrent=10))
+    assert ctl.try_admit(2, learner_version=0, backlog=0)
+    assert not ctl.try_admit(1, learner_version=0, backlog=0)
+    assert (ctl.stats.admitted, ctl.stats.refused, ctl.running) == (2, 0, 2)
+    ctl.release_failed(1)
+    ctl.stats.recycle_waiting = 1  # one recycled sample waits for the freed slot
+    with pytest.raises(ResourceExhausted) as ei:
+        ctl.admit(1, learner_version=0, backlog=0)
+    assert ei.value.details["reserved_for_recycled"] == 1
+    assert "reserved for recycled" in ei.value.message
+    assert ctl.try_admit(1, learner_version=0, backlog=0)  # the waiter takes it
+    assert ctl.running == 2
+
+
+def test_other_replicas_count_against_the_shared_bound_not_the_local_limit():
+    ctl = AdmissionController(AdmissionConfig(max_staleness=0, batch_size=4, max_concurrent=3))
+    with pytest.raises(ResourceExhausted):
+        ctl.admit(2, learner_version=0, backlog=1, others_running=2)  # 1 + 2 + 2 > 4
+    assert ctl.try_admit(1, learner_version=0, backlog=1, others_running=2)
+    assert not ctl.try_admit(1, learner_version=0, backlog=0, others_running=3)
+    # max_concurrent counts this replica only
+    assert ctl.try_admit(2, learner_version=0, backlog=0, others_running=0)
+    assert not ctl.try_admit(1, learner_version=0, backlog=0, others_running=0)
+
+
+def test_replica_id_and_recycle_wait_are_validated():
+    with pytest.raises(ValidationError):
+        AdmissionConfig(replica_id="has space")
+    with pytest.raises(ValidationError):
+        AdmissionConfig(recycle_wait_s=-1)
+    assert AdmissionConfig(replica_id="gw-1:42").replica_id == "gw-1:42"
