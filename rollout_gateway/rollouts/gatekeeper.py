@@ -66,14 +66,15 @@ class Gatekeeper:
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def stop(self) -> None:
-        """Stop reporting and withdraw this replica's count (it no longer runs anything)."""
+        """Stop reporting and withdraw this replica's count (called at shutdown, after
+        the drain: whatever still runs here ends with the process)."""
         task, self._reporter = self._reporter, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         with contextlib.suppress(GatewayError):
-            await self.registry.report_running(self.replica_id, self.ctl.running,
+            await self.registry.report_running(self.replica_id, 0,
                                                ttl=self.ctl.config.running_report_ttl_s)
 
     async def _report(self) -> None:

@@ -85,3 +85,41 @@ def test_one_replica_leads_a_swap_at_a_time(replicas):
         assert "being led by" in r.json()["error"]["message"]
         assert drain.result().json()["status"] == "succeeded"
         assert set(long.result()["trajectories"][0]["policy_version"]) == {2}
+
+
+def _running(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("rollout_gateway_admission_running "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("admission running gauge missing")
+
+
+def test_the_staleness_bound_holds_across_replicas_sharing_a_registry(make_engine):
+    """Bound (0 + 1) * 3 = 3 samples for both replicas together: what A runs counts on B."""
+    eng = make_engine(seed=1, step_delay_ms=60)
+    store, registry = redis_urls()
+    env = {"ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE": "3",
+           "ROLLOUT_GATEWAY_ADMISSION__MAX_STALENESS": "0"}
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+
+    def post(url: str, n: int) -> httpx.Response:
+        return httpx.post(url + "/v1/rollouts", json={**body, "n": n}, timeout=60)
+
+    with GatewayProcess({"e0": eng.url}, store_url=store, registry_url=registry, env=env) as a, \
+            GatewayProcess({"e0": eng.url}, store_url=store, registry_url=registry,
+                           env=env) as b, ThreadPoolExecutor(2) as ex:
+        on_a = ex.submit(post, a.url, 2)  # ~0.7 s of generation
+        deadline = time.monotonic() + 15
+        while _running(a.url) != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = post(b.url, 2)  # B runs nothing itself, but 2 + 2 > 3
+        assert r.status_code == 429, r.text
+        d = r.json()["error"]["details"]
+        assert (d["running"], d["staleness_used"], d["staleness_limit"]) == (0, 2, 3)
+        assert post(b.url, 1).status_code == 200  # 2 + 1 fits
+        assert on_a.result().status_code == 200
+        # all 3 published, none consumed: the bound is full for both replicas
+        for url in (a.url, b.url):
+            r = post(url, 1)
+            assert r.status_code == 429 and r.json()["error"]["details"]["staleness_used"] == 3
