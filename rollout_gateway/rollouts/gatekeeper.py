@@ -161,10 +161,15 @@ class Gatekeeper:
         await self._admitted()
 
     async def judge(self, traj: Trajectory, recycles: int) -> Judgement:
-        """Release one finished sample; record the verdict on the trajectory's metadata."""
-        j = self.ctl.judge(traj.tokens.policy_version,
-                           learner_version=await self.registry.learner_version(),
-                           recycles=recycles)
+        """Release one finished sample; record the verdict on the trajectory's metadata.
+        When the learner version cannot be read, the sample is released as failed and the
+        error raised (the caller sees it; the slot does not leak)."""
+        try:
+            lv = await self.registry.learner_version()
+        except BaseException:
+            self.release_failed(1)  # its slot is released whatever happens
+            raise
+        j = self.ctl.judge(traj.tokens.policy_version, learner_version=lv, recycles=recycles)
         self._released()
         lag = min(max(j.max_lag, 0), 8)
         self.lag_counts[lag] = self.lag_counts.get(lag, 0) + 1

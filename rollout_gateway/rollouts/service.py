@@ -114,7 +114,11 @@ class RolloutService:
                 self.counters["failed_samples"] += 1
                 raise
             self._count(traj)
-            verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
+            try:
+                verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
+            except BaseException:
+                self.counters["failed_samples"] += 1
+                raise
             if verdict is Verdict.RECYCLE:
                 recycles += 1
                 try:  # waits for a slot (bounded); never drops the prompt silently

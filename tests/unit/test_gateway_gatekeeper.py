@@ -79,3 +79,19 @@ async def test_a_recycled_sample_with_no_slot_in_time_fails_loudly_and_is_counte
     assert "t:1" in ei.value.message
     st = a.ctl.stats
     assert (st.recycle_refused, st.recycle_waiting, st.running) == (1, 0, 3)
+
+
+async def test_judging_without_a_learner_version_releases_the_slot_and_raises():
+    from rollout_gateway.errors import Unavailable
+    from rollout_gateway.transport.synthetic import make_trajectory
+
+    a, _, registry = pair()
+    await a.admit(1)
+
+    async def down() -> int:
+        raise Unavailable("registry down")
+
+    registry.learner_version = down
+    with pytest.raises(Unavailable):
+        await a.judge(make_trajectory("t"), 0)
+    assert (a.running, a.ctl.stats.failed) == (0, 1)
