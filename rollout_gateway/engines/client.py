@@ -80,6 +80,54 @@ def _json(resp: httpx.Response, what: str) -> Any:
                           f"{resp.content[:200]!r}") from exc
 
 
+_WS = frozenset(b" \t\n\r\x0b\x0c")  # what bytes.strip() strips
+
+
+class SSEPayloads:
+    """Splits an SSE byte stream into its ``data:`` payloads (stripped bytes), in order.
+
+    Events end at a blank line (``\n\n``); in an event, every line starting with
+    ``data:`` is one payload, other lines are ignored. Linear: newlines are hopped at
+    memchr speed and each payload is copied once (a multi-MB final payload with routed
+    experts is not copied four times over).
+    """
+
+    __slots__ = ("_buf", "_scan", "_multi")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scan = 0  # bytes of _buf already searched for the event separator
+        self._multi = False  # the pending event has a lone newline (several lines)
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += chunk
+        out: list[bytes] = []
+        while True:
+            cut = buf.find(b"\n", self._scan)
+            while cut >= 0 and cut + 1 < len(buf) and buf[cut + 1] != 0x0A:
+                self._multi = True
+                cut = buf.find(b"\n", cut + 1)
+            if cut < 0 or cut + 1 >= len(buf):
+                self._scan = max(len(buf) - 1, 0)
+                return out
+            if self._multi:
+                for line in bytes(buf[:cut]).split(b"\n"):
+                    if line.startswith(b"data:"):
+                        out.append(line[5:].strip())
+            elif buf.startswith(b"data:"):
+                a, e = 5, cut
+                while a < e and buf[a] in _WS:
+                    a += 1
+                while e > a and buf[e - 1] in _WS:
+                    e -= 1
+                with memoryview(buf) as mv:
+                    out.append(bytes(mv[a:e]))
+            del buf[:cut + 2]
+            self._scan = 0
+            self._multi = False
+
+
 class EngineClient:
     """Async client for one SGLang-protocol engine."""
 
@@ -233,31 +281,16 @@ class EngineClient:
         """
         source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)))
         try:
-            buf = bytearray()
-            scan = 0  # bytes of buf already searched for the event separator
+            split = SSEPayloads()
             async for chunk in source:
-                buf += chunk
-                while True:  # linear, memchr-speed: hop newlines, check the next byte
-                    cut = buf.find(b"\n", scan)
-                    while cut >= 0 and cut + 1 < len(buf) and buf[cut + 1] != 0x0A:
-                        cut = buf.find(b"\n", cut + 1)
-                    if cut < 0 or cut + 1 >= len(buf):
-                        scan = max(len(buf) - 1, 0)
-                        break
-                    event = bytes(buf[:cut])
-                    del buf[:cut + 2]
-                    scan = 0
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            return
-                        if data.startswith(b'{"error"'):
-                            raise EngineError(f"engine {self.engine_id} stream error: "
-                                              f"{data[:300].decode('utf-8', 'replace')}",
-                                              details={"engine_id": self.engine_id})
-                        yield data
+                for data in split.feed(chunk):
+                    if data == b"[DONE]":
+                        return
+                    if data.startswith(b'{"error"'):
+                        raise EngineError(f"engine {self.engine_id} stream error: "
+                                          f"{data[:300].decode('utf-8', 'replace')}",
+                                          details={"engine_id": self.engine_id})
+                    yield data
         finally:
             await source.aclose()
         raise EngineError(f"engine {self.engine_id} /generate stream ended without [DONE]",
