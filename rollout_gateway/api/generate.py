@@ -11,6 +11,7 @@ engines for what it stamps); batched prompts (one prompt per call, ``n`` samples
 
 from __future__ import annotations
 
+import math
 
 try:  # SIMD base64 (a base dependency); the stdlib is the fallback
     from pybase64 import b64encode
@@ -20,7 +21,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
@@ -78,20 +78,8 @@ def to_rollout_request(body: Any) -> tuple[RolloutRequest, dict[str, Any]]:
     return req, opts
 
 
-def logprob_pairs(logprobs: np.ndarray, token_ids: np.ndarray) -> orjson.Fragment:
-    """SGLang's ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``, non-finite
-    logprobs as null) as a pre-serialized JSON fragment: byte-identical to orjson writing
-    the nested lists, without building a Python list per token. The two columns are
-    written by orjson once each and interleaved by bytes splits and one join."""
-    n = int(token_ids.shape[0])
-    if n == 0:
-        return orjson.Fragment(b"[]")
-    lps = orjson.dumps(logprobs.tolist())[1:-1]  # Python floats: the same digits as before
-    toks = orjson.dumps(token_ids, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1] + b","
-    parts: list[bytes] = [b""] * (2 * n)
-    parts[0::2] = (b"[" + lps.replace(b",", b",[")).split(b",")
-    parts[1::2] = toks.replace(b",", b",null]\x00").split(b"\x00")[:n]
-    return orjson.Fragment(b"[" + b",".join(parts) + b"]")
+def _f(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | None,
@@ -110,7 +98,10 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         "num_retractions": sum(1 for s in t.segments if s.began == "retract"),
     }
     if opts["return_logprob"]:
-        meta["output_token_logprobs"] = logprob_pairs(c.logprobs, c.token_ids)
+        lps = c.logprobs.tolist()
+        if not np.isfinite(c.logprobs).all():
+            lps = [_f(x) for x in lps]
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, c.token_ids.tolist())]
         meta["output_token_entropy"] = c.entropy
     if opts["routed"] and t.routed_experts is not None:
         meta["routed_experts"] = b64encode(
@@ -170,7 +161,9 @@ def _partial(acc: dict[str, list], opts: dict[str, Any], tid: str, index: int, n
                             "weight_version": str(int(pv[-1])), "trajectory_id": tid,
                             "policy_versions": pv, "kv_versions": np.concatenate(acc["kv"])}
     if opts["return_logprob"] and all(x is not None for x in acc["lp"]):
-        meta["output_token_logprobs"] = logprob_pairs(np.concatenate(acc["lp"]), ids)
+        lps = np.concatenate(acc["lp"]).tolist()
+        meta["output_token_logprobs"] = [[_f(lp), tok, None]
+                                         for lp, tok in zip(lps, ids.tolist())]
     out: dict[str, Any] = {"text": "", "output_ids": ids, "meta_info": meta}
     if n > 1:
         out["index"] = index

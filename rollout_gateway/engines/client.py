@@ -94,6 +94,9 @@ class SSEPayloads:
 
     __slots__ = ("_buf", "_scan", "_multi")
 
+    #: payloads from this size on are copied by index (once); smaller ones by C slicing
+    LARGE = 1 << 16
+
     def __init__(self) -> None:
         self._buf = bytearray()
         self._scan = 0  # bytes of _buf already searched for the event separator
@@ -103,19 +106,24 @@ class SSEPayloads:
         buf = self._buf
         buf += chunk
         out: list[bytes] = []
+        scan, multi, large = self._scan, self._multi, self.LARGE
         while True:
-            cut = buf.find(b"\n", self._scan)
+            cut = buf.find(b"\n", scan)
             while cut >= 0 and cut + 1 < len(buf) and buf[cut + 1] != 0x0A:
-                self._multi = True
+                multi = True
                 cut = buf.find(b"\n", cut + 1)
             if cut < 0 or cut + 1 >= len(buf):
-                self._scan = max(len(buf) - 1, 0)
+                self._scan, self._multi = max(len(buf) - 1, 0), multi
                 return out
-            if self._multi:
+            if multi:
                 for line in bytes(buf[:cut]).split(b"\n"):
                     if line.startswith(b"data:"):
                         out.append(line[5:].strip())
-            elif buf.startswith(b"data:"):
+            elif not buf.startswith(b"data:"):
+                pass
+            elif cut < large:  # small (a per-token delta): C-level copies beat index loops
+                out.append(bytes(buf[5:cut]).strip())
+            else:  # large (the final payload with routed experts): copy it once
                 a, e = 5, cut
                 while a < e and buf[a] in _WS:
                     a += 1
@@ -124,8 +132,7 @@ class SSEPayloads:
                 with memoryview(buf) as mv:
                     out.append(bytes(mv[a:e]))
             del buf[:cut + 2]
-            self._scan = 0
-            self._multi = False
+            scan, multi = 0, False
 
 
 class EngineClient:

@@ -1,30 +1,27 @@
-"""The SGLang pass-through's output_token_logprobs fragment is byte-identical to orjson
-writing the nested lists it replaces."""
+"""The SGLang pass-through's JSON: routed experts as SGLang's int32 base64, and
+output_token_logprobs as [logprob, token_id, null] rows (non-finite logprobs as null)."""
 
 from __future__ import annotations
 
+import base64
 import math
 
 import numpy as np
 import orjson
-import pytest
-
-from rollout_gateway.api.generate import logprob_pairs
 
 
-def plain(lps: np.ndarray, ids: np.ndarray) -> bytes:
-    rows = [[lp if math.isfinite(lp) else None, tok, None]
-            for lp, tok in zip(lps.tolist(), ids.tolist())]
-    return orjson.dumps(rows)
+def test_sglang_output_routed_experts_and_logprob_pairs():
+    from rollout_gateway.api.generate import sglang_output
+    from rollout_gateway.transport.synthetic import make_trajectory
 
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
-def test_fragment_equals_the_nested_lists(dtype, n):
-    rng = np.random.default_rng(n)
-    lps = (-rng.exponential(2.0, n) * rng.choice([1e-9, 1e-3, 1.0, 1e3], n)).astype(dtype)
-    if n > 3:
-        lps[[0, 2, n - 1]] = [np.nan, -np.inf, 0.0]
-    ids = rng.integers(0, 2**31 - 1, n).astype(np.int32)
-    got = orjson.dumps({"x": logprob_pairs(lps, ids)})
-    assert got == b'{"x":' + plain(lps, ids) + b"}"
+    t = make_trajectory("t", num_tokens=5, prompt_len=3, num_layers=4, top_k=2)
+    out = orjson.loads(orjson.dumps(sglang_output(
+        t, "txt", {"return_logprob": True, "routed": True}, None, 0),
+        option=orjson.OPT_SERIALIZE_NUMPY))
+    meta = out["meta_info"]
+    want = np.ascontiguousarray(t.routed_experts.data, dtype="<i4")
+    assert base64.b64decode(meta["routed_experts"]) == want.tobytes()
+    lps = t.tokens.logprobs.tolist()
+    assert meta["output_token_logprobs"] == [
+        [lp if math.isfinite(lp) else None, tok, None]
+        for lp, tok in zip(lps, t.tokens.token_ids.tolist())]

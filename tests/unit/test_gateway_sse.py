@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from rollout_gateway.engines.client import SSEPayloads
 
 
@@ -35,7 +37,9 @@ def random_stream(rng: random.Random) -> bytes:
     return b"".join(parts) + tail
 
 
-def test_payloads_match_the_plain_definition_for_any_chunking():
+@pytest.mark.parametrize("large", [1 << 16, 0])  # 0: every payload takes the large path
+def test_payloads_match_the_plain_definition_for_any_chunking(monkeypatch, large):
+    monkeypatch.setattr(SSEPayloads, "LARGE", large)
     rng = random.Random(7)
     for _ in range(600):
         stream = random_stream(rng)
