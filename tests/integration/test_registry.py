@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from _redis_support import delete_prefix
 from rollout_gateway.errors import Aborted, FailedPrecondition, InvalidArgument
 from rollout_gateway.registry import (
     EngineSwapOutcome,
@@ -18,16 +19,6 @@ from rollout_gateway.registry import (
 
 pytestmark = pytest.mark.integration
 REDIS = "redis://127.0.0.1:6379/0"
-
-
-async def _cleanup(prefix: str) -> None:
-    import redis.asyncio as aioredis
-
-    r = aioredis.Redis()
-    keys = [k async for k in r.scan_iter(f"{prefix}:*")]
-    if keys:
-        await r.delete(*keys)
-    await r.aclose()
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -49,7 +40,7 @@ async def replicas(request):
     for reg in made:
         await reg.close()
     if request.param == "redis":
-        await _cleanup(prefix)
+        await delete_prefix(prefix)
 
 
 async def test_learner_version_never_goes_backwards(replicas):
@@ -223,7 +214,7 @@ async def test_redis_watch_survives_a_killed_connection():
     finally:
         await a.close()
         await b.close()
-        await _cleanup(prefix)
+        await delete_prefix(prefix)
         await admin.aclose()
 
 

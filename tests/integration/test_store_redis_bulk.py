@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from _redis_support import delete_prefix
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.redis_streams import RedisStore
 from rollout_gateway.transport.synthetic import make_trajectory
@@ -21,13 +22,7 @@ async def store():
                    config=StoreConfig(lease_seconds=60))
     yield s
     await s.close()
-    import redis.asyncio as aioredis
-
-    r = aioredis.Redis()
-    keys = [k async for k in r.scan_iter(f"{prefix}:*")]
-    if keys:
-        await r.delete(*keys)
-    await r.aclose()
+    await delete_prefix(prefix)
 
 
 async def test_cancelled_bulk_read_releases_its_leases_at_once(store):

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from _redis_support import delete_prefix
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted
 from rollout_gateway.store.base import StoreConfig
@@ -25,16 +26,6 @@ def _url(kind: str, tmp_path, prefix: str) -> str:
     if kind == "journal":
         return f"memory://?journal={tmp_path / 'journal.db'}"
     return f"redis://127.0.0.1:6379/0?prefix={prefix}"
-
-
-async def _cleanup(prefix: str) -> None:
-    import redis.asyncio as aioredis
-
-    r = aioredis.Redis()
-    keys = [k async for k in r.scan_iter(f"{prefix}:*")]
-    if keys:
-        await r.delete(*keys)
-    await r.aclose()
 
 
 @pytest.fixture(params=KINDS)
@@ -64,7 +55,7 @@ async def _factory(kind, tmp_path):
     for s in opened:
         await s.close()
     if kind == "redis":
-        await _cleanup(prefix)
+        await delete_prefix(prefix)
 
 
 def traj(i: int, **kw):

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from _redis_support import delete_prefix_sync
 from learner_client.client import AsyncTrajectoryClient
 
 pytestmark = pytest.mark.integration
@@ -88,13 +89,7 @@ def store_url(request, tmp_path):
         return
     prefix = f"test-{uuid.uuid4().hex[:10]}"
     yield f"redis://127.0.0.1:6379/0?prefix={prefix}&lease_seconds=1"
-    import redis
-
-    r = redis.Redis()
-    keys = list(r.scan_iter(f"{prefix}:*"))
-    if keys:
-        r.delete(*keys)
-    r.close()
+    delete_prefix_sync(prefix)
 
 
 @pytest.fixture

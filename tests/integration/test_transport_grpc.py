@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from _redis_support import delete_prefix
 from learner_client.client import AsyncTrajectoryClient
 from learner_client.errors import TrajectoryClientError
 from rollout_gateway.store.base import StoreConfig
@@ -37,13 +38,7 @@ async def gateway(request):
     await server.stop(0)
     await store.close()
     if request.param == "redis":
-        import redis.asyncio as aioredis
-
-        r = aioredis.Redis()
-        keys = [k async for k in r.scan_iter(f"{prefix}:*")]
-        if keys:
-            await r.delete(*keys)
-        await r.aclose()
+        await delete_prefix(prefix)
 
 
 async def publish(store, n, start=0, **kw):

@@ -5,14 +5,13 @@ so the model here is a small stand-in with GPTModel's call signature whose MoE l
 the real routers of a tiny megatron GPTModel (routing + replay run in megatron code).
 """
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from _megatron_support import single_rank_model_parallel
 from learner_client.megatron.forward_step import make_forward_step
 from learner_client.megatron.packing import PackSample, pack_samples
 from learner_client.megatron.router_replay import RouterReplayError, find_router_replays
@@ -23,17 +22,15 @@ E, K, LAYERS, H, V = 6, 2, 4, 16, 32
 
 @pytest.fixture(scope="module")
 def routers():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    with single_rank_model_parallel():
+        yield _routers()
+
+
+def _routers():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
     cfg = TransformerConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=2,
                             num_moe_experts=E, moe_router_topk=K, moe_layer_freq=[0, 1, 0, 1],
                             moe_enable_routing_replay=True, use_cpu_initialization=True,
@@ -42,9 +39,7 @@ def routers():
     torch.manual_seed(0)
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(
         cfg, use_transformer_engine=False), vocab_size=V, max_sequence_length=64)
-    yield [s.router for s in find_router_replays(gpt)]
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    return [s.router for s in find_router_replays(gpt)]
 
 
 class StandIn(torch.nn.Module):

@@ -6,13 +6,12 @@ TopKRouter.routing, where replay happens. test_full_forward_replay_cuda runs the
 model on a GPU.
 """
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from _megatron_support import single_rank_model_parallel
 from learner_client.megatron.packing import PackSample, pack_samples
 from learner_client.megatron.router_replay import (
     RouterReplayError,
@@ -28,17 +27,8 @@ E, K, LAYERS, H = 6, 2, 4, 16
 
 @pytest.fixture(scope="module")
 def mp_state():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_rank_model_parallel():
+        yield
 
 
 def _model(**overrides):
