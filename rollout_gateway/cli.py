@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("rollout_gateway.service.up", "run everything on one machine: reference engine(s), "
            "gateway HTTP + gRPC, embedded store (the main job)"),
     "serve": ("rollout_gateway.service.cli", "run the gateway (HTTP API + learner gRPC service)"),
-    "engine": ("rollout_gateway.engine.cli", "run the reference engine (toy Qwen3-MoE, SGLang protocol)"),
+    "engine": ("rollout_gateway.reference_engine.cli", "run the reference engine (toy Qwen3-MoE, SGLang protocol)"),
 }
 
 

@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if args.engines < 1:
         print("rollout-gateway up: --engines must be >= 1")
         return 2
-    from rollout_gateway.engine.checkpoint import init_checkpoint
-    from rollout_gateway.engine.launch import EngineProcess
+    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from rollout_gateway.reference_engine.launch import EngineProcess
     from rollout_gateway.service.cli import serve_async
     from rollout_gateway.settings import load_settings
 

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from rollout_gateway.engine.checkpoint import init_checkpoint
-from rollout_gateway.engine.config import ModelConfig
+from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+from rollout_gateway.reference_engine.config import ModelConfig
 
 pytestmark = pytest.mark.integration
 

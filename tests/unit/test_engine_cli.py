@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollout_gateway.engine import cli
+from rollout_gateway.reference_engine import cli
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -22,14 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import ORJSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_gateway.engine import checkpoint as ckpt
-from rollout_gateway.engine import distributed as dist_update
-from rollout_gateway.engine.config import ModelConfig
-from rollout_gateway.engine.protocol import ProtocolError, format_output, parse_generate
-from rollout_gateway.engine.request import GenParams
-from rollout_gateway.engine.request import Request as GenRequest
-from rollout_gateway.engine.scheduler import Scheduler
-from rollout_gateway.engine.tokenizer import ByteTokenizer
+from rollout_gateway.reference_engine import checkpoint as ckpt
+from rollout_gateway.reference_engine import distributed as dist_update
+from rollout_gateway.reference_engine.config import ModelConfig
+from rollout_gateway.reference_engine.protocol import ProtocolError, format_output, parse_generate
+from rollout_gateway.reference_engine.request import GenParams
+from rollout_gateway.reference_engine.request import Request as GenRequest
+from rollout_gateway.reference_engine.scheduler import Scheduler
+from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"

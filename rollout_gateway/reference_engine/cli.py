@@ -27,13 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rollout_gateway.engine.config import ModelConfig
-    from rollout_gateway.engine.server import EngineSettings, create_app
+    from rollout_gateway.reference_engine.config import ModelConfig
+    from rollout_gateway.reference_engine.server import EngineSettings, create_app
 
     try:
         model = ModelConfig.from_arg(args.model_config)
         if args.checkpoint:
-            from rollout_gateway.engine.checkpoint import read_config
+            from rollout_gateway.reference_engine.checkpoint import read_config
 
             read_config(args.checkpoint)  # fail fast with one clear line
     except (ValueError, OSError) as exc:

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout_gateway.engine import checkpoint as ckpt
-from rollout_gateway.engine.model import KVCache, Qwen3MoeLM
-from rollout_gateway.engine.request import Request, VersionEvent
-from rollout_gateway.engine.scheduler_spans import weight_version_spans  # noqa: F401 (re-export)
-from rollout_gateway.engine.sampling import SamplingSpec, sample, scaled_logprobs
-from rollout_gateway.engine.tokenizer import ByteTokenizer
+from rollout_gateway.reference_engine import checkpoint as ckpt
+from rollout_gateway.reference_engine.model import KVCache, Qwen3MoeLM
+from rollout_gateway.reference_engine.request import Request, VersionEvent
+from rollout_gateway.reference_engine.scheduler_spans import weight_version_spans  # noqa: F401 (re-export)
+from rollout_gateway.reference_engine.sampling import SamplingSpec, sample, scaled_logprobs
+from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
