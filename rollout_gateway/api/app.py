@@ -34,6 +34,11 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     app = FastAPI(title="rollout-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
+    from rollout_gateway.api.security import RequestGuard
+
+    s = gateway.settings
+    app.add_middleware(RequestGuard, max_body_bytes=s.max_body_bytes,
+                       max_pending=s.max_pending_requests, retry_after_s=s.retry_after_s)
     from rollout_gateway.api import routes
     from rollout_gateway.api.generate import router as generate_router
 

@@ -27,6 +27,8 @@ from pydantic import ValidationError
 
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway, sse
+from rollout_gateway.api.schemas import generate_openapi_body
+from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import segment_to_json
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.core.trajectory import Trajectory
@@ -52,9 +54,12 @@ def to_rollout_request(body: Any) -> tuple[RolloutRequest, dict[str, Any]]:
     text, ids = body.get("text"), body.get("input_ids")
     if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
         raise InvalidArgument("batched /generate is not supported; send one prompt per request")
-    sp = dict(body.get("sampling_params") or {})
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
     if not isinstance(sp, dict):
         raise InvalidArgument("sampling_params must be an object")
+    sp = dict(sp)
     n = sp.pop("n", 1)
     bad = set(sp) - SAMPLING_KEYS
     if bad:
@@ -72,10 +77,19 @@ def to_rollout_request(body: Any) -> tuple[RolloutRequest, dict[str, Any]]:
         msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise InvalidArgument(f"invalid /generate request: {msgs}") from None
     opts = {"return_logprob": bool(body.get("return_logprob", False)),
-            "top": int(body.get("top_logprobs_num") or 0),
+            "top": _int_field(body, "top_logprobs_num", 0, 0, 1 << 20),
             "routed": bool(body.get("return_routed_experts", False)),
             "stream": bool(body.get("stream", False)), "rid": rid}
     return req, opts
+
+
+def _int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise InvalidArgument(f"{key} must be an integer in [{lo}, {hi}], got {v!r:.40}")
+    return v
 
 
 def _f(x: float) -> float | None:
@@ -112,7 +126,8 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
     return out
 
 
-@router.post("/generate")
+@router.post("/generate", dependencies=[Depends(require_client)],
+             openapi_extra=generate_openapi_body())
 async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response:
     import orjson
 
