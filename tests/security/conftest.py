@@ -17,3 +17,17 @@ from rollout_gateway.reference_engine.launch import EngineProcess  # noqa: E402
 def engine():
     with EngineProcess(seed=1, weight_version="0") as eng:
         yield eng
+
+
+@pytest.fixture
+def make_engine():
+    started: list[EngineProcess] = []
+
+    def factory(**kwargs) -> EngineProcess:
+        eng = EngineProcess(**kwargs)
+        started.append(eng)
+        return eng.start()
+
+    yield factory
+    for eng in started:
+        eng.stop()
