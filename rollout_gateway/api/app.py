@@ -44,4 +44,8 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
 
     for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router):
         app.include_router(r)
+    from rollout_gateway.api.schemas import apply_limits
+
+    make_schema = app.openapi
+    app.openapi = lambda: apply_limits(make_schema(), s)  # the schema states the limits
     return app

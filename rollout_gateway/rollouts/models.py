@@ -71,13 +71,20 @@ class SamplingParams(BaseModel):
         return d
 
 
+def one_of(a: str, b: str) -> dict[str, Any]:
+    """JSON schema: exactly one of two optional fields holds a value."""
+    return {"oneOf": [{"required": [a], "properties": {a: {"not": {"type": "null"}}}},
+                      {"required": [b], "properties": {b: {"not": {"type": "null"}}}}]}
+
+
 class RolloutRequest(BaseModel):
     """``POST /v1/rollouts``: n samples of one prompt."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=one_of("prompt", "input_ids"))
 
-    prompt: Text | None = Field(default=None, description="Prompt text (the engine tokenizes).")
-    input_ids: list[TokenId] | None = Field(default=None, max_length=1 << 22,
+    prompt: Text | None = Field(default=None, min_length=1,
+                                description="Prompt text (the engine tokenizes).")
+    input_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=1 << 22,
                                             description="Prompt token ids.")
     n: int = Field(default=1, ge=1, le=4096, description="Samples (each its own engine request).")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams,
