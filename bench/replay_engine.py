@@ -36,6 +36,7 @@ class ReplayConfig:
     experts: int = 128
     weight_version: str = "0"
     stream_interval: int = 64  # tokens per SSE chunk (incremental streaming)
+    delay_s: float = 0.0  # each /generate answers after this long (holds requests in flight)
     seed: int = 0
     cache: dict[tuple, tuple[bytes, bytes]] = field(default_factory=dict)
 
@@ -198,6 +199,8 @@ async def _serve_conn(cfg: ReplayConfig, reader: asyncio.StreamReader,
                 elif k == b"connection" and v.strip().lower() == b"close":
                     close = True
             body = await reader.readexactly(length) if length else b""
+            if cfg.delay_s and path.startswith(b"/generate"):
+                await asyncio.sleep(cfg.delay_s)
             status, ctype, data = _route(cfg, method, path.split(b"?", 1)[0], body)
             writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
                          % (status, ctype, len(data)))
@@ -213,7 +216,7 @@ async def _serve_conn(cfg: ReplayConfig, reader: asyncio.StreamReader,
 
 async def serve(cfg: ReplayConfig, host: str, port: int) -> None:
     server = await asyncio.start_server(lambda r, w: _serve_conn(cfg, r, w), host, port,
-                                        limit=1 << 24)
+                                        limit=1 << 24, backlog=4096)  # 1000s connect at once
     print(f"replay engine on http://{host}:{port}", flush=True)
     async with server:
         await server.serve_forever()
@@ -227,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="answer each /generate after this many ms (a slow engine)")
     args = ap.parse_args(argv)
     cfg = ReplayConfig(layers=args.layers, top_k=args.top_k, experts=args.experts,
-                       weight_version=args.weight_version)
+                       weight_version=args.weight_version, delay_s=args.delay_ms / 1000)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         asyncio.run(serve(cfg, args.host, args.port))

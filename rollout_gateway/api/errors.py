@@ -62,8 +62,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.http_status >= 500:
             log.warning("request failed: %s", exc.message)
         headers = None
-        if exc.http_status == 429:
-            headers = {"Retry-After": str(req.app.state.gateway.settings.retry_after_s)}
+        gw = getattr(req.app.state, "gateway", None)
+        if exc.http_status == 429 and gw is not None:
+            headers = {"Retry-After": str(gw.settings.retry_after_s)}
         return ORJSONResponse({"error": client_error_body(req, exc)},
                               status_code=exc.http_status, headers=headers)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -36,7 +36,8 @@ def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
                     ev = {**ev, "error": clean(ev["error"])}
                 yield b"data: " + orjson.dumps(ev, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
         except GatewayError as exc:
-            yield b"data: " + orjson.dumps({"type": "error", "error": clean(exc.to_dict())}) + b"\n\n"
+            err = {"type": "error", "error": clean(exc.to_dict())}
+            yield b"data: " + orjson.dumps(err) + b"\n\n"
         except Exception:  # noqa: BLE001 - headers are sent: end the stream with an error event
             log.exception("unexpected error in an event stream")
             yield b"data: " + orjson.dumps({"type": "error", "error": {

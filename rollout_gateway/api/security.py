@@ -42,7 +42,8 @@ async def require_client(request: Request, _: HTTPAuthorizationCredentials | Non
 
 def is_admin(request: Request) -> bool:
     """The request carries the configured admin token."""
-    return request.app.state.gateway.auth.is_admin(request.headers.get("authorization"))
+    gw = getattr(request.app.state, "gateway", None)
+    return gw is not None and gw.auth.is_admin(request.headers.get("authorization"))
 
 
 # ---- what a client may see ---------------------------------------------------------------

@@ -53,7 +53,8 @@ def make_pki(d: Path) -> Pki:
     ca = _issue("rollout-gateway test CA", ca_key, ca_name, ca_key, ca=True)
     srv_key = ec.generate_private_key(ec.SECP256R1())
     srv = _issue("localhost", srv_key, ca_name, ca_key,
-                 sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+                 sans=[x509.DNSName("localhost"),
+                       x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
                  usage=ExtendedKeyUsageOID.SERVER_AUTH)
     cli_key = ec.generate_private_key(ec.SECP256R1())
     cli = _issue("learner", cli_key, ca_name, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH)

@@ -45,8 +45,8 @@ def test_each_route_needs_its_role(gw):
         r = httpx.post(u + "/v1/engines", json={"id": "x", "url": "http://127.0.0.1:9"},
                        headers=headers)
         assert r.status_code == want
-    for route, body in (("/v1/rollouts", small()), ("/generate", {"input_ids": [1, 2],
-                                                                  "sampling_params": {"max_new_tokens": 2}})):
+    gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    for route, body in (("/v1/rollouts", small()), ("/generate", gen)):
         assert httpx.post(u + route, json=body, timeout=60).status_code == 401
         assert httpx.post(u + route, json=body, headers=h(LEARNER), timeout=60).status_code == 403
         assert httpx.post(u + route, json=body, headers=h(CLIENT), timeout=60).status_code == 200
@@ -79,8 +79,8 @@ HOSTILE = [
     ("/v1/rollouts", '{"prompt": "a\\ud800b", "sampling_params": {"max_new_tokens": 2}}'),
     ("/v1/rollouts", '{"input_ids": [2147483648], "sampling_params": {"max_new_tokens": 2}}'),
     ("/v1/rollouts", '{"input_ids": [-1]}'),
-    ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"top_k": 1180591620717411303424}}'),
-    ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"sampling_seed": 1180591620717411303424}}'),
+    ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"top_k": %d}}' % 2**70),
+    ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"sampling_seed": %d}}' % 2**70),
     ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"max_new_tokens": 99999999999}}'),
     ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"stop_token_ids": [4294967296]}}'),
     ("/v1/rollouts", '{"input_ids": [1], "sampling_params": {"temperature": NaN}}'),
