@@ -28,11 +28,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
-def _examples(http: str, ckpt1: Path) -> str:
+def _examples(http: str, ckpt1: Path, settings=None) -> str:
+    # with keys set, the examples send them (named by env var: the values are never printed)
+    client = admin = ""
+    if settings is not None and settings.admin_api_key:
+        admin = " -H \"Authorization: Bearer $ROLLOUT_GATEWAY_ADMIN_API_KEY\""
+    if settings is not None and settings.client_api_key:
+        client = " -H \"Authorization: Bearer $ROLLOUT_GATEWAY_CLIENT_API_KEY\""
     return f"""
-  rollout:   curl -s {http}/v1/rollouts -H 'content-type: application/json' \\
+  rollout:   curl -s {http}/v1/rollouts{client} -H 'content-type: application/json' \\
                -d '{{"prompt": "hello", "n": 2, "sampling_params": {{"max_new_tokens": 8}}}}'
-  hot-swap:  curl -s {http}/v1/weights -H 'content-type: application/json' \\
+  hot-swap:  curl -s {http}/v1/weights{admin} -H 'content-type: application/json' \\
                -d '{{"version": 1, "source": {{"kind": "disk", "path": "{ckpt1}"}}, "mode": "in_place"}}'
   versions:  curl -s {http}/v1/versions
   engines:   curl -s {http}/v1/engines
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                   f"({', '.join(e.url for e in engines)})", flush=True)
             print(f"  gateway HTTP:  {http}\n  learner gRPC:  {args.host}:{grpc_port}\n"
                   f"  checkpoints:   {ckpt0} (v0, loaded), {ckpt1} (v1)", flush=True)
-            print(_examples(http, ckpt1), flush=True)
+            print(_examples(http, ckpt1, settings), flush=True)
             print("Ctrl-C stops everything.", flush=True)
 
         asyncio.run(serve_async(settings, ready=ready))
