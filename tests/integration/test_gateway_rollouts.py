@@ -160,12 +160,13 @@ def test_generate_passthrough_streams_cumulative_sglang_chunks(gateway):
 
 
 @pytest.mark.parametrize("body,status,needle", [
-    ({"input_ids": [1], "n": 100000}, 400, "n=100000"),
+    ({"input_ids": [1], "n": 1000}, 400, "n=1000"),  # the configured limit (64)
+    ({"input_ids": [1], "n": 100000}, 422, "less than or equal to 4096"),  # the schema's
     ({"prompt": "x", "input_ids": [1]}, 422, "exactly one"),
-    ({"input_ids": []}, 422, "must not be empty"),
+    ({"input_ids": []}, 422, "at least 1 item"),
     ({"input_ids": "abc"}, 422, "input_ids"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 422, "bogus"),
-    ({"input_ids": [-5]}, 422, "non-negative"),
+    ({"input_ids": [-5]}, 422, "greater than or equal to 0"),
     ({"input_ids": [99999]}, 400, "engine rejected"),  # outside the model's vocabulary
 ])
 def test_bad_rollout_requests_are_clear_4xx(gateway, body, status, needle):
