@@ -51,7 +51,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict]]:
 def client_error_body(req: Request, exc: GatewayError) -> dict:
     """The error as the caller may see it: no class names or tracebacks; no addresses or
     paths unless the caller is the authenticated admin (see :mod:`api.security`)."""
-    from rollout_gateway.api.security import clean, is_admin
+    from rollout_gateway.api.security import is_admin
+    from rollout_gateway.redact import clean
 
     return clean(exc.to_dict(), private=not is_admin(req))
 

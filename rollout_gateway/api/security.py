@@ -9,7 +9,6 @@ URL, IP address or filesystem path either (the full text goes to the gateway's l
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import orjson
@@ -17,6 +16,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from rollout_gateway.auth import Role
+from rollout_gateway.redact import clean_message
 
 log = logging.getLogger(__name__)
 
@@ -47,41 +47,6 @@ def is_admin(request: Request) -> bool:
 
 
 # ---- what a client may see ---------------------------------------------------------------
-
-_TRACEBACK = re.compile(r"Traceback \(most recent call last\).*", re.S)
-_CLASS = re.compile(r"\b(?:[a-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Timeout|Warning)\b:?\s*")
-_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>,;)]+")
-_IP4 = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
-_IP6 = re.compile(r"\[[0-9a-fA-F:.]+\](?::\d+)?")
-_HOSTPORT = re.compile(r"\b(connecting to|connect to|at|to host|host) [\w.-]+:\d+\b")
-_PATH = re.compile(r"(?<![\w.:/-])/(?!v1/)(?:[\w.@+~-]+/)+[\w.@+~-]*")
-
-
-def clean_message(text: str, *, private: bool = True) -> str:
-    """``text`` without traceback or exception class names; with ``private`` also without
-    URLs, addresses and filesystem paths."""
-    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates
-    text = _TRACEBACK.sub("", text)
-    text = _CLASS.sub("", text)
-    if private:
-        text = _URL.sub("<url>", text)
-        text = _IP6.sub("<address>", text)
-        text = _IP4.sub("<address>", text)
-        text = _HOSTPORT.sub(r"\1 <address>", text)
-        text = _PATH.sub("<path>", text)
-    return text.strip() or "error"
-
-
-def clean(obj: Any, *, private: bool = True) -> Any:
-    """:func:`clean_message` applied to every string in a JSON-like value."""
-    if isinstance(obj, str):
-        return clean_message(obj, private=private)
-    if isinstance(obj, dict):
-        return {k: clean(v, private=private) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v, private=private) for v in obj]
-    return obj
-
 
 _ADMIN_ONLY_KEYS = frozenset({"source", "leader", "swap_leader", "url"})
 

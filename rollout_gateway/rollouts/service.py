@@ -14,6 +14,7 @@ from rollout_gateway.core.admission import Verdict
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError, InvalidArgument
+from rollout_gateway.redact import clean_message
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.rollouts.sample import SampleRunner
@@ -88,7 +89,8 @@ class RolloutService:
             stored = await self.store.publish(traj)
         except GatewayError as exc:
             self.counters["publish_failed"] += 1
-            traj.metadata["publish_error"] = f"{exc.code.value}: {exc.message}"[:300]
+            traj.metadata["publish_error"] = clean_message(
+                f"{exc.code.value}: {exc.message}")[:300]  # shown to clients: no addresses
             log.error("publishing %s failed: %s", traj.trajectory_id, exc.message)
             return
         self.counters["published" if stored else "duplicates"] += 1

@@ -19,6 +19,7 @@ import grpc
 from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import GatewayError, InvalidArgument, NotFound
+from rollout_gateway.redact import clean_message
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
 from rollout_gateway.transport.control import ControlPlane, WeightSource
 from rollout_gateway.transport.wire import delivery_size, encode_batch
@@ -32,9 +33,14 @@ _POLICIES = {spb.STALE_POLICY_DROP: StalePolicy.DROP, spb.STALE_POLICY_MASK: Sta
 _MAX_IDS = 10_000
 
 
-async def _abort(context, exc: BaseException):
+async def _abort(context, exc: BaseException, *, private: bool = True):
+    """Abort the call with the error's status; the message without class names or
+    tracebacks, and (``private``: any caller but the admin) without addresses or paths."""
     if isinstance(exc, GatewayError):
-        await context.abort(grpc.StatusCode[exc.code.value], exc.message)
+        if exc.code.value in ("INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            log.warning("trajectory service: %s", exc.message)
+        await context.abort(grpc.StatusCode[exc.code.value],
+                            clean_message(exc.message, private=private))
     log.exception("unexpected error in TrajectoryService", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error in the trajectory service")
 
@@ -47,7 +53,7 @@ def _unary(fn):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - the single translation point
-            await _abort(context, exc)
+            await _abort(context, exc, private=not self._is_admin(context))
     return wrapper
 
 
@@ -108,6 +114,12 @@ class TrajectoryServicer:
         self.max_read = max_read
         self.poll_ms = poll_ms
 
+    def _is_admin(self, context) -> bool:
+        if self.auth is None:
+            return False
+        md = context.invocation_metadata() or ()
+        return self.auth.is_admin(next((v for k, v in md if k == "authorization"), None))
+
     def _group(self, context, kind: str, value: str) -> str:
         """A valid group name the caller's learner token may use (else PERMISSION_DENIED)."""
         group = check_name(kind, value)
@@ -147,7 +159,7 @@ class TrajectoryServicer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            await _abort(context, exc, private=not self._is_admin(context))
         finally:
             if stream is not None:
                 await stream.close()
@@ -216,7 +228,7 @@ class TrajectoryServicer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            await _abort(context, exc, private=not self._is_admin(context))
 
 
 class _PullStream:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_gateway.api.security import clean_message, public_view
+from rollout_gateway.api.security import public_view
 from rollout_gateway.auth import Authenticator, Role, bearer
 from rollout_gateway.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from rollout_gateway.redact import clean_message
 from rollout_gateway.service.cli import check_bind, is_loopback
 from rollout_gateway.settings import load_settings
 
@@ -124,3 +125,28 @@ def test_public_view_drops_sources_and_urls():
     text = str(out)
     assert "secret" not in text and "host-7" not in text and "10.0.0.1" not in text
     assert out["recent_swaps"][0]["version"] == 1 and out["learner_version"] == 1
+
+
+async def test_grpc_errors_carry_no_internals():
+    import grpc
+
+    from rollout_gateway.errors import StoreError
+    from rollout_gateway.transport.servicer import _abort
+
+    class Ctx:
+        async def abort(self, code, message):
+            self.got = (code, message)
+            raise grpc.aio.AbortError()
+
+    for private, shown in ((True, False), (False, True)):
+        ctx = Ctx()
+        with pytest.raises(grpc.aio.AbortError):
+            await _abort(ctx, StoreError("redis xadd failed: ConnectionError: Error 111 "
+                                         "connecting to 10.0.0.5:6379"), private=private)
+        code, message = ctx.got
+        assert code == grpc.StatusCode.UNAVAILABLE and "redis xadd failed" in message
+        assert "ConnectionError" not in message and ("10.0.0.5" in message) is shown
+    ctx = Ctx()
+    with pytest.raises(grpc.aio.AbortError):
+        await _abort(ctx, ZeroDivisionError("secret /etc/x"))
+    assert ctx.got == (grpc.StatusCode.INTERNAL, "internal error in the trajectory service")
