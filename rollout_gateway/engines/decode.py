@@ -66,6 +66,8 @@ class DecodeOptions:
 
     routing: RoutingSpec | None = None
     routed_experts_start_len: int = 0
+    #: routing was asked for: a finished (not aborted) output without it is an engine error
+    require_routing: bool = False
     vocab_size: int = DEFAULT_VOCAB_UPPER  # an upper bound keeps the entropy bound valid
     check_logprob_ids: bool = True
 
@@ -202,6 +204,11 @@ def decode_output(item: Any, opts: DecodeOptions, *,
     completion = _opt_int(meta, "completion_tokens")
     prompt = _opt_int(meta, "prompt_tokens")
     flat = _routed(meta.get("routed_experts"), regions or [], opts)
+    if flat is None and opts.require_routing and meta.get("finish_reason") is not None \
+            and _finish(meta).get("type") != "abort":
+        raise EngineError("the engine finished without routed_experts although they were "
+                          "requested (SGLang omits them silently when started without "
+                          "--enable-return-routed-experts)")
     routed = None
     if flat is not None and opts.routing is not None:
         routed = _shape_routed(flat, opts, prompt, completion)

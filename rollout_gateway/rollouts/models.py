@@ -64,7 +64,10 @@ class RolloutRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict, description="Stored with each trajectory.")
     stream: bool = Field(default=False, description="Server-sent events of stamped chunks.")
     publish: bool = Field(default=True, description="Publish finished trajectories to the store.")
-    return_routed_experts: bool = Field(default=True, description="Ask engines for MoE routing.")
+    return_routed_experts: bool | None = Field(
+        default=None, description="MoE routing per token. true: required (the request fails "
+        "with 409 naming what to configure when the engine cannot give it); null (default): "
+        "included whenever the engine can give it; false: never asked for.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:

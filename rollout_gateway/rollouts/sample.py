@@ -27,11 +27,13 @@ from rollout_gateway.core.trajectory import (
     Trajectory,
     Transition,
 )
-from rollout_gateway.engines.decode import Decoded, DecodeOptions, RoutingSpec, decode_one
+from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.pool import Engine, EnginePool
+from rollout_gateway.engines.shape import resolve_spec, routing_problem
 from rollout_gateway.errors import (
     EngineError,
+    FailedPrecondition,
     GatewayError,
     InvalidArgument,
     Timeout,
@@ -80,14 +82,27 @@ class SampleState:
         return np.concatenate([p.cols.token_ids for p in self.pieces])
 
 
-def decode_options(eng: Engine, settings: GatewaySettings) -> DecodeOptions:
-    """Routing shape from settings, else from what the engine reported."""
+def decode_options(eng: Engine, settings: GatewaySettings, *, routing: bool = False
+                   ) -> DecodeOptions:
+    """Routing shape from settings, else from what the engine reported (engines.shape)."""
     info = eng.client.info
-    layers = settings.model.num_layers or info.num_layers
-    top_k = settings.model.top_k or info.top_k
-    n_exp = settings.model.num_experts or info.num_experts
-    spec = RoutingSpec(layers, top_k, n_exp) if layers and top_k and n_exp else None
-    return DecodeOptions(routing=spec, routed_experts_start_len=0)
+    spec = resolve_spec(settings.model, (info.num_layers, info.top_k, info.num_experts))
+    return DecodeOptions(routing=spec, routed_experts_start_len=0,
+                         require_routing=routing and spec is not None)
+
+
+def wants_routing(eng: Engine, req: RolloutRequest, settings: GatewaySettings) -> bool:
+    """Whether to ask ``eng`` for routed experts; refuses a request that requires them
+    from an engine that cannot give them (never silently absent)."""
+    if req.return_routed_experts is False:
+        return False
+    problem = routing_problem(eng.id, eng.client.info, settings.model)
+    if problem is None:
+        return True
+    if req.return_routed_experts:
+        raise FailedPrecondition(f"routed experts were requested but {problem}",
+                                 details={"engine_id": eng.id})
+    return False
 
 
 class SampleRunner:
@@ -128,7 +143,7 @@ class SampleRunner:
             "top_logprobs_num": top,
             "return_entropy": True,
         }
-        if req.return_routed_experts:
+        if wants_routing(eng, req, self.settings):
             p["return_routed_experts"] = True
             p["routed_experts_start_len"] = 0
         if state.prompt_ids is None:
@@ -215,8 +230,9 @@ class SampleRunner:
                 async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
                     await on_chunk(self._stamp_delta(eng, d, how, base))
             async with self.pool.lease(eng, remaining):
-                dec, err = await self._call(eng, payload, decode_options(eng, self.settings),
-                                            on_delta)
+                opts = decode_options(eng, self.settings,
+                                      routing=bool(payload.get("return_routed_experts")))
+                dec, err = await self._call(eng, payload, opts, on_delta)
             t1 = time.time()
             if dec is not None and dec.num_tokens:
                 eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT
