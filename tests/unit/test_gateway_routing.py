@@ -78,7 +78,7 @@ def test_generate_body_maps_onto_a_rollout_request():
     for bad, needle in [([], "JSON object"), ({"text": "x", "lora_path": "y"}, "lora_path"),
                         ({"text": "x", "sampling_params": {"n": 0}}, "n"),
                         ({"text": "x", "sampling_params": {"made_up": 1}}, "made_up"),
-                        ({"input_ids": [[1], [2]]}, "batched")]:
+                        ({"input_ids": [[1], [2]]}, "one prompt")]:
         with pytest.raises(InvalidArgument, match=needle):
             to_rollout_request(bad)
 
