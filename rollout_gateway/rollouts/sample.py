@@ -249,7 +249,8 @@ class SampleRunner:
             attempts += 1
             if attempts > self.settings.max_attempts:
                 raise Unavailable(f"sample {trajectory_id}: gave up after "
-                                  f"{self.settings.max_attempts} engine attempts",
+                                  f"{self.settings.max_attempts} engine attempts"
+                                  + (f"; last error: {last_error}" if last_error else ""),
                                   details={"trajectory_id": trajectory_id,
                                            "tokens_so_far": state.generated})
             eng = await self.pool.acquire(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
@@ -361,7 +362,9 @@ class SampleRunner:
                     raise EngineError(f"sample {tid}: engine {first.engine_id} returned no "
                                       f"{key} although logprob_start_len was sent")
                 cut = max(pt.logprob_start_len - first.input_start, 0)
-                rows = got[cut:]
+                rows = list(got[cut:])
+                if cut and rows and rows[0] is not None:  # SGLang: the start token gets None
+                    rows[0] = None if key == "input_top_logprobs" else [None, *rows[0][1:]]
                 if key == "input_top_logprobs":
                     rows = [r[:pt.top_logprobs_num] if r is not None else None for r in rows]
                 out[key] = rows

@@ -1,0 +1,226 @@
+"""The gateway in front of an engine answering exactly as SGLang 0.5.23 does (the reference
+engine with ``--sglang-strict``), registered with nothing but ``--engine URL``.
+
+SGLang's /model_info has no layer or expert counts and SGLang returns no entropy: the
+routing shape comes from the HF config.json under model_path, the entropy is the top-k
+estimate. Everything is checked against fresh forward passes of the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import httpx
+import numpy as np
+import pytest
+from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
+
+from rollout_gateway.reference_engine.config import ModelConfig
+from rollout_gateway.reference_engine.launch import EngineProcess
+from rollout_gateway.reference_engine.reference import score
+from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.integration
+
+SEED = 5
+L, K = ModelConfig().num_hidden_layers, ModelConfig().num_experts_per_tok
+
+
+@pytest.fixture(scope="module")
+def strict_engine():
+    with EngineProcess(seed=SEED, weight_version="0", sglang_strict=True,
+                       enable_return_routed_experts=True) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def urls():
+    return redis_urls()
+
+
+@pytest.fixture(scope="module")
+def gw(strict_engine, urls):
+    with GatewayProcess({"e0": strict_engine.url}, store_url=urls[0],
+                        registry_url=urls[1]) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def model(reference_model):
+    return reference_model((ModelConfig(), SEED))
+
+
+def published(urls) -> int:
+    from rollout_gateway.store.factory import store_from_url
+
+    async def stats():
+        store = store_from_url(urls[0])
+        try:
+            return (await store.stats()).published
+        finally:
+            await store.close()
+
+    return asyncio.run(stats())
+
+
+def test_strict_engine_speaks_sglang_only(strict_engine):
+    info = httpx.get(strict_engine.url + "/model_info").json()
+    assert set(info) == {"model_path", "tokenizer_path", "is_generation",
+                         "preferred_sampling_params", "weight_version",
+                         "has_image_understanding", "has_audio_understanding", "model_type",
+                         "architectures"}
+    assert isinstance(info["weight_version"], str)
+    cfg = ModelConfig.from_arg(info["model_path"])  # a HF config.json sits there
+    assert cfg.num_hidden_layers == L
+    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True, "return_entropy": True}
+    meta = httpx.post(strict_engine.url + "/generate", json=body).json()["meta_info"]
+    assert "output_token_entropy" not in meta  # SGLang's return_entropy is a stub
+
+
+def test_rollouts_carry_routing_row_for_row_and_topk_entropy_within_bound(gw, model, urls):
+    before = published(urls)
+    prompt = [1, 2, 3, 4, 5]
+    trajs = rollout(gw.url, prompt, n=3, max_new_tokens=10)["trajectories"]
+    for t in trajs:
+        check_against_ground_truth(t, {0: model})
+        sc = score(model, prompt + t["token_ids"], len(prompt))
+        r = t["routed_experts"]
+        assert r["shape"] == [len(prompt) + 10 - 1, L, K]
+        got = np.frombuffer(base64.b64decode(r["data_b64"]), np.uint8).reshape(r["shape"])
+        np.testing.assert_array_equal(got, sc.routed_experts)  # row for row
+        assert t["entropy_kind"] == "topk_estimate"
+        bound = t["entropy_error_bound"]
+        assert 0 < bound < np.inf
+        err = np.abs(np.array(t["entropy"], np.float64) - sc.entropy)
+        assert (err <= bound + 1e-4).all(), (err.max(), bound)  # holds for every token
+    assert published(urls) == before + 3
+
+
+def test_generate_returns_every_requested_field(gw, model):
+    tok = ByteTokenizer()
+    prompt = [1, 72, 105, 33, 9]
+    body = {"input_ids": prompt, "rid": "slime-7",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+            "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 3,
+            "return_text_in_logprobs": True, "return_routed_experts": True,
+            "routed_experts_start_len": 2}
+    r = httpx.post(gw.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta, ids = out["meta_info"], out["output_ids"]
+    sc = score(model, prompt + ids, 1)
+    assert meta["id"] == "slime-7" and meta["prompt_tokens"] == 5
+    assert [row[1] for row in meta["output_token_logprobs"]] == ids
+    assert all(row[2] == tok.token_text(row[1]) for row in meta["output_token_logprobs"])
+    np.testing.assert_allclose([row[0] for row in meta["output_token_logprobs"]],
+                               sc.logprobs[4:], atol=2e-3)
+    # input logprobs from position 1 (SGLang: the start token's is null, the others are
+    # scored given what precedes them)
+    inp = meta["input_token_logprobs"]
+    assert [row[1] for row in inp] == prompt[1:] and inp[0][0] is None
+    np.testing.assert_allclose([row[0] for row in inp[1:]], sc.logprobs[1:4], atol=2e-3)
+    assert len(meta["input_top_logprobs"]) == len(inp) and meta["input_top_logprobs"][0] is None
+    top = meta["output_top_logprobs"]
+    assert len(top) == len(ids) and all(len(row) == 3 for row in top)
+    assert all(row[0][0] >= row[1][0] >= row[2][0] for row in top)
+    assert all(isinstance(e[2], str) for row in top for e in row)
+    routed = np.frombuffer(base64.b64decode(meta["routed_experts"]), "<i4")
+    assert routed.size == (5 + 6 - 1 - 2) * L * K  # rows from routed_experts_start_len
+    np.testing.assert_array_equal(routed.reshape(-1, L, K), sc.routed_experts[2:])
+    assert meta["policy_versions"] == [0] * 6 and meta["entropy_kind"] == "topk_estimate"
+
+
+def test_generate_batches_and_n_are_lists_each_stamped_and_published(gw, urls):
+    before = published(urls)
+    body = {"input_ids": [[1, 2, 3], [4, 5]], "rid": ["a", "b"],
+            "sampling_params": [{"max_new_tokens": 4, "n": 2}, {"max_new_tokens": 3}],
+            "return_logprob": True}
+    r = httpx.post(gw.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 3
+    assert [o["index"] for o in outs] == [0, 1, 2]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 3, 2]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [4, 4, 3]
+    assert outs[2]["meta_info"]["id"] == "b"
+    assert len({o["meta_info"]["trajectory_id"] for o in outs}) == 3
+    for o in outs:
+        assert len(o["meta_info"]["policy_versions"]) == len(o["output_ids"])
+    assert published(urls) == before + 3
+
+
+def test_generate_streams_cumulative_with_top_logprobs(gw):
+    body = {"text": "hi", "stream": True, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    chunks = []
+    with httpx.stream("POST", gw.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(httpx.Response(200, content=line[6:]).json())
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(final["meta_info"]["output_top_logprobs"]) == 5
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens == sorted(lens) and lens[-1] == 5  # cumulative
+    for c in chunks[:-1]:
+        assert len(c["meta_info"]["output_top_logprobs"]) == len(c["output_ids"])
+
+
+def test_unknowable_shape_is_a_clear_error_logged_once(make_engine, tmp_path):
+    """model_path not readable by the gateway, no settings: asking for routing is a 409
+    naming what to configure; not asking still works; settings fix it."""
+    eng = make_engine(seed=SEED, sglang_strict=True, enable_return_routed_experts=True,
+                      model_path=tmp_path / "model")
+    (tmp_path / "model" / "config.json").unlink()  # the gateway's view: not mounted
+    with GatewayProcess({"e0": eng.url}) as g:
+        r = httpx.post(g.url + "/v1/rollouts", json={"input_ids": [1, 2], "return_routed_experts": True,
+                                                     "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 409, r.text
+        msg = r.json()["error"]["message"]
+        assert "ROLLOUT_GATEWAY_MODEL__NUM_LAYERS" in msg and "config.json" in msg
+        r = httpx.post(g.url + "/generate", json={"input_ids": [1, 2], "return_routed_experts": True})
+        assert r.status_code == 409 and "ROLLOUT_GATEWAY_MODEL__TOP_K" in r.text
+        t = rollout(g.url, [1, 2], max_new_tokens=2)["trajectories"][0]  # not asked: fine
+        assert "routed_experts" not in t or t["routed_experts"] is None
+        assert g.log_tail(20000).count("routing shape of engine e0 is unknown") == 1
+    env = {"ROLLOUT_GATEWAY_MODEL__NUM_LAYERS": str(L), "ROLLOUT_GATEWAY_MODEL__TOP_K": str(K),
+           "ROLLOUT_GATEWAY_MODEL__NUM_EXPERTS": "8"}
+    with GatewayProcess({"e0": eng.url}, env=env) as g:
+        t = rollout(g.url, [1, 2], max_new_tokens=3, return_routed_experts=True)["trajectories"][0]
+        assert t["routed_experts"]["shape"] == [4, L, K]
+    env["ROLLOUT_GATEWAY_MODEL__TOP_K"] = str(K + 1)  # wrong: every payload is checked
+    with GatewayProcess({"e0": eng.url}, env=env) as g:
+        r = httpx.post(g.url + "/v1/rollouts", json={"input_ids": [1, 2],
+                                                     "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code >= 500 and "routed_experts" in r.text
+
+
+def test_engine_without_the_routing_flag_is_named(make_engine):
+    eng = make_engine(seed=SEED, sglang_strict=True, weight_version="0")
+    with GatewayProcess({"e0": eng.url}) as g:
+        r = httpx.post(g.url + "/v1/rollouts", json={"input_ids": [1, 2], "return_routed_experts": True,
+                                                     "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 409 and "--enable-return-routed-experts" in r.text
+        assert rollout(g.url, [1, 2], max_new_tokens=2)["trajectories"][0]["num_tokens"] == 2
+
+
+def test_string_weight_version_is_refused_at_registration(make_engine, gw):
+    eng = make_engine(seed=SEED, sglang_strict=True, weight_version=None)  # SGLang's "default"
+    assert httpx.get(eng.url + "/model_info").json()["weight_version"] == "default"
+    r = httpx.post(gw.url + "/v1/engines", json={"id": "dflt", "url": eng.url})
+    assert r.status_code == 503
+    msg = r.json()["error"]["message"]
+    assert "'default'" in msg and "--weight-version" in msg
+    assert "dflt" not in {e["id"] for e in httpx.get(gw.url + "/v1/engines").json()["engines"]}
+    # configured at start-up instead: kept out of rotation with the reason, no crash
+    with GatewayProcess({"d": eng.url}) as g:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            e = httpx.get(g.url + "/v1/engines/d").json()
+            if e["last_error"]:
+                break
+            time.sleep(0.1)
+        assert e["state"] == "unhealthy" and "--weight-version" in e["last_error"]
