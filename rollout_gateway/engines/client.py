@@ -358,6 +358,14 @@ class EngineClient:
         }, read=self.t.weight_load_s)
         return self._check_success(data, "update_weights_from_disk", self.engine_id)
 
+    async def update_weight_version(self, version: int, *,
+                                    abort_all_requests: bool = False) -> dict[str, Any]:
+        """Relabel the engine's weights. SGLang's ``abort_all_requests`` defaults to TRUE
+        (every in-flight request would end): the flag is always sent explicitly."""
+        data = await self._post_json("/update_weight_version", {
+            "new_version": str(version), "abort_all_requests": abort_all_requests})
+        return self._check_success(data, "update_weight_version", self.engine_id)
+
     async def begin_weight_update(self) -> None:
         if self.info.has_spans:
             await self._post_json("/begin_weight_update", {"selector": "all"})
