@@ -34,6 +34,11 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(default=False, description="Keep generating past EOS.")
     skip_special_tokens: bool = Field(default=True, description="Detokenizer option.")
     sampling_seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    no_stop_trim: bool = Field(default=False, description="Keep the matched stop string/token "
+                               "in the text (slime sends true).")
+    spaces_between_special_tokens: bool = Field(default=True, description="Detokenizer option.")
+    custom_params: dict[str, Any] | None = Field(
+        default=None, description="Passed to the engine's custom logit processor, if any.")
 
     def to_engine(self, remaining: int) -> dict[str, Any]:
         """Only the keys the caller set (plus max_new_tokens = what is left)."""

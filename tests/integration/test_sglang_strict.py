@@ -224,3 +224,84 @@ def test_string_weight_version_is_refused_at_registration(make_engine, gw):
                 break
             time.sleep(0.1)
         assert e["state"] == "unhealthy" and "--weight-version" in e["last_error"]
+
+
+# ---- existing rollout code, replayed: the payloads slime, AReaL and verl send to SGLang's
+# /generate (read from their source), answers parsed the way their code parses them ------
+
+def _post(url: str, payload: dict) -> dict:
+    r = httpx.post(url + "/generate", json=payload, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_slime_payload(gw, model):
+    """slime/rollout/sglang_rollout.py generate(): input_ids, its sampling params (None
+    stop lists, no_stop_trim, spaces_between_special_tokens), return_logprob, and with
+    --use-rollout-routing-replay return_routed_experts; routing decoded as in its
+    Sample: int32 reshaped to (len(tokens) - 1, num_layers, moe_router_topk)."""
+    import pybase64
+
+    prompt_ids = [1, 40, 41, 42]
+    sampling_params = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, stop=None,
+                           stop_token_ids=None, skip_special_tokens=False, no_stop_trim=True,
+                           spaces_between_special_tokens=False, sampling_seed=1234)
+    payload = {"sampling_params": sampling_params, "return_logprob": True,
+               "return_routed_experts": True, "input_ids": prompt_ids}
+    output = _post(gw.url, payload)
+    new_tokens = [item[1] for item in output["meta_info"]["output_token_logprobs"]]
+    new_log_probs = [item[0] for item in output["meta_info"]["output_token_logprobs"]]
+    assert isinstance(output["text"], str)
+    assert output["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    tokens = prompt_ids + new_tokens
+    routed = np.frombuffer(pybase64.b64decode(output["meta_info"]["routed_experts"].encode("ascii")),
+                           dtype=np.int32).reshape(len(tokens) - 1, L, K)
+    sc = score(model, tokens, len(prompt_ids))
+    np.testing.assert_allclose(new_log_probs, sc.logprobs, atol=2e-3)
+    np.testing.assert_array_equal(routed, sc.routed_experts)
+
+
+def test_areal_payload_with_its_abort_loop(gw, model):
+    """areal/engine/sglang_remote.py agenerate(): input_ids, image_data None, its sampling
+    params, return_logprob, stream false; loops while finish_reason type is not
+    stop/length, appending output tokens to input_ids."""
+    input_ids = [1, 50, 51]
+    sample_params = {"top_p": 1.0, "top_k": -1, "max_new_tokens": 7, "temperature": 1.0,
+                     "stop_token_ids": [2], "frequency_penalty": 0.0}
+    payload = {"input_ids": list(input_ids), "image_data": None,
+               "sampling_params": sample_params, "return_logprob": True, "stream": False}
+    tokens, logprobs, stop_reason = [], [], None
+    while stop_reason not in ("stop", "tool_calls", "length") and len(tokens) < 7:
+        meta_info = _post(gw.url, payload)["meta_info"]
+        finish_reason = meta_info["finish_reason"]
+        stop_reason = finish_reason["type"]
+        out = [x[1] for x in meta_info["output_token_logprobs"]]
+        tokens += out
+        logprobs += [x[0] for x in meta_info["output_token_logprobs"]]
+        payload["input_ids"] += out
+        sample_params["max_new_tokens"] -= len(out)
+    assert stop_reason in ("stop", "length") and 0 < len(tokens) <= 7
+    sc = score(model, input_ids + tokens, len(input_ids))
+    np.testing.assert_allclose(logprobs, sc.logprobs, atol=2e-3)
+
+
+def test_verl_payload(gw, model):
+    """verl's HttpServerEngineAdapter.generate(): its keyword payload with None values
+    filtered out; the agent loop reads output_ids and output_token_logprobs [x[0]]."""
+    payload = {"text": None, "sampling_params": {"temperature": 1.0, "top_p": 1.0,
+                                                 "top_k": -1, "repetition_penalty": 1.0,
+                                                 "max_new_tokens": 6},
+               "input_ids": [1, 60, 61], "image_data": None, "return_logprob": True,
+               "logprob_start_len": None, "top_logprobs_num": None, "token_ids_logprob": None,
+               "lora_path": None, "custom_logit_processor": None}
+    payload = {k: v for k, v in payload.items() if v is not None}
+    output = _post(gw.url, payload)
+    token_ids = output["output_ids"]
+    log_probs = [x[0] for x in output["meta_info"]["output_token_logprobs"]]
+    assert len(token_ids) == len(log_probs) == output["meta_info"]["completion_tokens"]
+    sc = score(model, [1, 60, 61] + token_ids, 3)
+    np.testing.assert_allclose(log_probs, sc.logprobs, atol=2e-3)
+    # and the same request with SGLang's None-valued defaults left in (no filtering)
+    unfiltered = {"text": None, "input_ids": [1, 60, 61], "image_data": None, "lora_path": None,
+                  "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    assert len(_post(gw.url, unfiltered)["output_ids"]) == 2
