@@ -10,8 +10,9 @@ shape, or refused with a 400 that names it:
   ``logprob_start_len`` -> ``input_token_logprobs`` (from that prompt position),
   ``top_logprobs_num`` -> ``output_top_logprobs`` and ``input_top_logprobs``,
   ``return_text_in_logprobs`` (token texts in those rows, as the engine detokenized them),
-  ``return_routed_experts`` / ``routed_experts_start_len``, ``stream`` (SGLang's SSE, cumulative
-  chunks, then ``[DONE]``), ``session_id`` (also the routing stickiness key),
+  ``return_routed_experts`` / ``routed_experts_start_len``, ``stream`` (SGLang's SSE, then
+  ``[DONE]``: cumulative chunks, or deltas when every engine runs
+  ``--incremental-streaming-output`` as SGLang itself would), ``session_id`` (also the routing stickiness key),
   ``return_entropy`` (SGLang's is a stub; here ``output_token_entropy`` is returned);
 - accepted only at their default value (each a no-op then; anything else is a 400 naming
   it): the multimodal, LoRA, disaggregation, hidden-state, custom-processor and other
@@ -290,11 +291,17 @@ async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response
 
 async def _stream(gw: Gateway, items: list[Item], with_text: bool
                   ) -> AsyncIterator[dict[str, Any]]:
-    """SGLang-style cumulative stream: each chunk carries the sample's whole output so far
+    """SGLang-style stream: each chunk carries the sample's whole output so far
     (``finish_reason`` null, ``text`` filled in the final chunk), stamps included; the final
-    chunk per sample is the complete answer. Elements of a batch / n > 1 carry ``index``
+    chunk per sample is the complete answer. When every engine streams incrementally, so
+    does this: per-token lists are deltas (their concatenation is the whole answer). Elements of a batch / n > 1 carry ``index``
     (prompt-major). Then ``[DONE]``."""
     as_list = len(items) > 1 or items[0].req.n > 1
+    # SGLang's engines stream deltas with --incremental-streaming-output: so does the
+    # gateway when every engine does (a drop-in answers as the server it replaces)
+    engines = gw.pool.list()
+    incremental = bool(engines) and all(e.client.info.incremental_stream for e in engines)
+    sent: dict[int, int] = {}
     base = [0]
     for it in items[:-1]:
         base.append(base[-1] + it.req.n)
@@ -326,7 +333,11 @@ async def _stream(gw: Gateway, items: list[Item], with_text: bool
                 acc["pv"].append(ev["policy_version"])
                 acc["kv"].append(ev["kv_version"])
                 acc["top"].append(ev.get("top_logprobs"))
-                yield _partial(acc, it.opts, ev["trajectory_id"], i, as_list, with_text)
+                out = _partial(acc, it.opts, ev["trajectory_id"], i, as_list, with_text)
+                if incremental:
+                    out = _delta(out, sent.get(i, 0))
+                    sent[i] = sent.get(i, 0) + len(out["output_ids"])
+                yield out
             elif ev["type"] == "trajectory":
                 sofar.pop(i, None)
                 got = it.passthrough.out if it.passthrough is not None else {}
@@ -334,12 +345,32 @@ async def _stream(gw: Gateway, items: list[Item], with_text: bool
                                     got.get(ev["sample_index"]), with_text)
                 if as_list:
                     out["index"] = i
+                if incremental:  # text was not sent before: the last delta carries all
+                    out = _delta(out, sent.pop(i, 0), keep_text=True)
                 yield out
             elif ev["type"] == "error":
                 yield {"error": ev["error"], "index": i}
     finally:
         for t in tasks:
             t.cancel()
+
+
+#: meta_info lists with one entry per output token (cut to deltas in incremental streams)
+_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_entropy",
+                   "policy_versions", "kv_versions")
+
+
+def _delta(out: dict[str, Any], since: int, keep_text: bool = False) -> dict[str, Any]:
+    """The incremental form of a cumulative chunk: per-token lists from ``since`` on
+    (``completion_tokens`` stays the running total, as in SGLang)."""
+    meta = dict(out["meta_info"])
+    for key in _PER_TOKEN_META:
+        if meta.get(key) is not None:
+            meta[key] = meta[key][since:]
+    d = dict(out, output_ids=out["output_ids"][since:], meta_info=meta)
+    if not keep_text:
+        d["text"] = ""
+    return d
 
 
 def _partial(acc: dict[str, list], opts: dict[str, Any], tid: str, index: int,

@@ -305,3 +305,34 @@ def test_verl_payload(gw, model):
     unfiltered = {"text": None, "input_ids": [1, 60, 61], "image_data": None, "lora_path": None,
                   "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
     assert len(_post(gw.url, unfiltered)["output_ids"]) == 2
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    import json
+
+    chunks = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_generate_streams_deltas_when_engines_are_incremental(make_engine):
+    eng = make_engine(seed=SEED, sglang_strict=True, enable_return_routed_experts=True,
+                      weight_version="0", incremental_streaming_output=True, step_delay_ms=5)
+    with GatewayProcess({"e0": eng.url}) as g:
+        body = {"input_ids": [1, 2, 3], "stream": True, "return_logprob": True,
+                "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 6,
+                                                           "ignore_eos": True}}
+        chunks = _sse(g.url, body)
+        final = chunks[-1]["meta_info"]
+        assert final["finish_reason"]["type"] == "length" and final["completion_tokens"] == 6
+        ids = [t for c in chunks for t in c["output_ids"]]
+        assert len(ids) == 6 and len(chunks) > 1
+        rows = [r for c in chunks for r in c["meta_info"]["output_token_logprobs"]]
+        tops = [r for c in chunks for r in c["meta_info"]["output_top_logprobs"]]
+        pv = [v for c in chunks for v in c["meta_info"]["policy_versions"]]
+        assert [r[1] for r in rows] == ids and len(tops) == 6 and pv == [0] * 6
+        assert "".join(c["text"] for c in chunks) == chunks[-1]["text"]
