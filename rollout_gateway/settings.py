@@ -61,10 +61,15 @@ class Timeouts(BaseModel):
 
 
 class ModelShape(BaseModel):
-    """MoE shape of the served model, needed to reshape routed experts.
+    """MoE shape of the served model, needed to reshape and check routed experts.
 
-    Left unset, the gateway asks each engine (``/model_info`` fields ``num_hidden_layers``,
-    ``num_experts_per_tok``, ``num_experts``) and skips routed experts if it cannot tell."""
+    Each field left unset comes from the engine: the Hugging Face ``config.json`` under the
+    ``model_path`` its ``/model_info`` reports (when readable from the gateway, e.g. a
+    shared mount), or the reference engine's ``model_config``. Set fields win. When the
+    shape stays unknown, a request that asks for routing fails with 409 naming these
+    settings (logged once per engine at registration); every ``routed_experts`` payload is
+    checked against the shape (rows x layers x top_k ids), a mismatch is an engine error.
+    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``."""
 
     num_layers: int | None = Field(default=None, ge=1, le=1024, description="Model layers.")
     top_k: int | None = Field(default=None, ge=1, le=256, description="Experts per token.")
@@ -114,7 +119,8 @@ class GatewaySettings(BaseSettings):
     sticky_imbalance: int = Field(
         default=8, ge=0, le=1_000_000, description="Sticky routing yields to least-load when the "
         "sticky engine has this many more outstanding requests than the least loaded one.")
-    model: ModelShape = Field(default_factory=ModelShape, description="MoE shape (optional).")
+    model: ModelShape = Field(default_factory=ModelShape, description="MoE shape; overrides "
+                              "what engines' config.json says (ROLLOUT_GATEWAY_MODEL__*).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
                                  description="On SIGTERM: seconds to let in-flight rollouts finish.")

@@ -19,6 +19,7 @@ from typing import Any
 
 from rollout_gateway.core.trajectory import Transition
 from rollout_gateway.engines.client import EngineClient, Health
+from rollout_gateway.engines.shape import routing_problem
 from rollout_gateway.errors import AlreadyExists, GatewayError, NotFound, Unavailable
 from rollout_gateway.settings import GatewaySettings
 
@@ -102,6 +103,9 @@ class EnginePool:
         await self._notify()
         log.info("registered engine %s at %s (sglang %s, weights v%s)", engine_id, url,
                  info.version_text, info.weight_version)
+        problem = routing_problem(engine_id, info, self.settings.model)
+        if problem:  # once per registration; each request asking for routing gets it too
+            log.warning("%s. Requests that ask for routed experts will fail.", problem)
         return eng
 
     async def register_offline(self, engine_id: str, url: str, api_key: str | None,

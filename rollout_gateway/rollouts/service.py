@@ -16,7 +16,7 @@ from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError, InvalidArgument
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import SampleRunner
+from rollout_gateway.rollouts.sample import PassThrough, SampleRunner
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 
@@ -97,7 +97,8 @@ class RolloutService:
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
-                            on_chunk=None) -> tuple[Trajectory, str]:
+                            on_chunk=None, passthrough: PassThrough | None = None
+                            ) -> tuple[Trajectory, str]:
         """One admitted sample: run, judge against the staleness bound, publish.
 
         Releases its admission slot exactly once. A recycled sample is generated again
@@ -108,7 +109,8 @@ class RolloutService:
         while True:
             try:
                 traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
-                                                   prompt_ids=prompt, on_chunk=on_chunk)
+                                                   prompt_ids=prompt, on_chunk=on_chunk,
+                                                   passthrough=passthrough)
             except BaseException:
                 self.gatekeeper.release_failed(1)
                 self.counters["failed_samples"] += 1
@@ -136,14 +138,16 @@ class RolloutService:
         published even when a sibling fails (then the first error is raised)."""
         return [t for t, _ in await self.run_with_text(req)]
 
-    async def run_with_text(self, req: RolloutRequest) -> list[tuple[Trajectory, str]]:
+    async def run_with_text(self, req: RolloutRequest, passthrough: PassThrough | None = None
+                            ) -> list[tuple[Trajectory, str]]:
         self.validate(req)
         await self.gatekeeper.admit(req.n)
         self.counters["rollouts"] += 1
         group, ids, sticky = self._ids(req)
         prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
         results = await asyncio.gather(
-            *(self.one_with_text(req, tid, group, i, sticky, prompt) for i, tid in enumerate(ids)),
+            *(self.one_with_text(req, tid, group, i, sticky, prompt, passthrough=passthrough)
+              for i, tid in enumerate(ids)),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -155,16 +159,18 @@ class RolloutService:
             raise first
         return list(results)  # type: ignore[arg-type]
 
-    async def open_stream(self, req: RolloutRequest) -> AsyncIterator[dict[str, Any]]:
+    async def open_stream(self, req: RolloutRequest, passthrough: PassThrough | None = None
+                          ) -> AsyncIterator[dict[str, Any]]:
         """Validate and admit now (errors raise here); then stream events:
         {"type": "chunk", ...} per finished engine request (stamped tokens),
         {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one."""
         self.validate(req)
         await self.gatekeeper.admit(req.n)
         self.counters["rollouts"] += 1
-        return self._stream(req)
+        return self._stream(req, passthrough)
 
-    async def _stream(self, req: RolloutRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, req: RolloutRequest, passthrough: PassThrough | None = None
+                      ) -> AsyncIterator[dict[str, Any]]:
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         group, ids, sticky = self._ids(req)
         prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
@@ -175,7 +181,8 @@ class RolloutService:
                                  **chunk})
             try:
                 traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
-                                                      on_chunk=on_chunk)
+                                                      on_chunk=on_chunk,
+                                                      passthrough=passthrough)
                 # objects, not JSON: each HTTP route renders them its own way
                 await queue.put({"type": "trajectory", "sample_index": i, "trajectory": traj,
                                  "text": text})
