@@ -38,6 +38,7 @@ class RolloutService:
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0}
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def inflight_samples(self) -> int:
@@ -97,28 +98,32 @@ class RolloutService:
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
-                            on_chunk=None) -> tuple[Trajectory, str]:
+                            on_chunk=None, slot: Slot | None = None) -> tuple[Trajectory, str]:
         """One admitted sample: run, judge against the staleness bound, publish.
 
-        Releases its admission slot exactly once. A recycled sample is generated again
-        (re-admitted, waiting up to ``admission.recycle_wait_s`` for a slot) up to
-        ``admission.max_recycles`` times; with no slot in time its request fails with 429
-        (counted as ``recycle_refused``)."""
+        Releases its admission slot exactly once (``slot.held`` says whether it still
+        holds one; whoever admitted releases a slot still held when the sample ends). A
+        recycled sample is generated again (re-admitted, waiting up to
+        ``admission.recycle_wait_s`` for a slot) up to ``admission.max_recycles`` times;
+        with no slot in time its request fails with 429 (counted as ``recycle_refused``)."""
+        slot = slot or Slot()
         recycles = 0
         while True:
             try:
                 traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
                                                    prompt_ids=prompt, on_chunk=on_chunk)
+                self._count(traj)
             except BaseException:
-                self.gatekeeper.release_failed(1)
+                slot.release(self.gatekeeper)
                 self.counters["failed_samples"] += 1
                 raise
-            self._count(traj)
-            try:
+            try:  # judging releases the slot, whatever happens inside
                 verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
             except BaseException:
                 self.counters["failed_samples"] += 1
                 raise
+            finally:
+                slot.held = False
             if verdict is Verdict.RECYCLE:
                 recycles += 1
                 try:  # waits for a slot (bounded); never drops the prompt silently
@@ -126,6 +131,7 @@ class RolloutService:
                 except BaseException:
                     self.counters["failed_samples"] += 1
                     raise
+                slot.held = True
                 continue
             if verdict is not Verdict.DROP:
                 await self._publish(traj, req)
@@ -139,12 +145,16 @@ class RolloutService:
     async def run_with_text(self, req: RolloutRequest) -> list[tuple[Trajectory, str]]:
         self.validate(req)
         await self.gatekeeper.admit(req.n)
-        self.counters["rollouts"] += 1
-        group, ids, sticky = self._ids(req)
-        prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
-        results = await asyncio.gather(
-            *(self.one_with_text(req, tid, group, i, sticky, prompt) for i, tid in enumerate(ids)),
-            return_exceptions=True)
+        slots = [Slot() for _ in range(req.n)]
+        try:  # every exit path below returns the slots no sample released
+            self.counters["rollouts"] += 1
+            group, ids, sticky = self._ids(req)
+            prompt = _prompt_array(req)
+            results = await asyncio.gather(
+                *(self.one_with_text(req, tid, group, i, sticky, prompt, slot=slots[i])
+                  for i, tid in enumerate(ids)), return_exceptions=True)
+        finally:
+            self._release_held(slots)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             first = errors[0]
@@ -155,41 +165,87 @@ class RolloutService:
             raise first
         return list(results)  # type: ignore[arg-type]
 
+    def _release_held(self, slots: list[Slot]) -> None:
+        for s in slots:
+            s.release(self.gatekeeper)
+
     async def open_stream(self, req: RolloutRequest) -> AsyncIterator[dict[str, Any]]:
-        """Validate and admit now (errors raise here); then stream events:
-        {"type": "chunk", ...} per finished engine request (stamped tokens),
-        {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one."""
+        """Validate and admit now (errors raise here), start the samples; then stream
+        events: {"type": "chunk", ...} per finished engine request (stamped tokens),
+        {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one.
+        The samples run (judge, publish, release their slots) whether or not the stream
+        is read to the end, or at all."""
         self.validate(req)
         await self.gatekeeper.admit(req.n)
-        self.counters["rollouts"] += 1
-        return self._stream(req)
+        slots = [Slot() for _ in range(req.n)]
+        try:
+            self.counters["rollouts"] += 1
+            group, ids, sticky = self._ids(req)
+            prompt = _prompt_array(req)
+            queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-    async def _stream(self, req: RolloutRequest) -> AsyncIterator[dict[str, Any]]:
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        group, ids, sticky = self._ids(req)
-        prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
+            async def one(i: int, tid: str) -> None:
+                async def on_chunk(chunk: dict[str, Any]) -> None:
+                    await queue.put({"type": "chunk", "sample_index": i, "trajectory_id": tid,
+                                     **chunk})
+                try:
+                    traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
+                                                          on_chunk=on_chunk, slot=slots[i])
+                    # objects, not JSON: each HTTP route renders them its own way
+                    await queue.put({"type": "trajectory", "sample_index": i,
+                                     "trajectory": traj, "text": text})
+                except GatewayError as exc:
+                    await queue.put({"type": "error", "sample_index": i,
+                                     "error": exc.to_dict()})
+                except Exception:  # noqa: BLE001 - reported, never silently absent
+                    log.exception("sample %s failed", tid)
+                    await queue.put({"type": "error", "sample_index": i, "error": GatewayError(
+                        f"sample {tid} failed with an internal error").to_dict()})
 
-        async def one(i: int, tid: str) -> None:
-            async def on_chunk(chunk: dict[str, Any]) -> None:
-                await queue.put({"type": "chunk", "sample_index": i, "trajectory_id": tid,
-                                 **chunk})
-            try:
-                traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
-                                                      on_chunk=on_chunk)
-                # objects, not JSON: each HTTP route renders them its own way
-                await queue.put({"type": "trajectory", "sample_index": i, "trajectory": traj,
-                                 "text": text})
-            except GatewayError as exc:
-                await queue.put({"type": "error", "sample_index": i, "error": exc.to_dict()})
-
-        tasks = [asyncio.create_task(one(i, tid)) for i, tid in enumerate(ids)]
+            tasks = [asyncio.create_task(one(i, tid)) for i, tid in enumerate(ids)]
+        except BaseException:
+            self._release_held(slots)
+            raise
 
         async def closer() -> None:
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await queue.put(None)
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                self._release_held(slots)
+                await queue.put(None)
 
         closing = asyncio.create_task(closer())
+        self._background.add(closing)
+        closing.add_done_callback(self._background.discard)
+        return self._drain_queue(queue)
+
+    @staticmethod
+    async def _drain_queue(queue: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
         # if the client goes away, the sample tasks still finish, judge and publish
         while (ev := await queue.get()) is not None:
             yield ev
-        await closing
+
+
+class Slot:
+    """One sample's admission slot: ``held`` until the sample releases it (judged or
+    failed); :meth:`release` is idempotent."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = True
+
+    def release(self, gatekeeper: Gatekeeper) -> None:
+        if self.held:
+            self.held = False
+            gatekeeper.release_failed(1)
+
+
+def _prompt_array(req: RolloutRequest) -> np.ndarray | None:
+    """The prompt's token ids as int32; ids that do not fit are a client error."""
+    if req.input_ids is None:
+        return None
+    try:
+        return np.asarray(req.input_ids, np.int32)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidArgument("input_ids must be token ids below 2**31") from exc
