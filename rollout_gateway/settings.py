@@ -83,6 +83,18 @@ class CircuitBreaker(BaseModel):
                                   description="Cap of the doubling cooldown.")
 
 
+class RedisPool(BaseModel):
+    """Redis connections of the store and the registry (each has its own pool)."""
+
+    max_connections: int = Field(default=256, ge=4, le=100_000,
+                                 description="Connections per pool at most.")
+    wait_s: float = Field(default=20.0, gt=0, le=3600, description="How long a call waits "
+                          "for a free connection when all are busy before failing (503).")
+    version_cache_s: float = Field(default=0.25, ge=0, le=60, description="How long the "
+                                   "learner version read from the registry is reused "
+                                   "(this replica's own swaps update it at once).")
+
+
 class ModelShape(BaseModel):
     """MoE shape of the served model, needed to reshape routed experts.
 
@@ -139,6 +151,8 @@ class GatewaySettings(BaseSettings):
         "sticky engine has this many more outstanding requests than the least loaded one.")
     model: ModelShape = Field(default_factory=ModelShape, description="MoE shape (optional).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
+    redis: RedisPool = Field(default_factory=RedisPool,
+                             description="Redis connection pools (store and registry).")
     breaker: CircuitBreaker = Field(default_factory=CircuitBreaker,
                                     description="Per-engine circuit breaker.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,

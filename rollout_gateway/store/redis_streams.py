@@ -38,6 +38,7 @@ from rollout_gateway.store.base import (
     check_name,
     entry_facts,
 )
+from rollout_gateway.store.redis_client import blocking_client
 from rollout_gateway.transport import codec
 
 _PUBLISH = """
@@ -95,10 +96,13 @@ def _parse_id(eid: str) -> tuple[int, int]:
 
 class RedisStore(TrajectoryStore):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "rollout",
-                 config: StoreConfig | None = None, client: aioredis.Redis | None = None):
+                 config: StoreConfig | None = None, client: aioredis.Redis | None = None, *,
+                 max_connections: int | None = None, pool_wait_s: float | None = None):
         self.config = config or StoreConfig()
         self.prefix = prefix
-        self._r = client or aioredis.Redis.from_url(url, decode_responses=False)
+        # a bounded pool that waits for a free connection (see redis_client)
+        self._r = client or blocking_client(url, max_connections=max_connections,
+                                            wait_s=pool_wait_s)
         p = prefix
         self._k_stream, self._k_groups = f"{p}:stream", f"{p}:groups"
         self._k_acked, self._k_counters = f"{p}:acked", f"{p}:counters"
