@@ -82,6 +82,13 @@ class TrajectoryStore(abc.ABC):
         backlog bound is reached and StoreError when the backend fails."""
 
     @abc.abstractmethod
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        """What was stored under these ids (idempotent retries): the serialized trajectory
+        while it is retained, None when it was stored but has since been trimmed (consumed
+        and past retention); ids never stored (or forgotten after dedup_seconds) are
+        absent."""
+
+    @abc.abstractmethod
     async def backlog(self) -> int:
         """Finished-but-unconsumed trajectories (for admission control)."""
 

@@ -162,6 +162,17 @@ class MemoryStore(TrajectoryStore):
             self._cond.notify_all()
         return True
 
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        self._check_open()
+        now = time.time()
+        want = {t for t in trajectory_ids if self._dedup.get(t, 0.0) > now}
+        out: dict[str, bytes | None] = dict.fromkeys(want)
+        if want:
+            for e in self._entries.values():
+                if e.tid in want:
+                    out[e.tid] = e.data
+        return out
+
     async def backlog(self) -> int:
         return self._backlog()
 

@@ -2,7 +2,7 @@
 
 Keys under ``prefix``: ``{p}:stream`` (entries: tid, d = serialized rollout.v1.Trajectory,
 n = prompt+output tokens, lo/hi = min/max policy_version), ``{p}:id:<tid>`` (idempotency
-marker, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
+marker holding the entry id, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
 ``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list).
 Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAIM for
 entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
@@ -58,8 +58,8 @@ else
   end
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
-redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+redis.call('SET', KEYS[1], eid, 'PX', ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
@@ -147,6 +147,27 @@ class RedisStore(TrajectoryStore):
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
         return res == 1
+
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        if not trajectory_ids:
+            return {}
+        out: dict[str, bytes | None] = {}
+        async with self._io("lookup"):
+            marks = await self._r.mget([f"{self.prefix}:id:{t}" for t in trajectory_ids])
+            want = []
+            pipe = self._r.pipeline(transaction=False)
+            for tid, mark in zip(trajectory_ids, marks):
+                if mark is None:
+                    continue
+                out[tid] = None
+                if mark != b"1":  # "1": a marker written before markers held the entry id
+                    want.append(tid)
+                    pipe.xrange(self._k_stream, mark, mark, count=1)
+            if want:
+                for tid, res in zip(want, await pipe.execute()):
+                    if res and res[0][1]:
+                        out[tid] = res[0][1][b"d"]
+        return out
 
     async def _backlogs(self) -> dict[str, int]:
         async with self._io("backlog"):
