@@ -123,6 +123,12 @@ class TrajectoryStore(abc.ABC):
         """Acknowledge; returns how many were pending (re-acks count 0)."""
 
     @abc.abstractmethod
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """Renew the leases ``consumer`` holds on these entries for another
+        ``lease_seconds`` from now (delivery counts unchanged). Returns the ids extended;
+        entries acked, nacked or re-claimed by another consumer are not."""
+
+    @abc.abstractmethod
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:
         """Make entries available again now; an entry already delivered max_deliveries

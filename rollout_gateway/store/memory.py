@@ -286,6 +286,19 @@ class MemoryStore(TrajectoryStore):
         self._trim()
         return len(done)
 
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        self._check_open()
+        check_name("consumer", consumer)
+        g = self._group(group)
+        until = time.monotonic() + self.config.lease_seconds
+        out = []
+        for eid, seq in zip(entry_ids, self._seqs(entry_ids)):
+            lease = g.pending.get(seq)
+            if lease is not None and lease.consumer == consumer and lease.until > 0:
+                lease.until = until
+                out.append(eid)
+        return out
+
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:
         self._check_open()

@@ -80,6 +80,18 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], n) end
 return n
 """
 
+_EXTEND = """
+local out = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out
+"""
+
 _CHUNK = 1000
 _BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
 
@@ -110,6 +122,7 @@ class RedisStore(TrajectoryStore):
         self._publish = self._r.register_script(_PUBLISH)
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
+        self._extend = self._r.register_script(_EXTEND)
         self._claim_cursor: dict[str, str] = {}
         self._last_trim = 0.0
         self._closed = False
@@ -298,6 +311,23 @@ class RedisStore(TrajectoryStore):
                                          args=[group, *entry_ids[i:i + _CHUNK]]))
         await self._maybe_trim()
         return n
+
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """XCLAIM to the same consumer with JUSTID resets the idle time (the lease) and
+        leaves the delivery count alone; only entries still pending on ``consumer``."""
+        check_name("group", group)
+        check_name("consumer", consumer)
+        for e in entry_ids:
+            _parse_id(e)
+        if not await self.has_group(group):
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
+        out: list[str] = []
+        async with self._io("extend"):
+            for i in range(0, len(entry_ids), _CHUNK):
+                got = await self._extend(keys=[self._k_stream],
+                                         args=[group, consumer, *entry_ids[i:i + _CHUNK]])
+                out += [g.decode() if isinstance(g, bytes) else str(g) for g in got]
+        return out
 
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:
