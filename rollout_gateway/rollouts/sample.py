@@ -174,20 +174,26 @@ class SampleRunner:
             except (GatewayError, *_GARBAGE) as exc:
                 return None, err or EngineError(f"engine {eng.id}: {exc}")
         last: bytes | None = None
+        prev: bytes | None = None
         err = None
         try:
             async for data in eng.client.generate_stream(payload, patience=eng.patience):
-                last = data  # cumulative: the newest chunk holds everything so far
+                prev, last = last, data  # cumulative: the newest chunk holds everything
         except GatewayError as exc:
             err = exc
         if last is None:
             return None, err
         try:
             return decode_one(last, opts), err
-        except GatewayError as exc:
-            return None, err or exc
-        except _GARBAGE as exc:
-            return None, err or _unreadable(eng, exc)
+        except (GatewayError, *_GARBAGE) as exc:
+            bad = exc if isinstance(exc, GatewayError) else _unreadable(eng, exc)
+        # the newest chunk is garbage: keep the output of the one before it, if it reads
+        if prev is not None:
+            try:
+                return decode_one(prev, opts), err or bad
+            except (GatewayError, *_GARBAGE):
+                pass
+        return None, err or bad
 
     async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
                   *, sticky_key: str | None, prompt_ids: np.ndarray | None,
