@@ -26,6 +26,8 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio as aioredis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry as SyncRetry
 from redis.exceptions import RedisError, ResponseError
 
 from rollout_gateway.core.trajectory import Trajectory
@@ -128,7 +130,8 @@ class RedisStore(TrajectoryStore):
         self._closed = False
         # blocking client for bulk reads (None when the caller supplied its own client)
         self._bulk = None if client is not None else redis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0)
+            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0,
+            retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
         self._pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="redis-bulk")
 
     @asynccontextmanager

@@ -132,7 +132,7 @@ def test_redis_killed_and_restarted_loses_nothing_acknowledged(engine, redis_ser
         wait_for(answers, 60, "the gateway to use the restarted Redis", every=0.5)
         with ThreadPoolExecutor(3) as ex:
             after = list(ex.map(lambda i: post(gw.url, body(i, f"after-{i}", 8)), range(3)))
-        assert all(r.status_code == 200 for r in after)
+        assert all(r.status_code == 200 for r in after), [r.text[:300] for r in after]
         stored |= {t["trajectory_id"] for r in after for t in r.json()["trajectories"]}
         if isinstance(down, httpx.Response) and down.status_code == 200:
             stored |= {t["trajectory_id"] for t in down.json()["trajectories"]
