@@ -82,7 +82,8 @@ class ScriptedRunner:
         self.store = store
         self.calls: dict[int, int] = {}
 
-    async def run(self, req, tid, group, index, *, sticky_key, prompt_ids, on_chunk=None):
+    async def run(self, req, tid, group, index, *, sticky_key, prompt_ids, on_chunk=None,
+                  passthrough=None):
         stage, err = self.plans[index]
         k = self.calls[index] = self.calls.get(index, 0) + 1
         await asyncio.sleep(0)

@@ -29,7 +29,8 @@ class CountingRunner:
         self.gate: asyncio.Event | None = None
         self.rng = np.random.default_rng(0)
 
-    async def run(self, req, tid, group, index, *, sticky_key, prompt_ids, on_chunk=None):
+    async def run(self, req, tid, group, index, *, sticky_key, prompt_ids, on_chunk=None,
+                  passthrough=None):
         self.runs.append(tid)
         if self.gate is not None:
             await self.gate.wait()
