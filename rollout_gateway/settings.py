@@ -118,6 +118,9 @@ class GatewaySettings(BaseSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
                                  description="On SIGTERM: seconds to let in-flight rollouts finish.")
+    lag_history_interval_s: float = Field(
+        default=2.0, ge=0.1, le=3600, description="Seconds between points of the version-lag "
+        "history the dashboard (/dashboard, /v1/lag?history=true) draws; 900 points are kept.")
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -34,9 +34,12 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     app = FastAPI(title="rollout-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
-    from rollout_gateway.api import routes
+    from rollout_gateway.api import observe, routes
     from rollout_gateway.api.generate import router as generate_router
+    from rollout_gateway.api.metrics import HTTPMetricsMiddleware
 
-    for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router):
+    for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router,
+              observe.router):
         app.include_router(r)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=gateway.metrics)
     return app

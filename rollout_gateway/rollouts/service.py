@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +39,20 @@ class RolloutService:
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0}
+        #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
+        #: admitted, seconds) with kind "new" or "recycled"
+        self.on_finished = None
+        self.on_admission_wait = None
+
+    async def _timed_admission(self, kind: str, admit) -> None:
+        t0 = time.monotonic()
+        ok = False
+        try:
+            await admit
+            ok = True
+        finally:
+            if self.on_admission_wait is not None:
+                self.on_admission_wait(kind, ok, time.monotonic() - t0)
 
     @property
     def inflight_samples(self) -> int:
@@ -94,6 +109,8 @@ class RolloutService:
         p = int(traj.prompt_token_ids.shape[0])
         self.counters["tokens_reprefilled"] += sum(
             p + s.start for s in traj.segments if s.began in REPREFILLS)
+        if self.on_finished is not None:
+            self.on_finished(traj)
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
@@ -122,7 +139,8 @@ class RolloutService:
             if verdict is Verdict.RECYCLE:
                 recycles += 1
                 try:  # waits for a slot (bounded); never drops the prompt silently
-                    await self.gatekeeper.readmit_recycled(tid)
+                    await self._timed_admission("recycled",
+                                                self.gatekeeper.readmit_recycled(tid))
                 except BaseException:
                     self.counters["failed_samples"] += 1
                     raise
@@ -138,7 +156,7 @@ class RolloutService:
 
     async def run_with_text(self, req: RolloutRequest) -> list[tuple[Trajectory, str]]:
         self.validate(req)
-        await self.gatekeeper.admit(req.n)
+        await self._timed_admission("new", self.gatekeeper.admit(req.n))
         self.counters["rollouts"] += 1
         group, ids, sticky = self._ids(req)
         prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
@@ -160,7 +178,7 @@ class RolloutService:
         {"type": "chunk", ...} per finished engine request (stamped tokens),
         {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one."""
         self.validate(req)
-        await self.gatekeeper.admit(req.n)
+        await self._timed_admission("new", self.gatekeeper.admit(req.n))
         self.counters["rollouts"] += 1
         return self._stream(req)
 

@@ -64,6 +64,8 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     app = create_app(gateway=gw, manage_gateway=False)
     grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
                              default_policy=settings.admission.stale_policy)
+    grpc_server.servicer.on_deliver = gw.lag.on_delivered
+    grpc_server.servicer.lag_report = gw.lag_report
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False)

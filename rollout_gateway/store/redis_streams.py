@@ -31,12 +31,16 @@ from redis.exceptions import RedisError, ResponseError
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
+    GroupStats,
     StoreConfig,
     StoredEntry,
     StoreStats,
     TrajectoryStore,
+    UnconsumedTokens,
     check_name,
     entry_facts,
+    parse_version_tokens,
+    version_tokens,
 )
 from rollout_gateway.transport import codec
 
@@ -58,7 +62,7 @@ else
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
@@ -79,6 +83,22 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], n) end
 return n
 """
 
+# entry facts without the payload: id, n, lo, vt of up to ARGV[2] entries from ARGV[1]
+_FACTS = """
+local res = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+local out = {}
+for _, e in ipairs(res) do
+  local f = e[2]
+  local n, lo, vt = '0', '-1', ''
+  for j = 1, #f, 2 do
+    if f[j] == 'n' then n = f[j + 1] elseif f[j] == 'lo' then lo = f[j + 1]
+    elseif f[j] == 'vt' then vt = f[j + 1] end
+  end
+  out[#out + 1] = e[1]; out[#out + 1] = n; out[#out + 1] = lo; out[#out + 1] = vt
+end
+return out
+"""
+
 _CHUNK = 1000
 _BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
 
@@ -91,6 +111,10 @@ def _parse_id(eid: str) -> tuple[int, int]:
         return int(ms), int(seq)
     except ValueError:
         raise InvalidArgument(f"malformed entry id {eid!r}") from None
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 class RedisStore(TrajectoryStore):
@@ -106,6 +130,7 @@ class RedisStore(TrajectoryStore):
         self._publish = self._r.register_script(_PUBLISH)
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
+        self._facts = self._r.register_script(_FACTS)
         self._claim_cursor: dict[str, str] = {}
         self._last_trim = 0.0
         self._closed = False
@@ -138,7 +163,7 @@ class RedisStore(TrajectoryStore):
                 keys=[f"{self.prefix}:id:{tid}", self._k_stream, self._k_counters,
                       self._k_groups, self._k_acked],
                 args=[int(self.config.dedup_seconds * 1000), self.config.max_backlog, tid, data,
-                      n, lo, hi])
+                      n, lo, hi, version_tokens(trajectory)])
         if res == -1:
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
@@ -197,7 +222,8 @@ class RedisStore(TrajectoryStore):
         return StoredEntry(entry_id=eid.decode(), trajectory_id=fields[b"tid"].decode(),
                            data=fields[b"d"], num_tokens=int(fields[b"n"]),
                            min_version=int(fields[b"lo"]), max_version=int(fields[b"hi"]),
-                           delivery_count=deliveries)
+                           delivery_count=deliveries,
+                           version_tokens=fields.get(b"vt", b"").decode())
 
     async def read(self, group: str, consumer: str, count: int, *,
                    block_ms: int = 0) -> list[StoredEntry]:
@@ -309,6 +335,54 @@ class RedisStore(TrajectoryStore):
         if group not in b:
             raise NotFound(f"consumer group {group!r} does not exist; create it first")
         return b[group]
+
+    async def group_stats(self) -> list[GroupStats]:
+        backlogs = await self._backlogs()
+        async with self._io("group_stats"):
+            counters = await self._r.hgetall(self._k_counters)
+            infos = await self._r.xinfo_groups(self._k_stream) if backlogs.get("") is None \
+                else []
+        pending = {_s(g["name"]): int(g["pending"]) for g in infos}
+        return [GroupStats(group=g, backlog=b, pending=pending.get(g, 0),
+                           redelivered=int(counters.get(f"redelivered:{g}".encode(), 0)))
+                for g, b in sorted(backlogs.items()) if g]
+
+    async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
+        """Entries after a group's last delivered id, or pending in a group (every entry
+        when there is no group); facts read by a script, never the payloads."""
+        async with self._io("unconsumed"):
+            infos = await self._r.xinfo_groups(self._k_stream) \
+                if await self._r.exists(self._k_stream) else []
+            groups = []  # (last delivered id, pending ids)
+            start = "-"
+            for g in infos:
+                last = _parse_id(_s(g["last-delivered-id"]))
+                ids: set[tuple[int, int]] = set()
+                if int(g["pending"]):
+                    pend = await self._r.xpending_range(self._k_stream, g["name"], min="-",
+                                                        max="+", count=limit)
+                    ids = {_parse_id(_s(p["message_id"])) for p in pend}
+                groups.append((last, ids))
+            if groups:
+                low = min(min(ids, default=(last[0], last[1] + 1)) for last, ids in groups)
+                start = f"{low[0]}-{low[1]}"
+            flat = await self._facts(keys=[self._k_stream], args=[start, limit + 1])
+        out: dict[int, int] = {}
+        n = 0
+        truncated = False
+        for i in range(0, len(flat), 4):
+            eid = _parse_id(_s(flat[i]))
+            if groups and not any(eid > last or eid in ids for last, ids in groups):
+                continue
+            if n >= limit:
+                truncated = True
+                break
+            n += 1
+            vt, lo, ntok = _s(flat[i + 3]), int(flat[i + 2]), int(flat[i + 1])
+            tv = parse_version_tokens(vt) if vt else ({lo: ntok} if lo >= 0 else {})
+            for v, c in tv.items():
+                out[v] = out.get(v, 0) + c
+        return UnconsumedTokens(out, n, truncated)
 
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         async with self._io("take_recycled"):

@@ -104,6 +104,9 @@ class TrajectoryServicer:
         self.target_batch_bytes = min(target_batch_bytes, max_batch_bytes)
         self.max_read = max_read
         self.poll_ms = poll_ms
+        #: called with (entries, learner_version) for every batch sent (dashboards: lag
+        #: of delivered tokens); None: not observed
+        self.on_deliver = None
 
     # ---- Pull: bidi, credit-based ----
 
@@ -250,6 +253,8 @@ class _PullStream:
                     size += delivery_size(e)
                 if batch:
                     self.wake.set()  # room for the producer
+                    if self.svc.on_deliver is not None:
+                        self.svc.on_deliver(batch, self.version)
                     yield encode_batch(batch, self.credit.trajectories or 0,
                                        self.credit.tokens or 0)
                     continue
