@@ -50,19 +50,21 @@ function axes(svg, b, ymax, fmt) {
 }
 
 // bars: [{label, value}]
-function barChart(svg, bars, color) {
+function barChart(svg, bars, color, unit) {
+  unit = unit || "tokens";
   clear(svg);
   const b = box(svg);
-  if (!bars.length || bars.every(x => x.value === 0)) { empty(svg, "no tokens"); return; }
+  if (!bars.length || bars.every(x => x.value === 0)) { empty(svg, "no " + unit); return; }
   const ymax = niceMax(Math.max(...bars.map(x => x.value)));
-  axes(svg, b, ymax, v => v >= 1000 ? (v / 1000).toFixed(1) + "k" : String(Math.round(v)));
+  axes(svg, b, ymax, v => v >= 1000 ? (v / 1000).toFixed(1) + "k"
+    : String(Math.round(v * 100) / 100));
   const slot = (b.w - b.l - b.r) / bars.length;
   const hh = b.h - b.t - b.b;
   bars.forEach((x, i) => {
     const h = hh * x.value / ymax;
     const r = el("rect", { x: b.l + i * slot + slot * 0.15, y: b.t + hh - h, width: slot * 0.7,
       height: Math.max(h, 0), fill: color, "data-value": x.value });
-    r.appendChild(el("title", {}, `lag ${x.label}: ${x.value} tokens`));
+    r.appendChild(el("title", {}, `lag ${x.label}: ${x.value} ${unit}`));
     svg.appendChild(r);
     svg.appendChild(el("text", { x: b.l + i * slot + slot / 2, y: b.h - 6, "text-anchor": "middle",
       class: "tick" }, x.label));
@@ -184,6 +186,9 @@ function render(rep) {
         .map(h => [h.t, h.engines[id].version]) })));
   lineChart(document.getElementById("chart-versions"), verSeries, { step: true, minMax: 1 });
   barChart(document.getElementById("chart-inflight"), dist(rep.in_flight), "#1f77b4");
+  barChart(document.getElementById("chart-inflight-requests"),
+    rep.in_flight.requests_by_engine_lag.map(x => ({ label: String(x.lag), value: x.tokens })),
+    "#aec7e8", "requests");
   barChart(document.getElementById("chart-unconsumed"), dist(rep.unconsumed), "#9467bd");
   barChart(document.getElementById("chart-delivered"), dist(rep.delivered), "#2ca02c");
   pauseChart(document.getElementById("chart-pauses"), rep.pause_windows);
