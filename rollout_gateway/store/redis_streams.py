@@ -3,7 +3,9 @@
 Keys under ``prefix``: ``{p}:stream`` (entries: tid, d = serialized rollout.v1.Trajectory,
 n = prompt+output tokens, lo/hi = min/max policy_version), ``{p}:id:<tid>`` (idempotency
 marker, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
-``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list).
+``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list),
+``{p}:facts`` (a stream with the entries' ids and n, lo, vt = output tokens per version:
+dashboards scan it without the payloads; trimmed with the stream).
 Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAIM for
 entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
 past the lease so the next read re-claims it at once. Publish, group creation and ack are
@@ -62,7 +64,8 @@ else
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
+local id = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
+redis.call('XADD', KEYS[6], id, 'n', ARGV[5], 'lo', ARGV[6], 'vt', ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
@@ -81,22 +84,6 @@ _ACK = """
 local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
 if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], n) end
 return n
-"""
-
-# entry facts without the payload: id, n, lo, vt of up to ARGV[2] entries from ARGV[1]
-_FACTS = """
-local res = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-local out = {}
-for _, e in ipairs(res) do
-  local f = e[2]
-  local n, lo, vt = '0', '-1', ''
-  for j = 1, #f, 2 do
-    if f[j] == 'n' then n = f[j + 1] elseif f[j] == 'lo' then lo = f[j + 1]
-    elseif f[j] == 'vt' then vt = f[j + 1] end
-  end
-  out[#out + 1] = e[1]; out[#out + 1] = n; out[#out + 1] = lo; out[#out + 1] = vt
-end
-return out
 """
 
 _CHUNK = 1000
@@ -127,10 +114,12 @@ class RedisStore(TrajectoryStore):
         self._k_stream, self._k_groups = f"{p}:stream", f"{p}:groups"
         self._k_acked, self._k_counters = f"{p}:acked", f"{p}:counters"
         self._k_recycled = f"{p}:recycled"
+        # the entries' small facts (n, lo, vt) under the same ids, trimmed with the stream:
+        # dashboards scan it without reading payloads
+        self._k_facts = f"{p}:facts"
         self._publish = self._r.register_script(_PUBLISH)
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
-        self._facts = self._r.register_script(_FACTS)
         self._claim_cursor: dict[str, str] = {}
         self._last_trim = 0.0
         self._closed = False
@@ -161,7 +150,7 @@ class RedisStore(TrajectoryStore):
         async with self._io("publish"):
             res = await self._publish(
                 keys=[f"{self.prefix}:id:{tid}", self._k_stream, self._k_counters,
-                      self._k_groups, self._k_acked],
+                      self._k_groups, self._k_acked, self._k_facts],
                 args=[int(self.config.dedup_seconds * 1000), self.config.max_backlog, tid, data,
                       n, lo, hi, version_tokens(trajectory)])
         if res == -1:
@@ -349,7 +338,7 @@ class RedisStore(TrajectoryStore):
 
     async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
         """Entries after a group's last delivered id, or pending in a group (every entry
-        when there is no group); facts read by a script, never the payloads."""
+        when there is no group), read from the facts stream (never the payloads)."""
         async with self._io("unconsumed"):
             infos = await self._r.xinfo_groups(self._k_stream) \
                 if await self._r.exists(self._k_stream) else []
@@ -366,19 +355,19 @@ class RedisStore(TrajectoryStore):
             if groups:
                 low = min(min(ids, default=(last[0], last[1] + 1)) for last, ids in groups)
                 start = f"{low[0]}-{low[1]}"
-            flat = await self._facts(keys=[self._k_stream], args=[start, limit + 1])
+            facts = await self._r.xrange(self._k_facts, min=start, max="+", count=limit + 1)
         out: dict[int, int] = {}
         n = 0
         truncated = False
-        for i in range(0, len(flat), 4):
-            eid = _parse_id(_s(flat[i]))
+        for fid, f in facts:
+            eid = _parse_id(_s(fid))
             if groups and not any(eid > last or eid in ids for last, ids in groups):
                 continue
             if n >= limit:
                 truncated = True
                 break
             n += 1
-            vt, lo, ntok = _s(flat[i + 3]), int(flat[i + 2]), int(flat[i + 1])
+            vt, lo, ntok = _s(f.get(b"vt", b"")), int(f[b"lo"]), int(f[b"n"])
             tv = parse_version_tokens(vt) if vt else ({lo: ntok} if lo >= 0 else {})
             for v, c in tv.items():
                 out[v] = out.get(v, 0) + c
@@ -421,3 +410,4 @@ class RedisStore(TrajectoryStore):
                 low = min(low, keep)
             if low[0] > 0:
                 await self._r.xtrim(self._k_stream, minid=f"{low[0]}-{low[1]}", approximate=False)
+                await self._r.xtrim(self._k_facts, minid=f"{low[0]}-{low[1]}", approximate=False)

@@ -97,3 +97,26 @@ async def test_unconsumed_tokens_and_group_stats(make):
     un = await s.unconsumed_tokens(limit=2)
     assert un.entries == 2 and un.truncated
     assert un.tokens_by_version == _by_version(trajs[1:3])
+
+
+async def test_redis_facts_stream_is_trimmed_with_the_entries():
+    import redis.asyncio as aioredis
+
+    prefix = f"test-lag-{uuid.uuid4().hex[:10]}"
+    s = store_from_url(f"redis://127.0.0.1:6379/0?prefix={prefix}",
+                       StoreConfig(retention_seconds=0))
+    r = aioredis.Redis()
+    try:
+        await s.create_group("a")
+        for t in _trajs():
+            await s.publish(t)
+        assert await r.xlen(f"{prefix}:facts") == await r.xlen(f"{prefix}:stream") == 4
+        got = await s.read("a", "c", 3)
+        await s.ack("a", [e.entry_id for e in got])
+        assert await r.xlen(f"{prefix}:facts") == await r.xlen(f"{prefix}:stream") == 1
+        un = await s.unconsumed_tokens()
+        assert un.entries == 1 and un.tokens_by_version == _by_version(_trajs()[3:])
+    finally:
+        await s.close()
+        await r.aclose()
+        await delete_prefix(prefix)
