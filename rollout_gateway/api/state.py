@@ -53,6 +53,7 @@ class Gateway:
         self.started_at = time.time()
         #: DNS resolver of engine discovery (None: the system's; tests pass a fake)
         self.resolver = None
+        self.discovery = None  # DnsDiscovery when settings.engine_discovery.dns_name
         self.serving = False
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -75,7 +76,6 @@ class Gateway:
         self.pool.on_recovered = self.swaps.catch_up
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
-        self.discovery = None
         if self.settings.engine_discovery.dns_name:
             from rollout_gateway.engines.discovery import DnsDiscovery
 
@@ -137,7 +137,7 @@ class Gateway:
     async def stop(self) -> None:
         self.serving = False
         await self.history.stop()
-        if getattr(self, "discovery", None) is not None:
+        if self.discovery is not None:
             await self.discovery.stop()
         task, self._watch_task = self._watch_task, None
         if task is not None:

@@ -62,3 +62,20 @@ def test_discovery_settings_from_env(monkeypatch):
     monkeypatch.setenv("ROLLOUT_GATEWAY_ENGINE_DISCOVERY__SCHEME", "ftp")
     with pytest.raises(ValueError):
         GatewaySettings()
+
+
+def test_serve_discovers_engines_through_the_system_resolver(engine):
+    """`rollout-gateway serve` with only a DNS name: "localhost" through the system resolver
+    (as a pod resolves its headless Service), then a rollout through the found engine."""
+    import httpx
+    from _gateway_support import GatewayProcess, rollout
+
+    env = {"ROLLOUT_GATEWAY_ENGINE_DISCOVERY__DNS_NAME": "localhost",
+           "ROLLOUT_GATEWAY_ENGINE_DISCOVERY__PORT": str(engine.port),
+           "ROLLOUT_GATEWAY_ENGINE_DISCOVERY__INTERVAL_S": "1"}
+    with GatewayProcess({}, env=env) as gw:
+        engines = {e["id"]: e for e in httpx.get(gw.url + "/v1/engines").json()["engines"]}
+        assert engines["engine-127-0-0-1"]["state"] == "healthy"
+        assert engines["engine-127-0-0-1"]["url"] == f"http://127.0.0.1:{engine.port}"
+        body = rollout(gw.url, [1, 2, 3], max_new_tokens=4)
+        assert body["trajectories"][0]["segments"][0]["engine_id"] == "engine-127-0-0-1"
