@@ -77,8 +77,9 @@ class LagTracker:
 
 
 def in_flight_tokens(states) -> tuple[dict[int, int], int]:
-    """Tokens generated so far by running samples, per policy version; and the count of
-    samples."""
+    """Tokens generated so far by running samples, per policy version (finished engine
+    requests exactly; the request in flight as its incremental stream arrives, at the
+    version the engine reported with each chunk); and the count of samples."""
     cols = [p.cols.policy_version for s in states for p in s.pieces]
     out: dict[int, int] = {}
     if cols:
@@ -86,6 +87,9 @@ def in_flight_tokens(states) -> tuple[dict[int, int], int]:
         if len(pv):
             keys, counts = np.unique(pv, return_counts=True)
             add_counts(out, keys, counts)
+    for s in states:
+        for v, c in list(s.live.items()):
+            out[v] = out.get(v, 0) + c
     return out, len(states)
 
 

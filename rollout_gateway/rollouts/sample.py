@@ -70,6 +70,9 @@ class SampleState:
     prompt_ids: np.ndarray | None
     pieces: list[Piece] = field(default_factory=list)
     engine_id: str | None = None  # the engine of the request in flight (dashboards)
+    #: tokens of the request in flight so far by the version the engine reported with them
+    #: (incremental engine streams only; dashboards)
+    live: dict[int, int] = field(default_factory=dict)
 
     @property
     def generated(self) -> int:
@@ -143,7 +146,8 @@ class SampleRunner:
         return p
 
     async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
-                    on_delta=None, first=None) -> tuple[Decoded | None, GatewayError | None]:
+                    on_delta=None, first=None,
+                    on_tokens=None) -> tuple[Decoded | None, GatewayError | None]:
         """One engine request -> (decoded output so far, error). A broken stream keeps what
         arrived: the last cumulative chunk, or the merged deltas of an incremental stream.
         ``on_delta(d)`` (live streaming to a client) sees every chunk's new tokens."""
@@ -164,6 +168,8 @@ class SampleRunner:
                         first()
                         first = None
                     for d in sd.feed_payload(data):
+                        if on_tokens is not None and d.num_tokens:
+                            on_tokens(d)
                         if on_delta is not None and d.num_tokens:
                             await on_delta(d)
             except GatewayError as exc:
@@ -243,9 +249,19 @@ class SampleRunner:
             if attempts == 1 and self.on_first_token is not None:
                 def first(cb=self.on_first_token, t0=created) -> None:
                     cb(time.time() - t0)
-            async with self.pool.lease(eng, remaining):
-                dec, err = await self._call(eng, payload, decode_options(eng, self.settings),
-                                            on_delta, first)
+            state.live = {}
+
+            def on_tokens(d: Decoded, live=state.live, eng=eng) -> None:
+                v = d.weight_version if d.weight_version is not None else eng.version
+                if v is not None:
+                    live[v] = live.get(v, 0) + d.num_tokens
+            try:
+                async with self.pool.lease(eng, remaining):
+                    dec, err = await self._call(eng, payload,
+                                                decode_options(eng, self.settings), on_delta,
+                                                first, on_tokens)
+            finally:
+                state.live = {}
             t1 = time.time()
             if dec is not None and dec.num_tokens:
                 eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT

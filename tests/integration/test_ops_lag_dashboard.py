@@ -49,8 +49,10 @@ def ops(checkpoint_v1, checkpoint_v2):
     from learner_client import TrajectoryClient
     from rollout_gateway.reference_engine.launch import EngineProcess
 
-    with EngineProcess(checkpoint=checkpoint_v1, weight_version="0", step_delay_ms=25) as e0, \
-            EngineProcess(checkpoint=checkpoint_v1, weight_version="0", step_delay_ms=25) as e1, \
+    # incremental streams (as deploy/ runs SGLang): in-flight tokens are counted as they arrive
+    kw = {"checkpoint": checkpoint_v1, "weight_version": "0", "step_delay_ms": 25,
+          "incremental_streaming_output": True}
+    with EngineProcess(**kw) as e0, EngineProcess(**kw) as e1, \
             GatewayProcess({"e0": e0.url, "e1": e1.url},
                            env={"ROLLOUT_GATEWAY_LAG_HISTORY_INTERVAL_S": "0.2"}) as gw:
         results: list[dict] = []
@@ -59,8 +61,10 @@ def ops(checkpoint_v1, checkpoint_v2):
         for t in threads:
             t.start()
         # swap while tokens are in flight
-        _wait(lambda: httpx.get(gw.url + "/v1/lag").json()["in_flight"]
-              ["requests_by_engine_lag"], 60, "engine requests in flight")
+        first = _wait(lambda: (lambda r: r["in_flight"]["tokens"] and r)(
+            httpx.get(gw.url + "/v1/lag").json()), 60, "tokens in flight")
+        assert {b["lag"] for b in first["in_flight"]["buckets"]} == {0}
+        assert first["in_flight"]["requests_by_engine_lag"][0]["lag"] == 0
         r = httpx.post(gw.url + "/v1/weights", timeout=120,
                        json={"version": 1, "source": {"kind": "disk", "path": str(checkpoint_v2)},
                              "mode": "in_place"})
@@ -190,7 +194,7 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
 
     assert Path(CHROMIUM).exists(), "Debian chromium is missing: run scripts/ensure-chromium.sh"
     gw = ops["gw"]
-    # keep a rollout in flight while the page polls, so the in-flight chart has requests
+    # keep a rollout in flight while the page polls, so the in-flight charts have data
     bg = threading.Thread(target=lambda: _post_rollout(gw.url, [9, 9, 9], 1, 160, "bg"))
     bg.start()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -214,12 +218,14 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
                 page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1",
                                        timeout=30_000)
                 page.wait_for_function(
+                    "Number(document.getElementById('chart-inflight').dataset.marks) > 0 && "
                     "Number(document.getElementById('chart-inflight-requests').dataset.marks) > 0",
                     timeout=60_000)
                 marks = page.evaluate(
                     "() => Object.fromEntries([...document.querySelectorAll('svg.chart')]"
                     ".map(s => [s.id, Number(s.dataset.marks)]))")
-                for chart in ("chart-lag", "chart-versions", "chart-inflight-requests",
+                for chart in ("chart-lag", "chart-versions", "chart-inflight",
+                              "chart-inflight-requests",
                               "chart-unconsumed", "chart-delivered", "chart-pauses",
                               "chart-throughput"):
                     assert marks[chart] > 0, (chart, marks)

@@ -111,7 +111,7 @@ function pauseChart(svg, windows) {
   const rowH = (b.h - b.t - b.b) / done.length;
   const left = 110;
   done.forEach((w, i) => {
-    const wpx = (b.w - left - b.r) * w.seconds / xmax;
+    const wpx = (b.w - left - b.r - 48) * w.seconds / xmax;  // 48: room for the value
     const r = el("rect", { x: left, y: b.t + i * rowH + 2, width: Math.max(wpx, 1),
       height: rowH - 4, fill: w.engine === "*" ? "#6b7683" : "#ff7f0e",
       "data-value": w.seconds });
