@@ -113,6 +113,11 @@ class TrajectoryServicer:
         self.target_batch_bytes = min(target_batch_bytes, max_batch_bytes)
         self.max_read = max_read
         self.poll_ms = poll_ms
+        #: called with (entries, learner_version) for every batch sent (dashboards: lag
+        #: of delivered tokens); None: not observed
+        self.on_deliver = None
+        #: async () -> LagReport (the gateway's /v1/lag); fills Status.lag when set
+        self.lag_report = None
 
     def _is_admin(self, context) -> bool:
         if self.auth is None:
@@ -186,6 +191,16 @@ class TrajectoryServicer:
         return spb.NackResponse(requeued=requeued, dead_lettered=dead)
 
     @_unary
+    async def ExtendLease(self, request, context):
+        ids = _ids(request.entry_ids)
+        done = await self.store.extend(check_name("group", request.group),
+                                       check_name("consumer", request.consumer), ids)
+        kept = set(done)
+        return spb.ExtendLeaseResponse(extended=len(done),
+                                       lost=[i for i in ids if i not in kept],
+                                       lease_seconds=self.store.config.lease_seconds)
+
+    @_unary
     async def CreateGroup(self, request, context):
         created = await self.store.create_group(self._group(context, "group", request.group),
                                                 from_latest=request.from_latest)
@@ -199,15 +214,19 @@ class TrajectoryServicer:
             published=st.published, duplicates=st.duplicates, backlog=st.backlog,
             max_backlog=st.max_backlog, stale_dropped=st.stale_dropped,
             stale_masked=st.stale_masked, stale_recycled=st.stale_recycled,
-            dead_lettered=st.dead_lettered, redelivered=st.redelivered)
+            dead_lettered=st.dead_lettered, redelivered=st.redelivered,
+            lease_seconds=self.store.config.lease_seconds)
         if request.group:
             store.group_backlog = await self.store.group_backlog(
                 self._group(context, "group", request.group))
-        return spb.Status(
+        status = spb.Status(
             learner_version=cs.learner_version, max_engine_lag=cs.max_engine_lag,
             swap_in_progress=cs.swap_in_progress, store=store,
             engines=[spb.EngineVersion(engine_id=e.engine_id, version=e.version,
                                        healthy=e.healthy) for e in cs.engines])
+        if self.lag_report is not None:
+            status.lag.CopyFrom(lag_status(await self.lag_report()))
+        return status
 
     @_unary
     async def AnnounceVersion(self, request, context):
@@ -278,6 +297,8 @@ class _PullStream:
                     size += delivery_size(e)
                 if batch:
                     self.wake.set()  # room for the producer
+                    if self.svc.on_deliver is not None:
+                        self.svc.on_deliver(batch, self.version)
                     yield encode_batch(batch, self.credit.trajectories or 0,
                                        self.credit.tokens or 0)
                     continue
@@ -358,6 +379,32 @@ class _PullStream:
             log.warning("could not release %d held entries", len(ids))
 
 
+def _dist(d) -> spb.LagDistribution:
+    return spb.LagDistribution(buckets=[spb.LagBucket(lag=b.lag, tokens=b.tokens)
+                                        for b in d.buckets], tokens=d.tokens)
+
+
+def lag_status(rep) -> spb.LagStatus:
+    """rollout_gateway.observe.lag.LagReport -> rollout.v1.LagStatus."""
+    it, st = rep.intra_trajectory, rep.staleness
+    return spb.LagStatus(
+        replica=rep.replica,
+        engines=[spb.EngineLag(engine_id=e.id, state=e.state, version=e.version, lag=e.lag)
+                 for e in rep.engines],
+        in_flight=_dist(rep.in_flight), unconsumed=_dist(rep.unconsumed),
+        delivered=_dist(rep.delivered), in_flight_samples=rep.in_flight.samples,
+        trajectories_finished=it.trajectories,
+        trajectories_spanning_versions=it.spanning_versions, max_intra_lag=it.max_intra_lag,
+        tokens_after_switch=it.tokens_after_switch, tokens_on_stale_kv=it.tokens_on_stale_kv,
+        pause_windows=[spb.PauseWindow(swap_id=w.swap_id, version=w.version, mode=w.mode,
+                                       engine_id=w.engine, paused_at=w.paused_at,
+                                       resumed_at=w.resumed_at) for w in rep.pause_windows],
+        tokens_reprefilled=st.tokens_reprefilled, dropped_at_finish=st.at_finish_dropped,
+        masked_at_finish=st.at_finish_masked, recycled_at_finish=st.at_finish_recycled,
+        groups=[spb.GroupLag(group=g.group, backlog=g.backlog, pending=g.pending,
+                             redelivered=g.redelivered) for g in rep.groups])
+
+
 def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
     """Method handlers; Pull's responses are pre-encoded bytes (identity serializer)."""
     req = {m.name: m.input_type for m in spb.DESCRIPTOR.services_by_name[
@@ -377,7 +424,7 @@ def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
             servicer.WatchVersions, request_deserializer=des("WatchVersions"),
             response_serializer=ser),
     }
-    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion"):
+    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion", "ExtendLease"):
         handlers[name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=des(name), response_serializer=ser)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
