@@ -14,6 +14,7 @@ import os
 import pytest
 import schemathesis
 from _gateway_support import GatewayProcess
+from _support import PATIENT_HEALTH
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
@@ -30,7 +31,8 @@ SEEN: dict[tuple[str, str], collections.Counter] = collections.defaultdict(colle
 @pytest.fixture(scope="module")
 def fuzz_gateway(engine):
     # small enough that every valid case finishes quickly on the toy model
-    env = {"ROLLOUT_GATEWAY_ADMIN_API_KEY": ADMIN, "ROLLOUT_GATEWAY_CLIENT_API_KEY": CLIENT,
+    env = {**PATIENT_HEALTH,
+           "ROLLOUT_GATEWAY_ADMIN_API_KEY": ADMIN, "ROLLOUT_GATEWAY_CLIENT_API_KEY": CLIENT,
            "ROLLOUT_GATEWAY_MAX_NEW_TOKENS_LIMIT": "128",
            "ROLLOUT_GATEWAY_MAX_SAMPLES_PER_REQUEST": "2",
            "ROLLOUT_GATEWAY_MAX_PROMPT_TOKENS": "64", "ROLLOUT_GATEWAY_MAX_PROMPT_CHARS": "256",

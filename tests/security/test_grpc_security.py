@@ -13,6 +13,7 @@ import httpx
 import pytest
 from _certs import make_pki
 from _gateway_support import GatewayProcess
+from _support import PATIENT_HEALTH
 
 from learner_client import TrajectoryClient
 from learner_client.client import TlsOptions
@@ -63,7 +64,8 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gw(engine, pki):
-    env = {"ROLLOUT_GATEWAY_ADMIN_API_KEY": ADMIN, "ROLLOUT_GATEWAY_LEARNER_API_KEY": LEARNER,
+    env = {**PATIENT_HEALTH,
+           "ROLLOUT_GATEWAY_ADMIN_API_KEY": ADMIN, "ROLLOUT_GATEWAY_LEARNER_API_KEY": LEARNER,
            "ROLLOUT_GATEWAY_CLIENT_API_KEY": CLIENT,
            "ROLLOUT_GATEWAY_LEARNER_JOBS": json.dumps([{"token": JOB_A, "groups": ["job-a*"]}]),
            "ROLLOUT_GATEWAY_TLS_CERT_FILE": str(pki.server_cert),

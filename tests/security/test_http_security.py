@@ -11,6 +11,7 @@ import threading
 import httpx
 import pytest
 from _gateway_support import GatewayProcess
+from _support import PATIENT_HEALTH
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,7 @@ def h(token: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def gw(engine):
-    env = {**KEYS, "ROLLOUT_GATEWAY_MAX_BODY_BYTES": str(64 << 10),
+    env = {**PATIENT_HEALTH, **KEYS, "ROLLOUT_GATEWAY_MAX_BODY_BYTES": str(64 << 10),
            "ROLLOUT_GATEWAY_MAX_METADATA_BYTES": "1024"}
     with GatewayProcess({"e0": engine.url}, env=env) as g:
         yield g
@@ -142,7 +143,8 @@ def test_body_size_limits(gw):
 
 def test_pending_requests_are_bounded_with_retry_after(make_engine):
     slow = make_engine(seed=1, weight_version="0", step_delay_ms=40)
-    env = {"ROLLOUT_GATEWAY_MAX_PENDING_REQUESTS": "2", "ROLLOUT_GATEWAY_RETRY_AFTER_S": "3"}
+    env = {**PATIENT_HEALTH, "ROLLOUT_GATEWAY_MAX_PENDING_REQUESTS": "2",
+           "ROLLOUT_GATEWAY_RETRY_AFTER_S": "3"}
     with GatewayProcess({"e0": slow.url}, env=env) as g:
         body = {"input_ids": [1, 2],
                 "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
@@ -166,7 +168,7 @@ def test_pending_requests_are_bounded_with_retry_after(make_engine):
 
 
 def test_admission_429_carries_retry_after(engine):
-    env = {"ROLLOUT_GATEWAY_ADMISSION__MAX_CONCURRENT": "1"}
+    env = {**PATIENT_HEALTH, "ROLLOUT_GATEWAY_ADMISSION__MAX_CONCURRENT": "1"}
     with GatewayProcess({"e0": engine.url}, env=env) as g:
         r = httpx.post(g.url + "/v1/rollouts", json={**small(), "n": 2}, timeout=60)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
