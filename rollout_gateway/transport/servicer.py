@@ -20,7 +20,7 @@ from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import GatewayError, InvalidArgument, NotFound
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
 from rollout_gateway.transport.control import ControlPlane, WeightSource
-from rollout_gateway.transport.wire import delivery_size, encode_batch
+from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ def _unary(fn):
         except Exception as exc:  # noqa: BLE001 - the single translation point
             await _abort(context, exc)
     return wrapper
+
+
+def _size(e: StoredEntry) -> int:
+    return codec.delivery_size(e.entry_id, e.data)
 
 
 def _ids(ids) -> list[str]:
@@ -237,21 +241,22 @@ class _PullStream:
                 self.wake.clear()
                 if self.failure:
                     raise self.failure[0]
-                if self.held and delivery_size(self.held[0]) > self.svc.max_batch_bytes:
+                if self.held and _size(self.held[0]) > self.svc.max_batch_bytes:
                     await self.svc._reject_oversize(self.group, self._pop())
                     continue
                 batch, size = [], 0
                 while self.held and self.credit.fits(self.held[0]) and (
-                        not batch or size + delivery_size(self.held[0])
+                        not batch or size + _size(self.held[0])
                         <= self.svc.target_batch_bytes):
                     e = self._pop()
                     self.credit.take(e)
                     batch.append(e)
-                    size += delivery_size(e)
+                    size += _size(e)
                 if batch:
                     self.wake.set()  # room for the producer
-                    yield encode_batch(batch, self.credit.trajectories or 0,
-                                       self.credit.tokens or 0)
+                    yield codec.encode_batch(
+                        ((e.entry_id, e.delivery_count, e.masked, e.data) for e in batch),
+                        self.credit.trajectories or 0, self.credit.tokens or 0)
                     continue
                 if self.requests_done and (not self.credit.open() or self.drained):
                     return

@@ -5,12 +5,10 @@ import pytest
 import torch
 
 from learner_client.batch import collate
-from learner_client.wire import decode_delivery
-from rollout_gateway.store.base import StoredEntry
-from rollout_gateway.transport import codec
+from learner_client.wire import parse_batch
+from rollout_gateway.core import wire
 from rollout_gateway.transport.synthetic import make_trajectory
-from rollout_gateway.transport.wire import encode_batch
-from rollout_proto.rollout.v1 import service_pb2
+from rollout_proto import codec
 
 
 def rollouts(specs, masked=()):
@@ -19,10 +17,8 @@ def rollouts(specs, masked=()):
         tr = make_trajectory(f"t{i}", prompt_len=p, num_tokens=t, versions=versions,
                              num_layers=layers, top_k=2, num_experts=16, seed=i,
                              old_logprobs=(i == 0), reward=None if i == 1 else float(i))
-        entries.append(StoredEntry(str(i + 1), tr.trajectory_id, codec.encode(tr), p + t,
-                                   tr.min_version, tr.max_version, 1, masked=i in masked))
-    msg = service_pb2.Batch.FromString(encode_batch(entries, 0, 0))
-    return [decode_delivery(d) for d in msg.deliveries]
+        entries.append((str(i + 1), 1, i in masked, wire.encode(tr)))
+    return parse_batch(codec.encode_batch(entries, 0, 0))[0]
 
 
 SPECS = [(3, 5, (4, 6), 3), (2, 0, (6,), 3), (4, 7, (2, 5, 6), 3)]
