@@ -105,6 +105,10 @@ class GatewaySettings(BaseSettings):
     stream_from_engines: bool = Field(
         default=True, description="Read engine output as a stream so tokens generated before an "
         "engine dies are kept and resumed elsewhere (costs some parsing).")
+    fast_io: bool = Field(
+        default=True, description="Serve on the uvloop event loop with uvicorn's httptools "
+        "HTTP parser (both C; base dependencies). false: the stdlib asyncio loop and h11, "
+        "e.g. to compare (bench/bench_gateway.py measures both side by side).")
     health_interval_s: float = Field(default=2.0, gt=0, le=3600,
                                      description="Seconds between engine health probes.")
     unhealthy_after: int = Field(default=2, ge=1, le=100,

@@ -66,7 +66,8 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
                              default_policy=settings.admission.stale_policy)
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
-                            log_level="warning", lifespan="on", access_log=False)
+                            log_level="warning", lifespan="on", access_log=False,
+                            http="httptools" if _fast_io(settings) else "h11")
     server = uvicorn.Server(config)
     # we handle SIGTERM/SIGINT ourselves (health off, drain, then stop uvicorn)
     server.capture_signals = contextlib.nullcontext  # uvicorn >= 0.29
@@ -124,5 +125,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"gateway: http://{settings.http_host}:{http_port}  learner gRPC: "
               f"{settings.grpc_host}:{grpc_port}", flush=True)
 
-    asyncio.run(serve_async(settings, ready=ready))
+    if _fast_io(settings):
+        import uvloop
+
+        uvloop.run(serve_async(settings, ready=ready))
+    else:
+        asyncio.run(serve_async(settings, ready=ready))
     return 0
+
+
+def _fast_io(settings) -> bool:
+    """settings.fast_io, when uvloop and httptools are importable (base dependencies; a
+    platform without wheels falls back to asyncio + h11)."""
+    import importlib.util
+
+    return settings.fast_io and all(importlib.util.find_spec(m) is not None
+                                    for m in ("uvloop", "httptools"))
