@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from orjson import Fragment
 from pydantic import ValidationError
 
 from rollout_gateway.api.errors import ORJSONResponse
@@ -104,8 +105,10 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, c.token_ids.tolist())]
         meta["output_token_entropy"] = c.entropy
     if opts["routed"] and t.routed_experts is not None:
-        meta["routed_experts"] = b64encode(
-            np.ascontiguousarray(t.routed_experts.data, dtype="<i4")).decode()
+        # a pre-serialized JSON string (base64 needs no escaping): orjson copies the bytes
+        # as they are, instead of a bytes->str decode plus a re-scan of the multi-MB string
+        meta["routed_experts"] = Fragment(b'"%b"' % b64encode(
+            np.ascontiguousarray(t.routed_experts.data, dtype="<i4")))
     out: dict[str, Any] = {"text": text, "output_ids": c.token_ids, "meta_info": meta}
     if t.sample_index or opts.get("n", 1) > 1:
         out["index"] = index
