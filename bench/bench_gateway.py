@@ -317,7 +317,7 @@ _JSON = {"content-type": "application/json"}
 
 
 async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency: int,
-                duration: float) -> tuple[float, int, int]:
+                duration: float, rid: bool = True) -> tuple[float, int, int]:
     """Closed loop: ``concurrency`` workers post for ``duration`` s. (tok/s, ok, errors)."""
     import httpx
 
@@ -329,7 +329,7 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
         async def worker() -> None:
             nonlocal ok, err
             while time.perf_counter() < stop:
-                b = dict(body, rid=f"b{uuid.uuid4().hex[:12]}")
+                b = dict(body, rid=f"b{uuid.uuid4().hex[:12]}") if rid else body
                 try:
                     r = await client.post(url, content=orjson.dumps(b), headers=_JSON)
                 except httpx.HTTPError as exc:
@@ -418,14 +418,24 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
         for url, _ in targets.values():
             asyncio.run(_load(url + "/generate", topk, out, concurrency, warm))
         keys = [(b, t) for b in bodies for t in targets]
+        # /v1/rollouts on the default gateway: the gateway's own API (top-k from settings)
+        targets["v1/rollouts"] = targets["streamed"]
+        rollouts_body = {"input_ids": topk["input_ids"],
+                         "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
+                         "return_routed_experts": True}
+        keys.insert(len(targets) - 1, ("top-5 logprobs + routing", "v1/rollouts"))
         acc = {k: [0.0, 0, 0, 0.0] for k in keys}  # seconds, ok, errors, cpu
         for _ in range(rounds):
             for bname, name in keys:
                 url, proc = targets[name]
                 c0 = _cpu_seconds(proc.pid) if proc else 0.0
                 t0 = time.perf_counter()
-                _, ok, err = asyncio.run(_load(url + "/generate", bodies[bname], out,
-                                               concurrency, duration / rounds))
+                if name == "v1/rollouts":
+                    _, ok, err = asyncio.run(_load(url + "/v1/rollouts", rollouts_body, out,
+                                                   concurrency, duration / rounds, rid=False))
+                else:
+                    _, ok, err = asyncio.run(_load(url + "/generate", bodies[bname], out,
+                                                   concurrency, duration / rounds))
                 a = acc[(bname, name)]
                 a[0] += time.perf_counter() - t0
                 a[1] += ok
@@ -442,7 +452,8 @@ B_LABELS = {"direct": "direct to replay engine",
             "sglang-router": "SGLang's router (sglang-router, no stamping)",
             "streamed": "gateway /generate, engines read streamed (default)",
             "non-streamed": "gateway /generate, engines read non-streamed",
-            "streamed, asyncio+h11": "gateway /generate, streamed, fast_io off (asyncio + h11)"}
+            "streamed, asyncio+h11": "gateway /generate, streamed, fast_io off (asyncio + h11)",
+            "v1/rollouts": "gateway /v1/rollouts (default settings: streamed, top-5)"}
 
 
 def print_b(r: dict[str, Any], rep=None) -> None:
@@ -454,7 +465,7 @@ def print_b(r: dict[str, Any], rep=None) -> None:
         d = res[(bname, "direct")][0]
         label = f"[{bname}] {B_LABELS[name]}"
         line = f"  {label:70s} {tps / 1e3:8.1f}k tok/s  ({ok} requests, {err} errors)"
-        per_cpu = ok * r["out"] / cpu if cpu > 0 and name.startswith(("streamed", "non-")) \
+        per_cpu = ok * r["out"] / cpu if cpu > 0 and name.startswith(("streamed", "non-", "v1")) \
             else None
         if name != "direct":
             line += f"  ratio {tps / d if d else float('nan'):.3f}"
@@ -462,7 +473,7 @@ def print_b(r: dict[str, Any], rep=None) -> None:
             line += f"  {per_cpu / 1e3:.1f}k tok per gateway CPU-s"
         print(line)
         if rep is not None:
-            sec = f"B. end to end, /generate, {bname}"
+            sec = f"B. end to end, {bname}"
             label = B_LABELS[name]
             if name == "sglang-router" and "no routing" not in bname:
                 label += " [drops return_routed_experts: not like for like]"
@@ -472,6 +483,9 @@ def print_b(r: dict[str, Any], rep=None) -> None:
             if per_cpu:
                 rep.row("B. stamped output tokens per gateway CPU-second", f"[{bname}] "
                         + B_LABELS[name], per_cpu, "tok/CPU-s")
+            if name == "v1/rollouts":
+                rep.goal("gateway /v1/rollouts (default) vs direct /generate",
+                         tps / d if d else 0.0, 0.9)
             if name == "streamed":
                 rep.goal(f"gateway /generate ({bname}, default) vs direct",
                          tps / d if d else 0.0, 0.9)
