@@ -492,7 +492,7 @@ def print_b(r: dict[str, Any], rep=None) -> None:
                 rep.goal(f"stamped tok per gateway CPU-s e2e ({bname})", per_cpu or 0.0,
                          500_000, unit="tok/CPU-s")
     print(f"  gateway = stamped + published to the embedded store; all processes share "
-          f"{os.cpu_count()} cores (client, 2 gateways, replay engine)")
+          f"{os.cpu_count()} cores (client, 3 gateways, SGLang's router, replay engine)")
 
 
 def main(argv: list[str] | None = None) -> int:
