@@ -497,7 +497,7 @@ def print_b(r: dict[str, Any], rep=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="short run (fewer rounds, 3 s loads)")
+    ap.add_argument("--quick", action="store_true", help="short run (fewer rounds, 5 s loads)")
     ap.add_argument("--skip-e2e", action="store_true", help="part A only")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration", type=float, default=10.0)
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from _report import Report
 
-    duration = 3.0 if args.quick else args.duration
+    duration = 5.0 if args.quick else args.duration
     rep = Report("gateway", "Gateway: hot path and end to end (bench_gateway.py)",
                  concurrency=args.concurrency, seconds_per_target=duration,
                  prompt=args.prompt, output=args.out, routed_experts=f"{LAYERS}x{TOPK}")
