@@ -285,12 +285,18 @@ def _split(buf, start: int, end: int, plan: dict[int, tuple], cols: dict, rest: 
     i = start
     while i < end:
         first = i
-        key, i = _rd(buf, i)
+        key = buf[i]  # one-byte keys and lengths inline (the common case), varints otherwise
+        i += 1
+        if key >= 0x80:
+            key, i = _rd(buf, i - 1)
         wt, fno = key & 7, key >> 3
         if fno == 0:
             raise CodecError("field number 0")
         if wt == 2:
-            ln, i = _rd(buf, i)
+            ln = buf[i]
+            i += 1
+            if ln >= 0x80:
+                ln, i = _rd(buf, i - 1)
             stop = i + ln
             if stop > end:
                 raise CodecError("a length-delimited field runs past its message")
