@@ -36,7 +36,9 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     install_error_handlers(app)
     from rollout_gateway.api import routes
     from rollout_gateway.api.generate import router as generate_router
+    from rollout_gateway.api.openai import router as openai_router
 
-    for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router):
+    for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router,
+              openai_router):
         app.include_router(r)
     return app

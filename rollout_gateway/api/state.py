@@ -47,6 +47,9 @@ class Gateway:
         from rollout_gateway.swap.control import GatewayControlPlane
 
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
+        from rollout_gateway.sessions.manager import SessionManager
+
+        self.sessions = SessionManager(self)
         self.started_at = time.time()
         self.serving = False
         self._watch_task: asyncio.Task[None] | None = None
@@ -71,6 +74,7 @@ class Gateway:
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
         self.gatekeeper.start()
+        self.sessions.start()
         self.serving = True
 
     async def _follow_registry(self) -> None:
@@ -102,6 +106,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.serving = False
+        await self.sessions.stop()  # open sessions are published (ended_by=shutdown)
         task, self._watch_task = self._watch_task, None
         if task is not None:
             task.cancel()
