@@ -78,4 +78,9 @@ async def render(gw: Gateway) -> str:
         kind = "gauge" if k in ("running", "recycle_waiting") else "counter"
         name = f"rollout_gateway_admission_{k}" + ("" if kind == "gauge" else "_total")
         o.metric(name, kind, f"Admission control: {k.replace('_', ' ')} samples", [({}, v)])
+    for k, v in gw.sessions.counters.items():  # agent sessions (docs/agents.md)
+        o.metric(f"rollout_gateway_{k}_total", "counter", f"Agent sessions: {k.replace('_', ' ')}",
+                 [({}, v)])
+    o.metric("rollout_gateway_sessions_open", "gauge", "Agent sessions open now",
+             [({}, len(gw.sessions.sessions))])
     return "\n".join(o.lines) + "\n"
