@@ -170,7 +170,7 @@ class _TextStream:
         self.tpl = gw.sessions.template
         self.ids: list[int] = []
         self.sent = ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stops = [s for s in stops if s]
         self.hold_all = hold_all
 
     def feed(self, ids: list[int]) -> str:
@@ -179,12 +179,25 @@ class _TextStream:
             return ""
         body = [i for i in self.ids if i not in self.tpl.end_ids]
         text = self.tpl.decode(body, skip_special_tokens=True).rstrip("\ufffd")
-        if self.hold:
-            text = text[:max(0, len(text) - self.hold)]
+        text = self._settled(text)
         if len(text) > len(self.sent) and text.startswith(self.sent):
             out, self.sent = text[len(self.sent):], text
             return out
         return ""
+
+    def _settled(self, text: str) -> str:
+        """Cut at a complete stop string; hold back a suffix that may begin one."""
+        for s in self.stops:
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold]
 
     def finish(self, content: str) -> str:
         if content.startswith(self.sent):
