@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an engine to register (repeatable)")
     p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
     p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--chat-template", help="agent sessions: 'reference' (default) or a model / "
+                   "tokenizer directory with a chat template (docs/agents.md)")
+    p.add_argument("--served-model-name", help="model id of the OpenAI routes (default reference)")
     p.add_argument("--log-level", default="info")
 
 
@@ -36,7 +39,8 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
     over: dict[str, Any] = dict(extra)
     for attr, key in (("host", "http_host"), ("port", "http_port"), ("grpc_host", "grpc_host"),
                       ("grpc_port", "grpc_port"), ("store", "store_url"),
-                      ("registry", "registry_url")):
+                      ("registry", "registry_url"), ("chat_template", "chat_template"),
+                      ("served_model_name", "served_model_name")):
         v = getattr(args, attr, None)
         if v is not None:
             over[key] = v
@@ -124,5 +128,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gateway: http://{settings.http_host}:{http_port}  learner gRPC: "
               f"{settings.grpc_host}:{grpc_port}", flush=True)
 
-    asyncio.run(serve_async(settings, ready=ready))
+    try:
+        asyncio.run(serve_async(settings, ready=ready))
+    except GatewayError as exc:  # e.g. a chat template that cannot be loaded
+        print(f"rollout-gateway serve: {exc.message}")
+        return 2
     return 0
