@@ -94,6 +94,7 @@ class SessionManager:
                          "session_stale_dropped": 0, "rewards_attached": 0,
                          "rewards_missing": 0}
         self._sweeper: asyncio.Task[None] | None = None
+        self._pumps: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ----
 
@@ -198,10 +199,7 @@ class SessionManager:
             s.last_active = time.monotonic()
         try:
             if not stream:
-                try:
-                    pairs = await self.gw.rollouts.run_with_text(req)
-                except GatewayError:
-                    raise
+                pairs = await self.gw.rollouts.run_with_text(req)
                 return [await self._record(s, plan, extends, kind, plan_input, tools, i, t, parse_tools)
                         for i, (t, _text) in enumerate(pairs)]
             events = await self.gw.rollouts.open_stream(req)
@@ -246,14 +244,12 @@ class SessionManager:
                     s.last_active = time.monotonic()
                 await queue.put(None)
 
+        # held until done: if the client goes away, the pump still finishes the turn
         task = asyncio.get_running_loop().create_task(pump())
-        try:
-            while (ev := await queue.get()) is not None:
-                yield ev
-        finally:
-            if not task.done():
-                # the client went away: the pump finishes the turn on its own
-                task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+        while (ev := await queue.get()) is not None:
+            yield ev
 
     async def _record(self, s: Session | None, plan: Plan, extends: Branch | None, kind: str,
                       plan_input: Any, tools: Any, index: int, turn: Trajectory,

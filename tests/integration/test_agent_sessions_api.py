@@ -225,3 +225,72 @@ def test_bad_input_is_a_clear_4xx(gw):
                    json={"messages": good, "max_tokens": 2})
     assert r.status_code == 409
     assert httpx.get(u + "/v1/models/gpt-9").status_code == 404
+
+
+def test_open_sessions_are_published_on_shutdown(two_engines):
+    from _gateway_support import redis_urls
+
+    store, registry = redis_urls()
+    a, _ = two_engines
+    sid = f"sd-{uuid.uuid4().hex[:6]}"
+    with GatewayProcess({"e0": a.url}, store_url=store, registry_url=registry) as g:
+        r = httpx.post(g.url + "/v1/chat/completions", headers={"x-session-id": sid}, timeout=60,
+                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["rollout"]["token_ids"]
+        assert g.stop() == 0
+    with GatewayProcess({"e0": a.url}, store_url=store, registry_url=registry) as g2:
+        t = pull_until(g2, {f"{sid}.b0"})[f"{sid}.b0"]
+    assert t.metadata["session_ended_by"] == "shutdown" and t.token_ids.tolist() == ids
+
+
+def test_a_model_chat_template_through_serve(two_engines, tmp_path):
+    """``--chat-template DIR``: a real tokenizer + chat template loaded by transformers
+    (byte-level BPE built here with ``tokenizers``, no merges so its 259 ids fit the
+    reference model's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(["x"], trainers.BpeTrainer(
+        vocab_size=259, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() <= 259
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    a, _ = two_engines
+    sid = f"hf-{uuid.uuid4().hex[:6]}"
+    with GatewayProcess({"e0": a.url}, env={"ROLLOUT_GATEWAY_CHAT_TEMPLATE": str(tmp_path),
+                                            "ROLLOUT_GATEWAY_SERVED_MODEL_NAME": "tiny-chatml"}) as g:
+        import openai
+
+        c = openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny-chatml"]
+        m = [{"role": "user", "content": "hello"}]
+        r0 = c.chat.completions.create(model="tiny-chatml", messages=m, max_tokens=4,
+                                       extra_body={"session_id": sid})
+        m += [{"role": "assistant", "content": r0.choices[0].message.content},
+              {"role": "user", "content": "again"}]
+        r1 = c.chat.completions.create(model="tiny-chatml", messages=m, max_tokens=4,
+                                       extra_body={"session_id": sid})
+        assert r1.choices[0].model_extra["rollout"]["branched"] is None
+        httpx.post(g.url + f"/v1/sessions/{sid}/end", json={"reward": 1})
+        t = pull_until(g, {f"{sid}.b0"})[f"{sid}.b0"]
+    first = hf.apply_chat_template(m[:1], tokenize=False, add_generation_prompt=True)
+    assert t.prompt_token_ids.tolist() == hf.encode(first, add_special_tokens=False)
+    assert t.metadata["chat_template"] == f"hf:{tmp_path}"
+    t0, ctx, t1 = t.turns
+    out0 = r0.choices[0].model_extra["rollout"]["token_ids"]
+    assert t.token_ids[t0.start:t0.end].tolist() == out0
+    ctx_text = hf.decode(t.token_ids[ctx.start:ctx.end].tolist(), skip_special_tokens=False)
+    tail = "\n" if out0[-1] == hf.eos_token_id else "<|im_end|>\n"
+    assert ctx_text == tail + "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    assert t.token_ids[t1.start:t1.end].tolist() == r1.choices[0].model_extra["rollout"]["token_ids"]

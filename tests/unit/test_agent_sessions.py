@@ -359,3 +359,24 @@ def test_codec_learner_decode_and_collate_honour_the_mask():
     r = parse_batch(encode_batch([StoredEntry("2-0", "p", codec.encode(plain), 0, 0, 1)], 0, 0))[0][0]
     assert r.loss_mask is None and r.turns == []
     assert collate([r], 1).loss_mask[0, p:].sum() == t.num_tokens
+
+
+def test_streamed_text_never_sends_what_a_stop_string_will_cut():
+    from types import SimpleNamespace
+
+    from rollout_gateway.api.openai import _TextStream
+
+    gw = SimpleNamespace(sessions=SimpleNamespace(template=ReferenceTemplate()))
+    s = _TextStream(gw, ["bX", "zz"], hold_all=False)
+    assert s.feed(list(b"aab")) == "aa"  # "b" may begin "bX": held back
+    assert s.feed(list(b"X")) == ""  # the stop string completed: nothing past it
+    assert s.finish("aa") == ""
+    s = _TextStream(gw, ["bX"], hold_all=False)
+    assert s.feed(list(b"aab")) == "aa" and s.feed(list(b"c")) == "bc"
+    assert s.finish("aabc") == ""
+    # a partial UTF-8 character is not sent until complete; the end-of-turn id is not text
+    s = _TextStream(gw, [], hold_all=False)
+    assert s.feed([0xC3]) == "" and s.feed([0xA9, 257]) == "é"
+    # with tools the whole content comes at the end
+    s = _TextStream(gw, [], hold_all=True)
+    assert s.feed(list(b"abc")) == "" and s.finish("abc") == "abc"
