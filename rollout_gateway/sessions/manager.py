@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_gateway.core.trajectory import Trajectory
+from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.errors import (
     FailedPrecondition,
     GatewayError,
@@ -26,6 +26,7 @@ from rollout_gateway.errors import (
     ResourceExhausted,
 )
 from rollout_gateway.rollouts.models import RolloutRequest, SamplingParams
+from rollout_gateway.rollouts.sample import PREFERRED_ENGINE
 from rollout_gateway.sessions.messages import assistant_message
 from rollout_gateway.sessions.session import Branch, Call, Plan, plan_chat, plan_completion
 from rollout_gateway.sessions.templates import ChatTemplate, load_template, parse_tool_calls
@@ -198,8 +199,13 @@ class SessionManager:
             s.busy = True
             s.last_active = time.monotonic()
         try:
+            prefer = await self._preferred_engine(extends)
             if not stream:
-                pairs = await self.gw.rollouts.run_with_text(req)
+                token = PREFERRED_ENGINE.set(prefer)
+                try:
+                    pairs = await self.gw.rollouts.run_with_text(req)
+                finally:
+                    PREFERRED_ENGINE.reset(token)
                 return [await self._record(s, plan, extends, kind, plan_input, tools, i, t, parse_tools)
                         for i, (t, _text) in enumerate(pairs)]
             events = await self.gw.rollouts.open_stream(req)
@@ -208,15 +214,39 @@ class SessionManager:
                 s.busy = False
                 s.last_active = time.monotonic()
             raise
-        return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools)
+        return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools,
+                            prefer)
 
-    async def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools
-                      ) -> AsyncIterator[dict[str, Any]]:
+    async def _preferred_engine(self, branch: Branch | None) -> str | None:
+        """Follow-up turns: the engine that served the session's last turn (it holds the
+        prefix) while it is routable and its version is within the staleness bound of the
+        learner's; otherwise the freshest routable engine. None: plain sticky routing."""
+        if branch is None:
+            return None
+        last = next((x.engine_id for x in reversed(branch.segments)
+                     if x.began is not Transition.CONTEXT), None)
+        try:
+            lv = await self.gw.registry.learner_version()
+        except GatewayError:
+            return None
+        bound = self.gw.settings.admission.max_staleness
+        engines = {e.id: e for e in self.gw.pool.list() if e.routable and e.version is not None}
+        held = engines.get(last) if last else None
+        if held is not None and lv - held.version <= bound:
+            return held.id
+        fresh = [e for e in engines.values() if lv - e.version <= bound]
+        if not fresh:
+            return None
+        return max(fresh, key=lambda e: (e.version, -e.outstanding_requests)).id
+
+    async def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools,
+                      prefer) -> AsyncIterator[dict[str, Any]]:
         """The engine stream, consumed by a task (so a client that goes away still leaves a
         complete session behind); the HTTP response reads its queue."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
         async def pump() -> None:
+            PREFERRED_ENGINE.set(prefer)  # this task's own context
             try:
                 async for ev in events:
                     if ev["type"] == "chunk":

@@ -294,3 +294,38 @@ def test_a_model_chat_template_through_serve(two_engines, tmp_path):
     tail = "\n" if out0[-1] == hf.eos_token_id else "<|im_end|>\n"
     assert ctx_text == tail + "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
     assert t.token_ids[t1.start:t1.end].tolist() == r1.choices[0].model_extra["rollout"]["token_ids"]
+
+
+def test_follow_up_leaves_an_engine_outside_the_staleness_bound(make_engine, checkpoint_v2):
+    """Turns stay on the engine holding the session's prefix while its version is within
+    the bound; once the learner moved on and only another engine took the new version,
+    the next turn goes there (visible in its segments)."""
+    a, b = make_engine(seed=1), make_engine(seed=1)
+    sid = f"ver-{uuid.uuid4().hex[:6]}"
+    with GatewayProcess({"e0": a.url, "e1": b.url},
+                        env={"ROLLOUT_GATEWAY_ADMISSION__MAX_STALENESS": "0"}) as g:
+        def turn(m):
+            r = httpx.post(g.url + "/v1/chat/completions", headers={"x-session-id": sid},
+                           json={"messages": m, "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        m = [{"role": "user", "content": "hi"}]
+        c0 = turn(m)
+        held = c0["rollout"]["engine_ids"]
+        assert len(held) == 1
+        other = "e1" if held[0] == "e0" else "e0"
+        m += [{"role": "assistant", "content": c0["message"]["content"]},
+              {"role": "user", "content": "more"}]
+        c1 = turn(m)
+        assert c1["rollout"]["engine_ids"] == held  # the prefix's engine, version 0 is fine
+        sw = httpx.post(g.url + "/v1/weights", timeout=120, json={
+            "version": 1, "source": {"kind": "disk", "path": str(checkpoint_v2)},
+            "mode": "retract", "engines": [other]})
+        assert sw.status_code == 200, sw.text
+        m += [{"role": "assistant", "content": c1["message"]["content"]},
+              {"role": "user", "content": "and now"}]
+        c2 = turn(m)
+        assert c2["rollout"]["engine_ids"] == [other]
+        assert set(c2["rollout"]["policy_version"]) == {1}
+        assert c2["rollout"]["trajectory_id"] == f"{sid}.b0"  # same trajectory, new engine
