@@ -113,6 +113,10 @@ def test_agent_loop_across_a_hot_swap(make_engine, checkpoint_v1, checkpoint_v2,
                                            extra_headers={"x-session-id": SID})
         assert ei.value.status_code == 409 and "ended" in ei.value.message
 
+        # independent ground truth for the last turn (v1, one segment): the engine itself,
+        # asked directly for the same input and seed, samples the same ids
+        info = replies[3][1]
+        seq_before = tpl.encode(tpl.render(replies[0][0], tools=TOOLS, add_generation_prompt=True))
         lc = TrajectoryClient(f"127.0.0.1:{gw.grpc_port}", group="agent")
         try:
             lc.create_group()
@@ -123,6 +127,15 @@ def test_agent_loop_across_a_hot_swap(make_engine, checkpoint_v1, checkpoint_v2,
             lc.ack(got)
         finally:
             lc.close()
+
+    last = [t for t in r.turns if t.kind == "model"][3]
+    direct_in = np.concatenate([r.prompt_token_ids, r.token_ids[:last.start]]).tolist()
+    assert direct_in[:len(seq_before)] == seq_before
+    # (the engine process is still up: make_engine stops it at teardown)
+    d = httpx.post(eng.url + "/generate", timeout=120, json={
+        "input_ids": direct_in, "sampling_params": {"max_new_tokens": 16, "temperature": 1.0,
+                                                    "sampling_seed": 103}}).json()
+    assert d["output_ids"] == info["token_ids"]
 
     # ---- token by token ----
     assert r.reward == pytest.approx(0.75)
