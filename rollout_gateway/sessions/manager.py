@@ -239,10 +239,11 @@ class SessionManager:
             return None
         return max(fresh, key=lambda e: (e.version, -e.outstanding_requests)).id
 
-    async def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools,
-                      prefer) -> AsyncIterator[dict[str, Any]]:
-        """The engine stream, consumed by a task (so a client that goes away still leaves a
-        complete session behind); the HTTP response reads its queue."""
+    def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools,
+                prefer) -> AsyncIterator[dict[str, Any]]:
+        """The engine stream, consumed by a task started now (so a client that goes away, even
+        before the response body starts, still leaves a complete session behind and releases
+        the admission slot); the HTTP response reads its queue."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
         async def pump() -> None:
@@ -274,12 +275,15 @@ class SessionManager:
                     s.last_active = time.monotonic()
                 await queue.put(None)
 
-        # held until done: if the client goes away, the pump still finishes the turn
         task = asyncio.get_running_loop().create_task(pump())
-        self._pumps.add(task)
+        self._pumps.add(task)  # held until done
         task.add_done_callback(self._pumps.discard)
-        while (ev := await queue.get()) is not None:
-            yield ev
+
+        async def read() -> AsyncIterator[dict[str, Any]]:
+            while (ev := await queue.get()) is not None:
+                yield ev
+
+        return read()
 
     async def _record(self, s: Session | None, plan: Plan, extends: Branch | None, kind: str,
                       plan_input: Any, tools: Any, index: int, turn: Trajectory,
