@@ -380,3 +380,109 @@ def test_streamed_text_never_sends_what_a_stop_string_will_cut():
     # with tools the whole content comes at the end
     s = _TextStream(gw, [], hold_all=True)
     assert s.feed(list(b"abc")) == "" and s.finish("abc") == "abc"
+
+
+# ---- the session manager: ending, rewards, idle timeout, stale turns (no engine) ----
+
+class _GW:
+    """The parts of the Gateway the manager touches when ending sessions."""
+
+    def __init__(self, **settings):
+        from rollout_gateway.settings import GatewaySettings
+        from rollout_gateway.store.memory import MemoryStore
+
+        self.settings = GatewaySettings(**settings)
+        self.store = MemoryStore()
+
+
+def _manager(**settings):
+    from rollout_gateway.sessions.manager import Session, SessionManager
+
+    gw = _GW(**settings)
+    mgr = SessionManager(gw)
+    tpl = mgr.template
+    m0 = [{"role": "user", "content": "q"}]
+
+    def open_session(sid, verdict=""):
+        b, _ = record(tpl, None, plan_chat(tpl, None, m0, None), m0, [ord("a"), ord("b"), 257])
+        b.trajectory_id = f"{sid}.b0"
+        if verdict:
+            b.stale_verdict = verdict
+        mgr.sessions[sid] = Session(sid, branch=b, branches=1)
+
+    return gw, mgr, open_session
+
+
+async def _stored(gw) -> dict:
+    from rollout_gateway.transport import codec
+
+    import uuid
+
+    g = f"g{uuid.uuid4().hex[:8]}"  # a fresh group sees everything stored
+    await gw.store.create_group(g)
+    return {e.trajectory_id: codec.decode(e.data) for e in await gw.store.read(g, "c", 100)}
+
+
+async def test_manager_end_reward_later_and_errors():
+    from rollout_gateway.errors import FailedPrecondition, NotFound
+
+    gw, mgr, open_session = _manager(session_reward_wait_s=30)
+    open_session("a")
+    open_session("b")
+    res = await mgr.end("a", 2.0, await_reward=False)
+    assert res["published"] and res["trajectory_id"] == "a.b0"
+    with pytest.raises(FailedPrecondition):
+        await mgr.end("a", None, await_reward=False)
+    with pytest.raises(FailedPrecondition):  # a call after the end
+        mgr._session("a")
+    with pytest.raises(NotFound):
+        await mgr.end("zzz", None, await_reward=False)
+    held = await mgr.end("b", None, await_reward=True)
+    assert held["published"] is False and held["awaiting_reward"]
+    assert "b.b0" not in await _stored(gw)
+    with pytest.raises(FailedPrecondition):  # published already, without a reward
+        await mgr.attach_reward("a.b0", 1.0)
+    with pytest.raises(NotFound):
+        await mgr.attach_reward("nope", 1.0)
+    assert (await mgr.attach_reward("b.b0", -1.0))["published"]
+    got = await _stored(gw)
+    assert got["a.b0"].reward == 2.0 and got["b.b0"].reward == -1.0
+    assert got["a.b0"].loss_mask.tolist() == [1, 1, 1]
+    assert mgr.counters["rewards_attached"] == 1
+
+
+async def test_manager_idle_timeout_reward_wait_and_stale_drop():
+    import time
+
+    gw, mgr, open_session = _manager(session_idle_timeout_s=5, session_reward_wait_s=5)
+    open_session("idle")
+    open_session("fresh")
+    open_session("stale", verdict="drop")
+    mgr.sessions["idle"].last_active = time.monotonic() - 10
+    await mgr.end("fresh", None, await_reward=True)
+    mgr.held["fresh.b0"] = (mgr.held["fresh.b0"][0], time.monotonic() - 1)  # wait is over
+    res = await mgr.end("stale", 1.0, await_reward=False)
+    assert res["published"] is False and "staleness" in res["reason"]
+    await mgr.sweep()
+    got = await _stored(gw)
+    assert got["idle.b0"].metadata["session_ended_by"] == "idle_timeout"
+    assert got["fresh.b0"].metadata["reward"] == "missing" and got["fresh.b0"].reward is None
+    assert "stale.b0" not in got
+    assert mgr.counters["sessions_idle_ended"] == 1 and mgr.counters["session_stale_dropped"] == 1
+    assert "idle" not in mgr.sessions and mgr.ended["idle"] == "idle_timeout"
+
+
+def test_stale_masked_turn_ranges_move_to_session_positions():
+    tpl = ReferenceTemplate()
+    m0 = [{"role": "user", "content": "q"}]
+    p0 = plan_chat(tpl, None, m0, None)
+    b, c0 = record(tpl, None, p0, m0, [ord("a"), 257])
+    m1 = m0 + [{"role": "assistant", "content": c0}, {"role": "user", "content": "r"}]
+    p1 = plan_chat(tpl, b, m1, None)
+    turn = turn_traj(b.sequence().tolist() + p1.context_ids, [1, 2, 3], version=0)
+    turn.metadata.update({"stale_verdict": "mask", "stale_masked_tokens": "0-2"})
+    b.add_turn(p1.context_ids, turn)
+    t = b.trajectory(session_id="s", ended_by="end", reward=None, template="reference")
+    base = 2 + len(p1.context_ids)
+    assert t.metadata["stale_verdict"] == "mask"
+    assert t.metadata["stale_masked_tokens"] == f"{base}-{base + 2}"
