@@ -58,6 +58,9 @@ class _Common(BaseModel):
         return v
 
     def sampling(self, max_new: int, limit: int) -> SamplingParams:
+        if self.seed is not None and self.n > 1:
+            raise InvalidArgument("seed with n > 1 would give n identical choices (one seed "
+                                  "per engine request); send n requests with different seeds")
         if max_new > limit:
             raise InvalidArgument(f"max_tokens={max_new} exceeds the limit of {limit}")
         kw: dict[str, Any] = {"max_new_tokens": max_new}
@@ -226,7 +229,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         raise InvalidArgument("max_tokens and max_completion_tokens differ")
     max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     sp = req.sampling(max_new, gw.settings.max_new_tokens_limit)
-    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    parse_tools: bool | int = bool(req.tools) and req.tool_choice != "none"
+    if parse_tools and req.parallel_tool_calls is False:
+        parse_tools = 1  # at most one call; later blocks stay in the content
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     out = await gw.sessions.call(sid=sid, kind="chat", plan_input=messages, tools=req.tools,
                                  sp=sp, n=req.n, parse_tools=parse_tools, stream=req.stream)

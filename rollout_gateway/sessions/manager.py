@@ -177,10 +177,11 @@ class SessionManager:
         return seq[:plan.prefix_len].tolist() + list(plan.context_ids), None
 
     async def call(self, *, sid: str | None, kind: str, plan_input: Any, tools: Any,
-                   sp: SamplingParams, n: int, parse_tools: bool, stream: bool = False
+                   sp: SamplingParams, n: int, parse_tools: bool | int, stream: bool = False
                    ) -> list[Reply] | AsyncIterator[dict[str, Any]]:
         """One chat (``kind='chat'``, ``plan_input`` = canonical messages) or completion
-        (``plan_input`` = prompt text or ids) call. With ``stream``, an async iterator of
+        (``plan_input`` = prompt text or ids) call. ``parse_tools``: False, True, or the
+        most tool calls to parse (1 for ``parallel_tool_calls: false``). With ``stream``, an async iterator of
         ``{"type": "delta" | "reply" | "error", ...}`` events (errors before the first
         event raise here)."""
         s = self._session(sid)
@@ -304,7 +305,8 @@ class SessionManager:
         content = _content(self.template, ids, turn.finish_reason)
         calls: list[dict[str, Any]] = []
         if parse_tools:
-            content, calls = parse_tool_calls(content, len(extends.calls) if extends else 0)
+            content, calls = parse_tool_calls(content, len(extends.calls) if extends else 0,
+                                              None if parse_tools is True else int(parse_tools))
         finish = {"length": "length"}.get(turn.finish_reason.type, "stop")
         if calls:
             finish = "tool_calls"

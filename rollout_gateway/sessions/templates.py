@@ -65,14 +65,18 @@ def tool_call_text(call: dict[str, Any]) -> str:
                                       ensure_ascii=False) + "</tool_call>"
 
 
-def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, turn: int, limit: int | None = None
+                     ) -> tuple[str, list[dict[str, Any]]]:
     """Hermes-style ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks in the
     model's text -> (content without them, OpenAI ``tool_calls``). Blocks that are not valid
-    JSON with a string ``name`` stay in the content (the model's text, unchanged)."""
+    JSON with a string ``name`` stay in the content (the model's text, unchanged), and so
+    do blocks past ``limit`` calls (``parallel_tool_calls: false`` -> 1)."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     pos = 0
     for m in _TOOL_CALL.finditer(text):
+        if limit is not None and len(calls) >= limit:
+            break
         try:
             obj = json.loads(m.group(1))
         except ValueError:

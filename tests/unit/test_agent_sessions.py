@@ -133,6 +133,11 @@ def test_tool_call_parsing():
                       "function": {"name": "calc", "arguments": '{"x": 1}'}}]
     assert parse_tool_calls("<tool_call>not json</tool_call>", 0) == (
         "<tool_call>not json</tool_call>", [])
+    two = '<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    assert [c["function"]["name"] for c in parse_tool_calls(two, 0)[1]] == ["a", "b"]
+    content, calls = parse_tool_calls(two, 0, limit=1)  # parallel_tool_calls: false
+    assert [c["function"]["name"] for c in calls] == ["a"]
+    assert content == '<tool_call>{"name": "b"}</tool_call>'
 
 
 # ---- reference template ----
