@@ -46,7 +46,15 @@ class Timeouts(BaseModel):
 
     connect_s: float = Field(default=5.0, gt=0, le=300, description="TCP connect to an engine.")
     generate_s: float = Field(default=600.0, gt=0, le=86400,
-                              description="Max silence while reading a /generate response.")
+                              description="Max wait for a non-streamed /generate answer.")
+    first_byte_s: float = Field(
+        default=300.0, gt=0, le=86400, description="Streamed /generate: max wait for the "
+        "response head and for the first chunk (queueing + prefill). Waived while the engine "
+        "is paused for a swap.")
+    stream_idle_s: float = Field(
+        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence between "
+        "two chunks; past it the request moves to another engine from its partial output. "
+        "Waived while the engine is paused for a swap.")
     control_s: float = Field(default=30.0, gt=0, le=3600,
                              description="pause / continue / abort / info calls.")
     weight_load_s: float = Field(default=600.0, gt=0, le=86400,
@@ -60,11 +68,43 @@ class Timeouts(BaseModel):
                                "(back) into rotation before failing with 503.")
 
 
-class ModelShape(BaseModel):
-    """MoE shape of the served model, needed to reshape routed experts.
+class CircuitBreaker(BaseModel):
+    """Per-engine circuit breaker: ``failures`` engine requests failing in a row open it;
+    the engine then stays out of rotation for ``cooldown_s`` (doubling on each trip in a
+    row, up to ``max_cooldown_s``) even if its health probe answers. After the cooldown one
+    more failure opens it again; a success closes it. An engine that fails its health
+    probes has its in-flight requests broken off at once (they resume elsewhere)."""
 
-    Left unset, the gateway asks each engine (``/model_info`` fields ``num_hidden_layers``,
-    ``num_experts_per_tok``, ``num_experts``) and skips routed experts if it cannot tell."""
+    failures: int = Field(default=3, ge=1, le=1000,
+                          description="Consecutive failed engine requests that open it.")
+    cooldown_s: float = Field(default=5.0, gt=0, le=3600,
+                              description="Out of rotation after the first trip.")
+    max_cooldown_s: float = Field(default=300.0, gt=0, le=86400,
+                                  description="Cap of the doubling cooldown.")
+
+
+class RedisPool(BaseModel):
+    """Redis connections of the store and the registry (each has its own pool)."""
+
+    max_connections: int = Field(default=256, ge=4, le=100_000,
+                                 description="Connections per pool at most.")
+    wait_s: float = Field(default=20.0, gt=0, le=3600, description="How long a call waits "
+                          "for a free connection when all are busy before failing (503).")
+    version_cache_s: float = Field(default=0.25, ge=0, le=60, description="How long the "
+                                   "learner version read from the registry is reused "
+                                   "(this replica's own swaps update it at once).")
+
+
+class ModelShape(BaseModel):
+    """MoE shape of the served model, needed to reshape and check routed experts.
+
+    Each field left unset comes from the engine: the Hugging Face ``config.json`` under the
+    ``model_path`` its ``/model_info`` reports (when readable from the gateway, e.g. a
+    shared mount), or the reference engine's ``model_config``. Set fields win. When the
+    shape stays unknown, a request that asks for routing fails with 409 naming these
+    settings (logged once per engine at registration); every ``routed_experts`` payload is
+    checked against the shape (rows x layers x top_k ids), a mismatch is an engine error.
+    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``."""
 
     num_layers: int | None = Field(default=None, ge=1, le=1024, description="Model layers.")
     top_k: int | None = Field(default=None, ge=1, le=256, description="Experts per token.")
@@ -114,8 +154,13 @@ class GatewaySettings(BaseSettings):
     sticky_imbalance: int = Field(
         default=8, ge=0, le=1_000_000, description="Sticky routing yields to least-load when the "
         "sticky engine has this many more outstanding requests than the least loaded one.")
-    model: ModelShape = Field(default_factory=ModelShape, description="MoE shape (optional).")
+    model: ModelShape = Field(default_factory=ModelShape, description="MoE shape; overrides "
+                              "what engines' config.json says (ROLLOUT_GATEWAY_MODEL__*).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
+    redis: RedisPool = Field(default_factory=RedisPool,
+                             description="Redis connection pools (store and registry).")
+    breaker: CircuitBreaker = Field(default_factory=CircuitBreaker,
+                                    description="Per-engine circuit breaker.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
                                  description="On SIGTERM: seconds to let in-flight rollouts finish.")
     # ---- agent sessions (/v1/chat/completions, /v1/completions; docs/agents.md) ----

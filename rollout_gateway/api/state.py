@@ -32,11 +32,16 @@ class Gateway:
         if store is None:
             from rollout_gateway.store.factory import store_from_url
 
-            store = store_from_url(settings.store_url)
+            store = store_from_url(settings.store_url,
+                                   max_connections=settings.redis.max_connections,
+                                   pool_wait_s=settings.redis.wait_s)
         if registry is None:
             from rollout_gateway.registry import create_registry
 
-            registry = create_registry(settings.registry_url)
+            registry = create_registry(settings.registry_url,
+                                       max_connections=settings.redis.max_connections,
+                                       pool_wait_s=settings.redis.wait_s,
+                                       version_cache_s=settings.redis.version_cache_s)
         self.store = store
         self.registry = registry
         self.pool = EnginePool(settings)

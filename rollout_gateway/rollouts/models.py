@@ -34,6 +34,11 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(default=False, description="Keep generating past EOS.")
     skip_special_tokens: bool = Field(default=True, description="Detokenizer option.")
     sampling_seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    no_stop_trim: bool = Field(default=False, description="Keep the matched stop string/token "
+                               "in the text (slime sends true).")
+    spaces_between_special_tokens: bool = Field(default=True, description="Detokenizer option.")
+    custom_params: dict[str, Any] | None = Field(
+        default=None, description="Passed to the engine's custom logit processor, if any.")
 
     def to_engine(self, remaining: int) -> dict[str, Any]:
         """Only the keys the caller set (plus max_new_tokens = what is left)."""
@@ -64,7 +69,10 @@ class RolloutRequest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict, description="Stored with each trajectory.")
     stream: bool = Field(default=False, description="Server-sent events of stamped chunks.")
     publish: bool = Field(default=True, description="Publish finished trajectories to the store.")
-    return_routed_experts: bool = Field(default=True, description="Ask engines for MoE routing.")
+    return_routed_experts: bool | None = Field(
+        default=None, description="MoE routing per token. true: required (the request fails "
+        "with 409 naming what to configure when the engine cannot give it); null (default): "
+        "included whenever the engine can give it; false: never asked for.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:

@@ -200,23 +200,24 @@ class SessionManager:
             s.busy = True
             s.last_active = time.monotonic()
         try:
-            prefer = await self._preferred_engine(extends)
-            if not stream:
-                token = PREFERRED_ENGINE.set(prefer)
-                try:
+            # the sample tasks (created inside run_with_text / open_stream) inherit it
+            token = PREFERRED_ENGINE.set(await self._preferred_engine(extends))
+            try:
+                if not stream:
                     pairs = await self.gw.rollouts.run_with_text(req)
-                finally:
-                    PREFERRED_ENGINE.reset(token)
-                return [await self._record(s, plan, extends, kind, plan_input, tools, i, t, parse_tools)
-                        for i, (t, _text) in enumerate(pairs)]
-            events = await self.gw.rollouts.open_stream(req)
+                else:
+                    events = await self.gw.rollouts.open_stream(req)
+            finally:
+                PREFERRED_ENGINE.reset(token)
+            if not stream:
+                return [await self._record(s, plan, extends, kind, plan_input, tools, i, t,
+                                           parse_tools) for i, (t, _text) in enumerate(pairs)]
         except BaseException:
             if s is not None:
                 s.busy = False
                 s.last_active = time.monotonic()
             raise
-        return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools,
-                            prefer)
+        return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools)
 
     async def _preferred_engine(self, branch: Branch | None) -> str | None:
         """Follow-up turns: the engine that served the session's last turn (it holds the
@@ -240,15 +241,14 @@ class SessionManager:
             return None
         return max(fresh, key=lambda e: (e.version, -e.outstanding_requests)).id
 
-    def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools,
-                prefer) -> AsyncIterator[dict[str, Any]]:
+    def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools
+                ) -> AsyncIterator[dict[str, Any]]:
         """The engine stream, consumed by a task started now (so a client that goes away, even
         before the response body starts, still leaves a complete session behind and releases
         the admission slot); the HTTP response reads its queue."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
         async def pump() -> None:
-            PREFERRED_ENGINE.set(prefer)  # this task's own context
             try:
                 async for ev in events:
                     if ev["type"] == "chunk":

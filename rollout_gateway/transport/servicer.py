@@ -159,6 +159,16 @@ class TrajectoryServicer:
         return spb.NackResponse(requeued=requeued, dead_lettered=dead)
 
     @_unary
+    async def ExtendLease(self, request, context):
+        ids = _ids(request.entry_ids)
+        done = await self.store.extend(check_name("group", request.group),
+                                       check_name("consumer", request.consumer), ids)
+        kept = set(done)
+        return spb.ExtendLeaseResponse(extended=len(done),
+                                       lost=[i for i in ids if i not in kept],
+                                       lease_seconds=self.store.config.lease_seconds)
+
+    @_unary
     async def CreateGroup(self, request, context):
         created = await self.store.create_group(check_name("group", request.group),
                                                 from_latest=request.from_latest)
@@ -172,7 +182,8 @@ class TrajectoryServicer:
             published=st.published, duplicates=st.duplicates, backlog=st.backlog,
             max_backlog=st.max_backlog, stale_dropped=st.stale_dropped,
             stale_masked=st.stale_masked, stale_recycled=st.stale_recycled,
-            dead_lettered=st.dead_lettered, redelivered=st.redelivered)
+            dead_lettered=st.dead_lettered, redelivered=st.redelivered,
+            lease_seconds=self.store.config.lease_seconds)
         if request.group:
             store.group_backlog = await self.store.group_backlog(check_name("group", request.group))
         return spb.Status(
@@ -349,7 +360,7 @@ def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
             servicer.WatchVersions, request_deserializer=des("WatchVersions"),
             response_serializer=ser),
     }
-    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion"):
+    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion", "ExtendLease"):
         handlers[name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=des(name), response_serializer=ser)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
