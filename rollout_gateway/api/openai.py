@@ -49,6 +49,19 @@ class _Common(BaseModel):
     user: str | None = None
     session_id: str | None = Field(default=None, description="Session id (extra_body); the "
                                    "x-session-id header does the same.")
+    group_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,200}$",
+                                 description="Group of the trajectory (GRPO: sessions of one "
+                                 "task); default: the session id.")
+    metadata: dict[str, str] | None = Field(default=None, description="Stored with the "
+                                            "trajectory (up to 16 keys).")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512
+                                                 for k, x in v.items())):
+            raise ValueError("metadata: at most 16 keys of <= 64 characters, values <= 512")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -234,7 +247,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         parse_tools = 1  # at most one call; later blocks stay in the content
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     out = await gw.sessions.call(sid=sid, kind="chat", plan_input=messages, tools=req.tools,
-                                 sp=sp, n=req.n, parse_tools=parse_tools, stream=req.stream)
+                                 sp=sp, n=req.n, parse_tools=parse_tools, stream=req.stream,
+                                 group_id=req.group_id, metadata=req.metadata)
     if not req.stream:
         replies: list[Reply] = out  # type: ignore[assignment]
         choices = []
@@ -329,7 +343,8 @@ async def completions(req: CompletionRequest, request: Request,
     tpl = gw.sessions.template
     want_lp = req.logprobs is not None
     out = await gw.sessions.call(sid=sid, kind="completion", plan_input=prompt, tools=None,
-                                 sp=sp, n=req.n, parse_tools=False, stream=req.stream)
+                                 sp=sp, n=req.n, parse_tools=False, stream=req.stream,
+                                 group_id=req.group_id, metadata=req.metadata)
 
     def lp_obj(ids: np.ndarray, lps: np.ndarray) -> dict[str, Any]:
         toks = [tpl.token_text(i) for i in ids.tolist()]

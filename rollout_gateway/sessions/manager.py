@@ -45,6 +45,7 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     busy: bool = False
     published: list[str] = field(default_factory=list)
+    group_id: str | None = None
 
 
 @dataclass
@@ -177,7 +178,8 @@ class SessionManager:
         return seq[:plan.prefix_len].tolist() + list(plan.context_ids), None
 
     async def call(self, *, sid: str | None, kind: str, plan_input: Any, tools: Any,
-                   sp: SamplingParams, n: int, parse_tools: bool | int, stream: bool = False
+                   sp: SamplingParams, n: int, parse_tools: bool | int, stream: bool = False,
+                   group_id: str | None = None, metadata: dict[str, str] | None = None
                    ) -> list[Reply] | AsyncIterator[dict[str, Any]]:
         """One chat (``kind='chat'``, ``plan_input`` = canonical messages) or completion
         (``plan_input`` = prompt text or ids) call. ``parse_tools``: False, True, or the
@@ -188,6 +190,13 @@ class SessionManager:
         if s is not None and n != 1:
             raise InvalidArgument("n > 1 in a session: a session continues one reply; use n=1 "
                                   "or leave out the session id")
+        if s is not None and group_id is not None:
+            if s.group_id is not None and s.group_id != group_id:
+                raise InvalidArgument(f"session {sid!r} is in group {s.group_id!r}, not "
+                                      f"{group_id!r}")
+            s.group_id = group_id
+        tag = {"group_id": (s.group_id if s is not None else group_id) or "",
+               "metadata": dict(metadata or {})}
         if kind == "chat":
             plan = plan_chat(self.template, s.branch if s else None, plan_input, tools)
         else:
@@ -211,13 +220,13 @@ class SessionManager:
                 PREFERRED_ENGINE.reset(token)
             if not stream:
                 return [await self._record(s, plan, extends, kind, plan_input, tools, i, t,
-                                           parse_tools) for i, (t, _text) in enumerate(pairs)]
+                                           parse_tools, tag) for i, (t, _text) in enumerate(pairs)]
         except BaseException:
             if s is not None:
                 s.busy = False
                 s.last_active = time.monotonic()
             raise
-        return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools)
+        return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools, tag)
 
     async def _preferred_engine(self, branch: Branch | None) -> str | None:
         """Follow-up turns: the engine that served the session's last turn (it holds the
@@ -241,7 +250,7 @@ class SessionManager:
             return None
         return max(fresh, key=lambda e: (e.version, -e.outstanding_requests)).id
 
-    def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools
+    def _stream(self, s, plan, extends, kind, plan_input, tools, events, parse_tools, tag
                 ) -> AsyncIterator[dict[str, Any]]:
         """The engine stream, consumed by a task started now (so a client that goes away, even
         before the response body starts, still leaves a complete session behind and releases
@@ -258,7 +267,7 @@ class SessionManager:
                         try:
                             reply = await self._record(s, plan, extends, kind, plan_input, tools,
                                                        ev["sample_index"], ev["trajectory"],
-                                                       parse_tools)
+                                                       parse_tools, tag)
                         except GatewayError as exc:
                             await queue.put({"type": "error", "index": ev["sample_index"],
                                              "error": exc.to_dict()})
@@ -288,19 +297,19 @@ class SessionManager:
 
     async def _record(self, s: Session | None, plan: Plan, extends: Branch | None, kind: str,
                       plan_input: Any, tools: Any, index: int, turn: Trajectory,
-                      parse_tools: bool) -> Reply:
+                      parse_tools: bool | int, tag: dict[str, Any]) -> Reply:
         """Append one finished call to its branch (a new one if needed); publish at once
         when there is no session."""
         try:
             return await self._record_inner(s, plan, extends, kind, plan_input, tools, index,
-                                            turn, parse_tools)
+                                            turn, parse_tools, tag)
         finally:
             if s is not None:
                 s.busy = False
                 s.last_active = time.monotonic()
 
     async def _record_inner(self, s, plan, extends, kind, plan_input, tools, index, turn,
-                            parse_tools) -> Reply:
+                            parse_tools, tag) -> Reply:
         ids = turn.tokens.token_ids
         content = _content(self.template, ids, turn.finish_reason)
         calls: list[dict[str, Any]] = []
@@ -337,6 +346,9 @@ class SessionManager:
             if s is not None:
                 s.branch = branch
                 s.branches += 1
+        branch.group_id = tag["group_id"]
+        branch.metadata.update({k: v for k, v in tag["metadata"].items()  # the caller's
+                                if k not in ("branched_from", "branch_reason")})
         seq_len = int(branch.prompt_ids.shape[0]) + branch.output_len
         reply_msg = assistant_message(content, calls)
         if kind == "chat":

@@ -89,6 +89,7 @@ class Branch:
     stale_verdict: str = ""
     stale_ranges: list[str] = field(default_factory=list)
     output_len: int = 0
+    group_id: str = ""  # the caller's group (GRPO); default: the session id
 
     def sequence(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, *(c.token_ids for c in self.cols)]).astype(np.int32)
@@ -165,7 +166,7 @@ class Branch:
             trajectory_id=self.trajectory_id, prompt_token_ids=self.prompt_ids,
             tokens=TokenColumns.concat(self.cols), segments=list(self.segments),
             finish_reason=self.finish or FinishReason(type="abort", message="no model turn"),
-            group_id=session_id, entropy_kind=self.entropy_kind,
+            group_id=self.group_id or session_id, entropy_kind=self.entropy_kind,
             entropy_error_bound=self.entropy_bound if self.entropy_kind is EntropyKind.TOPK_ESTIMATE else 0.0,
             routed_experts=routed, created_at=self.created_at, finished_at=time.time(),
             metadata=md, reward=reward,

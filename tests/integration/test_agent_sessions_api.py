@@ -100,7 +100,7 @@ def test_edited_history_starts_a_counted_branch(gw, oai):
 
 def test_calls_without_a_session_are_trajectories_of_their_own(gw, oai):
     r = chat(oai, None, [{"role": "user", "content": "solo"}], n=2, max_tokens=3,
-             logprobs=True)
+             logprobs=True, extra_body={"group_id": "task-7"}, metadata={"task": "t7"})
     assert len(r.choices) == 2 and r.usage.completion_tokens == 6
     ids = {c.model_extra["rollout"]["trajectory_id"] for c in r.choices}
     assert len(ids) == 2
@@ -111,6 +111,7 @@ def test_calls_without_a_session_are_trajectories_of_their_own(gw, oai):
         assert t.loss_mask.tolist() == [1] * 3
         assert [e.logprob for e in c.logprobs.content] == pytest.approx(t.logprobs.tolist())
         assert t.metadata["session_ended_by"] == "single_call"
+        assert t.group_id == "task-7" and t.metadata["task"] == "t7"
 
 
 def test_completions_session_and_reward_later(gw, oai):
@@ -228,6 +229,16 @@ def test_bad_input_is_a_clear_4xx(gw):
                    json={"messages": good, "max_tokens": 2})
     assert r.status_code == 409
     assert httpx.get(u + "/v1/models/gpt-9").status_code == 404
+    # a session stays in its group
+    sid = f"grp-{uuid.uuid4().hex[:6]}"
+    ok = httpx.post(u + "/v1/chat/completions", headers={"x-session-id": sid}, timeout=60,
+                    json={"messages": good, "max_tokens": 2, "group_id": "ga"})
+    assert ok.status_code == 200, ok.text
+    r = httpx.post(u + "/v1/chat/completions", headers={"x-session-id": sid}, timeout=60,
+                   json={"messages": good, "max_tokens": 2, "group_id": "gb"})
+    assert r.status_code == 400 and "group" in r.json()["error"]["message"]
+    r = httpx.post(u + "/v1/chat/completions", json={"messages": good, "metadata": {"k": 1}})
+    assert r.status_code == 422
 
 
 def test_open_sessions_are_published_on_shutdown(two_engines):
