@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rollout_gateway.core.admission import AdmissionConfig
@@ -39,6 +39,28 @@ class EngineSpec(BaseModel):
         if not v.startswith(("http://", "https://")):
             raise ValueError("engine url must start with http:// or https://")
         return v.rstrip("/")
+
+
+class LearnerJob(BaseModel):
+    """A learner token limited to some consumer groups (one training job)."""
+
+    model_config = {"extra": "forbid"}
+
+    token: SecretStr = Field(min_length=16, max_length=4096, description="The bearer token.")
+    groups: list[str] = Field(min_length=1, max_length=1000,
+                              description="Consumer groups it may use: exact names, or "
+                              "prefixes written 'name*'.")
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[str]) -> list[str]:
+        import re
+
+        for g in v:
+            if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}\*?", g) or g == "*":
+                raise ValueError(f"group {g!r}: 1-128 characters of [A-Za-z0-9_.:@-], "
+                                 "optionally ending in '*' (a prefix)")
+        return v
 
 
 class Timeouts(BaseModel):
@@ -123,13 +145,50 @@ class GatewaySettings(BaseSettings):
                            description="Trajectory store: memory:// or redis://host:port/db.")
     registry_url: str = Field(default="memory://",
                               description="Version registry: memory:// or redis://host:port/db.")
-    http_host: str = Field(default="0.0.0.0", description="HTTP API bind address.")
+    http_host: str = Field(default="127.0.0.1", description="HTTP API bind address (a "
+                           "non-loopback one needs the admin and learner keys, or insecure).")
     http_port: int = Field(default=8000, ge=0, le=65535, description="HTTP API port (0 = any).")
-    grpc_host: str = Field(default="0.0.0.0", description="Learner gRPC bind address.")
+    grpc_host: str = Field(default="127.0.0.1", description="Learner gRPC bind address (as "
+                           "http_host).")
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="Learner gRPC port (0 = any).")
-    admin_api_key: str | None = Field(
-        default=None, description="If set, admin routes (/v1/weights, /v1/engines writes) need "
-        "'Authorization: Bearer <key>'.")
+    admin_api_key: SecretStr | None = Field(
+        default=None, min_length=16, max_length=4096,
+        description="Admin token: /v1/weights, /v1/engines writes and gRPC AnnounceVersion "
+        "need 'Authorization: Bearer <key>' (accepted for every other role too). Unset: open.")
+    learner_api_key: SecretStr | None = Field(
+        default=None, min_length=16, max_length=4096,
+        description="Learner token for the gRPC service (Pull, Ack, Nack, CreateGroup, "
+        "GetStatus, WatchVersions), every consumer group; metadata 'authorization: Bearer "
+        "<key>'. Unset (and no learner_jobs): open.")
+    learner_jobs: list[LearnerJob] = Field(
+        default_factory=list, max_length=10_000,
+        description="Learner tokens bound to consumer groups, one per training job: JSON "
+        "'[{\"token\": \"...\", \"groups\": [\"job-a\", \"job-a-*\"]}]'.")
+    client_api_key: SecretStr | None = Field(
+        default=None, min_length=16, max_length=4096,
+        description="Client token for /v1/rollouts and /generate. Unset: those are open.")
+    insecure: bool = Field(
+        default=False, description="Allow binding a non-loopback address without the admin "
+        "and learner keys (serve/up refuse otherwise; flag --insecure).")
+    tls_cert_file: str | None = Field(
+        default=None, description="PEM certificate chain: serve HTTPS and gRPC over TLS "
+        "(needs tls_key_file).")
+    tls_key_file: str | None = Field(default=None, description="PEM private key of tls_cert_file.")
+    grpc_client_ca_file: str | None = Field(
+        default=None, description="PEM CA bundle: the learner gRPC service requires client "
+        "certificates signed by it (mutual TLS; needs tls_cert_file).")
+    max_body_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 31,
+                                description="Largest HTTP request body (413 beyond).")
+    max_prompt_chars: int = Field(default=1 << 20, ge=1, le=1 << 28,
+                                  description="Largest text prompt, in characters.")
+    max_metadata_bytes: int = Field(default=64 << 10, ge=0, le=1 << 24,
+                                    description="Largest rollout metadata (keys + values, UTF-8).")
+    max_pending_requests: int = Field(
+        default=2048, ge=1, le=1_000_000,
+        description="Rollout and /generate requests handled at once by this replica; more "
+        "are answered 429 with Retry-After at once (bounded memory under overload).")
+    retry_after_s: int = Field(default=1, ge=0, le=3600,
+                               description="Retry-After (seconds) sent with 429 answers.")
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Staleness bound (max_staleness), "
         "admission control (batch_size, max_concurrent) and the stale policy "
@@ -180,6 +239,14 @@ class GatewaySettings(BaseSettings):
         "without one (metadata reward=missing).")
     max_sessions: int = Field(default=10_000, ge=1, le=10_000_000,
                               description="Open sessions at most; a new one past it gets 429.")
+
+    @model_validator(mode="after")
+    def _tls(self) -> GatewaySettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.grpc_client_ca_file and not self.tls_cert_file:
+            raise ValueError("grpc_client_ca_file (mutual TLS) needs tls_cert_file/tls_key_file")
+        return self
 
     @field_validator("engines", mode="before")
     @classmethod

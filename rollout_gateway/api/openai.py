@@ -19,13 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway
+from rollout_gateway.api.security import require_client
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.errors import InvalidArgument, NotFound
 from rollout_gateway.rollouts.models import SamplingParams
 from rollout_gateway.sessions.manager import Reply
 from rollout_gateway.sessions.messages import canonical_messages
 
-router = APIRouter(tags=["openai"])
+#: every route here is a client's (``client_api_key``: the openai client sends it as its
+#: api_key)
+router = APIRouter(tags=["openai"], dependencies=[Depends(require_client)])
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 #: max_tokens when the caller gives none (chat; completions default to 16 as OpenAI's)

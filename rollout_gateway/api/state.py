@@ -10,6 +10,7 @@ import socket
 import time
 from typing import Any
 
+from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
@@ -27,6 +28,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, *, store: TrajectoryStore | None = None,
                  registry: Any = None) -> None:
         self.settings = settings
+        self.auth = Authenticator.from_settings(settings)
         self._own_store = store is None
         self._own_registry = registry is None
         if store is None:

@@ -58,6 +58,14 @@ class RolloutService:
         if req.input_ids is not None and len(req.input_ids) > s.max_prompt_tokens:
             raise InvalidArgument(f"prompt has {len(req.input_ids)} tokens; the limit is "
                                   f"{s.max_prompt_tokens}")
+        if req.prompt is not None and len(req.prompt) > s.max_prompt_chars:
+            raise InvalidArgument(f"prompt has {len(req.prompt)} characters; the limit is "
+                                  f"{s.max_prompt_chars}")
+        if req.metadata:
+            size = sum(len(k.encode()) + len(v.encode()) for k, v in req.metadata.items())
+            if size > s.max_metadata_bytes:
+                raise InvalidArgument(f"metadata has {size} bytes; the limit is "
+                                      f"{s.max_metadata_bytes}")
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
+from pydantic import ValidationError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -136,8 +138,9 @@ def test_every_admitted_slot_is_released_whatever_fails(plans, stream, bad_promp
         resolved = [(s, ERRORS[e]) for s, e in plans]
         svc, gk, registry, store = build(resolved, len(plans))
         await registry.set_learner_version(10)
-        ids = [2147483648] if bad_prompt else [1, 2, 3]
-        req = RolloutRequest(input_ids=ids, n=len(plans), stream=stream)
+        req = RolloutRequest(input_ids=[1, 2, 3], n=len(plans), stream=stream)
+        if bad_prompt:  # the HTTP schema refuses it; past that, a failure must not leak
+            req.input_ids = [2147483648]
 
         async def client() -> None:
             if not stream:
@@ -172,7 +175,10 @@ def test_every_admitted_slot_is_released_whatever_fails(plans, stream, bad_promp
 def test_a_prompt_id_past_int32_is_a_client_error_and_leaks_nothing():
     async def main() -> None:
         svc, gk, registry, _ = build([("ok", 0)], 1)
-        req = RolloutRequest(input_ids=[2147483648], n=3)
+        with pytest.raises(ValidationError):  # the request schema refuses it (HTTP 422)
+            RolloutRequest(input_ids=[2147483648], n=3)
+        req = RolloutRequest(input_ids=[1], n=3)
+        req.input_ids = [2147483648]  # and should one get past the schema, nothing leaks
         for _ in range(5):
             try:
                 await svc.run_with_text(req)

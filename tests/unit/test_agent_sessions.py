@@ -491,3 +491,20 @@ def test_stale_masked_turn_ranges_move_to_session_positions():
     base = 2 + len(p1.context_ids)
     assert t.metadata["stale_verdict"] == "mask"
     assert t.metadata["stale_masked_tokens"] == f"{base}-{base + 2}"
+
+
+def test_openai_routes_need_the_client_token_when_one_is_set():
+    from fastapi.testclient import TestClient
+
+    from rollout_gateway.api.app import create_app
+    from rollout_gateway.settings import GatewaySettings
+
+    app = create_app(GatewaySettings(client_api_key="client-key-0123456789",
+                                     admin_api_key="admin-key-0123456789"))
+    with TestClient(app) as c:
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                             ("POST", "/v1/completions"), ("POST", "/v1/sessions/s/end"),
+                             ("POST", "/v1/trajectories/t/reward")):
+            assert c.request(method, path, json={}).status_code == 401, path
+        ok = c.get("/v1/models", headers={"Authorization": "Bearer client-key-0123456789"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "reference"
