@@ -160,10 +160,28 @@ def _rollout_info(r: Reply, sid: str | None) -> dict[str, Any]:
                           "ended": s.ended.value} for s in t.segments]}
 
 
-def _lp_entries(gw: Gateway, ids: np.ndarray, lps: np.ndarray) -> list[dict[str, Any]]:
+def _lp(x: Any) -> float:
+    """A logprob for JSON: -inf (an engine's null) as OpenAI writes it, -9999.0."""
+    return -9999.0 if x is None or not math.isfinite(x) else float(x)
+
+
+def _alternatives(gw: Gateway, rows: list | None, k: int) -> list[list[tuple[int, float]]]:
+    """Per token, the engine's top-k alternatives as (id, logprob)."""
+    if rows is None:
+        return []
+    return [[(int(r[1]), _lp(r[0])) for r in (row or [])[:k]] for row in rows]
+
+
+def _lp_entries(gw: Gateway, ids: np.ndarray, lps: np.ndarray,
+                tops: list[list[tuple[int, float]]] | None = None) -> list[dict[str, Any]]:
     tpl = gw.sessions.template
-    return [{"token": tpl.token_text(i), "logprob": float(lp), "bytes": tpl.token_bytes(i),
-             "top_logprobs": []} for i, lp in zip(ids.tolist(), lps.tolist())]
+    out = []
+    for j, (i, lp) in enumerate(zip(ids.tolist(), lps.tolist())):
+        alts = tops[j] if tops else []
+        out.append({"token": tpl.token_text(i), "logprob": _lp(lp), "bytes": tpl.token_bytes(i),
+                    "top_logprobs": [{"token": tpl.token_text(a), "logprob": alp,
+                                      "bytes": tpl.token_bytes(a)} for a, alp in alts]})
+    return out
 
 
 def _usage(replies: list[Reply]) -> dict[str, int]:
@@ -233,9 +251,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     """OpenAI chat completions; with a session id, one turn of that session."""
     model = _check_model(gw, req.model)
     sid = _session_id(request, req.session_id)
-    if req.top_logprobs:
-        raise InvalidArgument("top_logprobs > 0 is not supported (the sampled token's logprob "
-                              "is: logprobs=true)")
+    k = req.top_logprobs or 0
+    if k and not req.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs: true")
     if req.tool_choice not in (None, "auto", "none"):
         raise InvalidArgument("tool_choice must be 'auto' or 'none' (forced calls are not "
                               "supported)")
@@ -251,7 +269,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     out = await gw.sessions.call(sid=sid, kind="chat", plan_input=messages, tools=req.tools,
                                  sp=sp, n=req.n, parse_tools=parse_tools, stream=req.stream,
-                                 group_id=req.group_id, metadata=req.metadata)
+                                 group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
     if not req.stream:
         replies: list[Reply] = out  # type: ignore[assignment]
         choices = []
@@ -261,7 +279,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
             if r.tool_calls:
                 msg["tool_calls"] = r.tool_calls
             choices.append({"index": r.index, "message": msg, "finish_reason": r.finish_reason,
-                            "logprobs": {"content": _lp_entries(gw, r.token_ids, r.logprobs)}
+                            "logprobs": {"content": _lp_entries(
+                                gw, r.token_ids, r.logprobs, _alternatives(gw, r.top_logprobs, k))}
                             if req.logprobs else None,
                             "rollout": _rollout_info(r, sid)})
         return ORJSONResponse({"id": rid, "object": "chat.completion", "created": created,
@@ -285,8 +304,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
             if ev["type"] == "delta":
                 ids = np.asarray(ev["token_ids"]).tolist()
                 text = streams[i].feed(ids)
+                # with top_logprobs the entries (and their alternatives) come with the
+                # final chunk: the engines' top-k rows arrive when the sample finishes
                 lp = ({"content": _lp_entries(gw, np.asarray(ids), np.asarray(ev["logprobs"]))}
-                      if req.logprobs else None)
+                      if req.logprobs and not k else None)
                 if text or lp:
                     yield chunk([{"index": i, "delta": {"content": text} if text else {},
                                   "logprobs": lp, "finish_reason": None}])
@@ -299,7 +320,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
                     delta["content"] = rest
                 if r.tool_calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(r.tool_calls)]
-                yield chunk([{"index": i, "delta": delta, "logprobs": None,
+                lp = ({"content": _lp_entries(gw, r.token_ids, r.logprobs,
+                                              _alternatives(gw, r.top_logprobs, k))}
+                      if k else None)
+                yield chunk([{"index": i, "delta": delta, "logprobs": lp,
                               "finish_reason": r.finish_reason,
                               "rollout": _rollout_info(r, sid)}])
             else:
@@ -336,34 +360,37 @@ async def completions(req: CompletionRequest, request: Request,
     sid = _session_id(request, req.session_id)
     if req.echo:
         raise InvalidArgument("echo is not supported")
-    if req.logprobs:
-        raise InvalidArgument("logprobs > 0 (top alternatives) is not supported; logprobs=0 "
-                              "returns the sampled tokens' logprobs")
     include_usage = _include_usage(req)
     prompt = _prompt(req.prompt)
     sp = req.sampling(req.max_tokens or 16, gw.settings.max_new_tokens_limit)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     tpl = gw.sessions.template
     want_lp = req.logprobs is not None
+    k = req.logprobs or 0
     out = await gw.sessions.call(sid=sid, kind="completion", plan_input=prompt, tools=None,
                                  sp=sp, n=req.n, parse_tools=False, stream=req.stream,
-                                 group_id=req.group_id, metadata=req.metadata)
+                                 group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
 
-    def lp_obj(ids: np.ndarray, lps: np.ndarray) -> dict[str, Any]:
+    def lp_obj(ids: np.ndarray, lps: np.ndarray, rows: list | None = None) -> dict[str, Any]:
         toks = [tpl.token_text(i) for i in ids.tolist()]
         offs, o = [], 0
         for t in toks:
             offs.append(o)
             o += len(t)
-        return {"tokens": toks, "token_logprobs": lps.tolist(), "top_logprobs": None,
-                "text_offset": offs}
+        tops = None
+        if k:
+            tops = [{tpl.token_text(a): alp for a, alp in alts}
+                    for alts in _alternatives(gw, rows, k)]
+        return {"tokens": toks, "token_logprobs": [_lp(x) for x in lps.tolist()],
+                "top_logprobs": tops, "text_offset": offs}
 
     if not req.stream:
         replies: list[Reply] = out  # type: ignore[assignment]
         return ORJSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": r.index, "text": r.content, "finish_reason": r.finish_reason,
-                         "logprobs": lp_obj(r.token_ids, r.logprobs) if want_lp else None,
+                         "logprobs": lp_obj(r.token_ids, r.logprobs, r.top_logprobs)
+                         if want_lp else None,
                          "rollout": _rollout_info(r, sid)} for r in replies],
             "usage": _usage(replies), "session_id": sid})
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -381,16 +408,17 @@ async def completions(req: CompletionRequest, request: Request,
             if ev["type"] == "delta":
                 ids = np.asarray(ev["token_ids"])
                 text = streams[i].feed(ids.tolist())
-                if text or want_lp:
+                if text or (want_lp and not k):
                     yield chunk([{"index": i, "text": text, "finish_reason": None,
                                   "logprobs": lp_obj(ids, np.asarray(ev["logprobs"]))
-                                  if want_lp else None}])
+                                  if want_lp and not k else None}])
             elif ev["type"] == "reply":
                 r: Reply = ev["reply"]
                 finals.append(r)
                 yield chunk([{"index": i, "text": streams[i].finish(r.content),
-                              "finish_reason": r.finish_reason, "logprobs": None,
-                              "rollout": _rollout_info(r, sid)}])
+                              "finish_reason": r.finish_reason,
+                              "logprobs": lp_obj(r.token_ids, r.logprobs, r.top_logprobs)
+                              if k else None, "rollout": _rollout_info(r, sid)}])
             else:
                 yield _data({"error": ev["error"]})
         if include_usage:

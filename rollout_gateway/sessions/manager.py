@@ -26,7 +26,7 @@ from rollout_gateway.errors import (
     ResourceExhausted,
 )
 from rollout_gateway.rollouts.models import RolloutRequest, SamplingParams
-from rollout_gateway.rollouts.sample import PREFERRED_ENGINE
+from rollout_gateway.rollouts.sample import PREFERRED_ENGINE, PassThrough
 from rollout_gateway.sessions.messages import assistant_message
 from rollout_gateway.sessions.session import Branch, Call, Plan, plan_chat, plan_completion
 from rollout_gateway.sessions.templates import ChatTemplate, load_template, parse_tool_calls
@@ -64,6 +64,9 @@ class Reply:
     turn_index: int
     prompt_tokens: int
     branched: str = ""  # the reason, when this call started a new branch
+    #: per output token, the engine's top alternatives as [logprob, id, ...] rows (None:
+    #: not asked for; a None row: the engine had none)
+    top_logprobs: list | None = None
 
 
 def _content(template: ChatTemplate, ids: np.ndarray, finish: Any) -> str:
@@ -179,8 +182,8 @@ class SessionManager:
 
     async def call(self, *, sid: str | None, kind: str, plan_input: Any, tools: Any,
                    sp: SamplingParams, n: int, parse_tools: bool | int, stream: bool = False,
-                   group_id: str | None = None, metadata: dict[str, str] | None = None
-                   ) -> list[Reply] | AsyncIterator[dict[str, Any]]:
+                   group_id: str | None = None, metadata: dict[str, str] | None = None,
+                   top_logprobs: int = 0) -> list[Reply] | AsyncIterator[dict[str, Any]]:
         """One chat (``kind='chat'``, ``plan_input`` = canonical messages) or completion
         (``plan_input`` = prompt text or ids) call. ``parse_tools``: False, True, or the
         most tool calls to parse (1 for ``parallel_tool_calls: false``). With ``stream``, an async iterator of
@@ -195,8 +198,10 @@ class SessionManager:
                 raise InvalidArgument(f"session {sid!r} is in group {s.group_id!r}, not "
                                       f"{group_id!r}")
             s.group_id = group_id
+        # top-k alternatives: the engines' own rows, forwarded (SGLang's top_logprobs_num)
+        pt = PassThrough(top_logprobs_num=top_logprobs) if top_logprobs > 0 else None
         tag = {"group_id": (s.group_id if s is not None else group_id) or "",
-               "metadata": dict(metadata or {})}
+               "metadata": dict(metadata or {}), "passthrough": pt}
         if kind == "chat":
             plan = plan_chat(self.template, s.branch if s else None, plan_input, tools)
         else:
@@ -213,9 +218,9 @@ class SessionManager:
             token = PREFERRED_ENGINE.set(await self._preferred_engine(extends))
             try:
                 if not stream:
-                    pairs = await self.gw.rollouts.run_with_text(req)
+                    pairs = await self.gw.rollouts.run_with_text(req, pt)
                 else:
-                    events = await self.gw.rollouts.open_stream(req)
+                    events = await self.gw.rollouts.open_stream(req, pt)
             finally:
                 PREFERRED_ENGINE.reset(token)
             if not stream:
@@ -356,11 +361,14 @@ class SessionManager:
             branch.calls.append(Call(len(plan_input), plan.prompt_text, seq_len, ids.copy(), content))
         else:
             branch.calls.append(Call(0, plan.prompt_text, seq_len, ids.copy(), content))
+        pt = tag["passthrough"]
         reply = Reply(index=index, content=content, tool_calls=calls, finish_reason=finish,
                       token_ids=ids, logprobs=turn.tokens.logprobs, turn=turn,
                       trajectory_id=branch.trajectory_id, branch=branch.index,
                       turn_index=len(branch.calls) - 1,
-                      prompt_tokens=int(turn.prompt_token_ids.shape[0]), branched=branched)
+                      prompt_tokens=int(turn.prompt_token_ids.shape[0]), branched=branched,
+                      top_logprobs=pt.out.get(index, {}).get("output_top_logprobs")
+                      if pt is not None else None)
         if old is not None:  # the superseded branch is finished: publish it
             await self._publish(old, s.session_id, "branch", None, await_reward=False)
         if s is None:

@@ -100,7 +100,8 @@ def test_edited_history_starts_a_counted_branch(gw, oai):
 
 def test_calls_without_a_session_are_trajectories_of_their_own(gw, oai):
     r = chat(oai, None, [{"role": "user", "content": "solo"}], n=2, max_tokens=3,
-             logprobs=True, extra_body={"group_id": "task-7"}, metadata={"task": "t7"})
+             logprobs=True, top_logprobs=2, extra_body={"group_id": "task-7"},
+             metadata={"task": "t7"})
     assert len(r.choices) == 2 and r.usage.completion_tokens == 6
     ids = {c.model_extra["rollout"]["trajectory_id"] for c in r.choices}
     assert len(ids) == 2
@@ -110,6 +111,9 @@ def test_calls_without_a_session_are_trajectories_of_their_own(gw, oai):
         assert t.token_ids.tolist() == c.model_extra["rollout"]["token_ids"]
         assert t.loss_mask.tolist() == [1] * 3
         assert [e.logprob for e in c.logprobs.content] == pytest.approx(t.logprobs.tolist())
+        for e in c.logprobs.content:  # the engine's top-2, best first, the sample among them
+            alts = [a.logprob for a in e.top_logprobs]
+            assert len(alts) == 2 and alts[0] >= alts[1] and e.logprob <= alts[0] + 1e-4
         assert t.metadata["session_ended_by"] == "single_call"
         assert t.group_id == "task-7" and t.metadata["task"] == "t7"
 
@@ -195,7 +199,11 @@ def test_bad_input_is_a_clear_4xx(gw):
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, {}, 400, "role"),
         ("/v1/chat/completions", {"messages": "hello"}, {}, 422, "messages"),
         ("/v1/chat/completions", {"messages": good, "model": "gpt-9"}, {}, 404, "not served"),
-        ("/v1/chat/completions", {"messages": good, "top_logprobs": 3}, {}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": good, "top_logprobs": 3}, {}, 400,
+         "needs logprobs"),
+        ("/v1/chat/completions", {"messages": good, "logprobs": True, "top_logprobs": 21}, {},
+         422, "top_logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 6}, {}, 422, "logprobs"),
         ("/v1/chat/completions", {"messages": good, "n": 2}, {"x-session-id": "nn"}, 400, "n > 1"),
         ("/v1/chat/completions", {"messages": good, "session_id": "a"}, {"x-session-id": "b"},
          400, "differ"),
