@@ -133,6 +133,24 @@ class ModelShape(BaseModel):
     num_experts: int | None = Field(default=None, ge=1, le=1 << 20, description="Experts per layer.")
 
 
+class EngineDiscovery(BaseModel):
+    """Engines found by resolving a DNS name (a Kubernetes headless Service): one engine per
+    address, re-resolved every ``interval_s`` (see rollout_gateway/engines/discovery.py)."""
+
+    dns_name: str | None = Field(default=None, min_length=1, max_length=253,
+                                 description="Name to resolve, e.g. "
+                                 "sglang-engine.rollout.svc.cluster.local; unset: off.")
+    port: int = Field(default=30000, ge=1, le=65535, description="Engines' HTTP port.")
+    scheme: str = Field(default="http", pattern=r"^https?$", description="http or https.")
+    interval_s: float = Field(default=10.0, ge=0.1, le=3600,
+                              description="Seconds between lookups.")
+    id_prefix: str = Field(default="engine", min_length=1, max_length=64,
+                           pattern=r"^[A-Za-z0-9_.-]+$",
+                           description="Discovered engines are named <id_prefix>-<address>.")
+    api_key: str | None = Field(default=None, description="Bearer token for the engines' "
+                                "admin endpoints, if any.")
+
+
 class GatewaySettings(BaseSettings):
     """Everything the gateway reads at start-up."""
 
@@ -222,6 +240,12 @@ class GatewaySettings(BaseSettings):
                                     description="Per-engine circuit breaker.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
                                  description="On SIGTERM: seconds to let in-flight rollouts finish.")
+    engine_discovery: EngineDiscovery = Field(
+        default_factory=EngineDiscovery, description="Find engines through DNS (headless "
+        "Service). Env: ROLLOUT_GATEWAY_ENGINE_DISCOVERY__DNS_NAME=... etc.")
+    lag_history_interval_s: float = Field(
+        default=2.0, ge=0.1, le=3600, description="Seconds between points of the version-lag "
+        "history the dashboard (/dashboard, /v1/lag?history=true) draws; 900 points are kept.")
     # ---- agent sessions (/v1/chat/completions, /v1/completions; docs/agents.md) ----
     chat_template: str = Field(
         default="reference", min_length=1, description="'reference' (the reference engine's "

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_gateway.api.errors import ORJSONResponse
@@ -156,6 +156,6 @@ async def health(gw: Gateway = Depends(gateway)) -> Response:
 
 @ops.get("/metrics")
 async def metrics(gw: Gateway = Depends(gateway)) -> Response:
-    from rollout_gateway.api.metrics import render
+    from rollout_gateway.api.metrics import CONTENT_TYPE, render
 
-    return PlainTextResponse(await render(gw), media_type="text/plain; version=0.0.4")
+    return Response(await render(gw), media_type=CONTENT_TYPE)

@@ -113,6 +113,10 @@ class SampleState:
     trajectory_id: str
     prompt_ids: np.ndarray | None
     pieces: list[Piece] = field(default_factory=list)
+    engine_id: str | None = None  # the engine of the request in flight (dashboards)
+    #: tokens of the request in flight so far by the version the engine reported with them
+    #: (incremental engine streams only; dashboards)
+    live: dict[int, int] = field(default_factory=dict)
 
     @property
     def generated(self) -> int:
@@ -155,6 +159,10 @@ class SampleRunner:
         self.pool = pool
         self.settings = settings
         self.registry = registry
+        #: samples running now, by trajectory id (dashboards: lag of tokens in flight)
+        self.active: dict[str, SampleState] = {}
+        #: called with the seconds from a sample's start to its first streamed chunk
+        self.on_first_token = None
 
     async def _learn_install_modes(self, eng: Engine, versions: set[int]) -> None:
         """A version this replica did not install (another replica led the swap): read how
@@ -203,14 +211,19 @@ class SampleRunner:
         return p
 
     async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
-                    on_delta=None) -> tuple[Decoded | None, GatewayError | None]:
+                    on_delta=None, first=None,
+                    on_tokens=None) -> tuple[Decoded | None, GatewayError | None]:
         """One engine request -> (decoded output so far, error). A broken, silent or
         unreadable stream keeps what arrived: the last cumulative chunk, or the merged
         deltas of an incremental stream. ``on_delta(d)`` (live streaming to a client) sees
-        every chunk's new tokens."""
+        every chunk's new tokens; ``first()`` is called at the first answer byte and
+        ``on_tokens(d)`` per chunk of new tokens (lag of tokens in flight)."""
         if not self.settings.stream_from_engines and on_delta is None:
             try:
-                return decode_one(await eng.client.generate(payload), opts), None
+                body = await eng.client.generate(payload)
+                if first is not None:
+                    first()
+                return decode_one(body, opts), None
             except GatewayError as exc:
                 return None, exc
             except _GARBAGE as exc:
@@ -220,7 +233,12 @@ class SampleRunner:
             err: GatewayError | None = None
             try:
                 async for data in eng.client.generate_stream(payload, patience=eng.patience):
+                    if first is not None:
+                        first()
+                        first = None
                     for d in sd.feed_payload(data):
+                        if on_tokens is not None and d.num_tokens:
+                            on_tokens(d)
                         if on_delta is not None and d.num_tokens:
                             await on_delta(d)
             except GatewayError as exc:
@@ -236,6 +254,9 @@ class SampleRunner:
         err = None
         try:
             async for data in eng.client.generate_stream(payload, patience=eng.patience):
+                if first is not None:
+                    first()
+                    first = None
                 prev, last = last, data  # cumulative: the newest chunk holds everything
         except GatewayError as exc:
             err = exc
@@ -260,6 +281,18 @@ class SampleRunner:
         """Run to completion; returns the trajectory and its output text (as the engines
         detokenized it, concatenated over requests)."""
         state = SampleState(trajectory_id, prompt_ids)
+        self.active[trajectory_id] = state
+        try:
+            return await self._run(state, req, trajectory_id, group_id, index,
+                                   sticky_key=sticky_key, on_chunk=on_chunk,
+                                   passthrough=passthrough)
+        finally:
+            self.active.pop(trajectory_id, None)
+
+    async def _run(self, state: SampleState, req: RolloutRequest, trajectory_id: str,
+                   group_id: str, index: int, *, sticky_key: str | None,
+                   on_chunk=None, passthrough: PassThrough | None = None
+                   ) -> tuple[Trajectory, str]:
         created = time.time()
         budget = req.sampling_params.max_new_tokens
         began = Transition.START
@@ -283,6 +316,7 @@ class SampleRunner:
             eng = await self.pool.acquire(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
                                           why=last_error)
             prefer = None
+            state.engine_id = eng.id
             rid = f"{trajectory_id}.{attempts}"
             want_ids = state.prompt_ids is None
             payload = self._payload(eng, req, state, rid, remaining, want_prompt_ids=want_ids,
@@ -295,12 +329,25 @@ class SampleRunner:
 
                 async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
                     await on_chunk(self._stamp_delta(eng, d, how, base))
-            async with self.pool.lease(eng, remaining):
-                opts = decode_options(eng, self.settings,
-                                      routing=bool(payload.get("return_routed_experts")),
-                                      passthrough=passthrough.keys() if passthrough else
-                                      frozenset())
-                dec, err = await self._call(eng, payload, opts, on_delta)
+            first = None
+            if attempts == 1 and self.on_first_token is not None:
+                def first(cb=self.on_first_token, t0=created) -> None:
+                    cb(time.time() - t0)
+            state.live = {}
+
+            def on_tokens(d: Decoded, live=state.live, eng=eng) -> None:
+                v = d.weight_version if d.weight_version is not None else eng.version
+                if v is not None:
+                    live[v] = live.get(v, 0) + d.num_tokens
+            try:
+                async with self.pool.lease(eng, remaining):
+                    opts = decode_options(eng, self.settings,
+                                          routing=bool(payload.get("return_routed_experts")),
+                                          passthrough=passthrough.keys() if passthrough else
+                                          frozenset())
+                    dec, err = await self._call(eng, payload, opts, on_delta, first, on_tokens)
+            finally:
+                state.live = {}
             t1 = time.time()
             if dec is not None and dec.num_tokens:
                 eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT

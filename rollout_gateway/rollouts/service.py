@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,6 +43,20 @@ class RolloutService:
                          "replayed": 0}
         self._background: set[asyncio.Task[None]] = set()
         self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
+        #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
+        #: admitted, seconds) with kind "new" or "recycled"
+        self.on_finished = None
+        self.on_admission_wait = None
+
+    async def _timed_admission(self, kind: str, admit) -> None:
+        t0 = time.monotonic()
+        ok = False
+        try:
+            await admit
+            ok = True
+        finally:
+            if self.on_admission_wait is not None:
+                self.on_admission_wait(kind, ok, time.monotonic() - t0)
 
     @property
     def inflight_samples(self) -> int:
@@ -106,6 +121,8 @@ class RolloutService:
         p = int(traj.prompt_token_ids.shape[0])
         self.counters["tokens_reprefilled"] += sum(
             p + s.start for s in traj.segments if s.began in REPREFILLS)
+        if self.on_finished is not None:
+            self.on_finished(traj)
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
@@ -140,7 +157,8 @@ class RolloutService:
             if verdict is Verdict.RECYCLE:
                 recycles += 1
                 try:  # waits for a slot (bounded); never drops the prompt silently
-                    await self.gatekeeper.readmit_recycled(tid)
+                    await self._timed_admission("recycled",
+                                                self.gatekeeper.readmit_recycled(tid))
                 except BaseException:
                     self.counters["failed_samples"] += 1
                     raise
@@ -203,7 +221,7 @@ class RolloutService:
             results: list[Any] = [(stored[i], "") if i in stored else None
                                   for i in range(req.n)]
             if todo:
-                await self.gatekeeper.admit(len(todo))
+                await self._timed_admission("new", self.gatekeeper.admit(len(todo)))
                 slots = [Slot() for _ in todo]
                 try:  # every exit path below returns the slots no sample released
                     self.counters["rollouts"] += 1
@@ -251,7 +269,7 @@ class RolloutService:
                 queue.put_nowait({"type": "trajectory", "sample_index": i, "trajectory": t,
                                   "text": ""})
             if todo:
-                await self.gatekeeper.admit(len(todo))
+                await self._timed_admission("new", self.gatekeeper.admit(len(todo)))
                 slots = [Slot() for _ in todo]
                 self.counters["rollouts"] += 1
             prompt = _prompt_array(req) if todo else None

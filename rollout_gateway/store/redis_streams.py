@@ -3,7 +3,9 @@
 Keys under ``prefix``: ``{p}:stream`` (entries: tid, d = serialized rollout.v1.Trajectory,
 n = prompt+output tokens, lo/hi = min/max policy_version), ``{p}:id:<tid>`` (idempotency
 marker holding the entry id, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
-``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list).
+``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list),
+``{p}:facts`` (a stream with the entries' ids and n, lo, vt = output tokens per version:
+dashboards scan it without the payloads; trimmed with the stream).
 Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAIM for
 entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
 past the lease so the next read re-claims it at once. Publish, group creation and ack are
@@ -33,12 +35,16 @@ from redis.exceptions import RedisError, ResponseError
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
+    GroupStats,
     StoreConfig,
     StoredEntry,
     StoreStats,
     TrajectoryStore,
+    UnconsumedTokens,
     check_name,
     entry_facts,
+    parse_version_tokens,
+    version_tokens,
 )
 from rollout_gateway.store.redis_client import blocking_client
 from rollout_gateway.transport import codec
@@ -60,8 +66,9 @@ else
   end
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
-local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
 redis.call('SET', KEYS[1], eid, 'PX', ARGV[1])
+redis.call('XADD', KEYS[6], eid, 'n', ARGV[5], 'lo', ARGV[6], 'vt', ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
@@ -108,6 +115,10 @@ def _parse_id(eid: str) -> tuple[int, int]:
         raise InvalidArgument(f"malformed entry id {eid!r}") from None
 
 
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
 class RedisStore(TrajectoryStore):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "rollout",
                  config: StoreConfig | None = None, client: aioredis.Redis | None = None, *,
@@ -121,6 +132,9 @@ class RedisStore(TrajectoryStore):
         self._k_stream, self._k_groups = f"{p}:stream", f"{p}:groups"
         self._k_acked, self._k_counters = f"{p}:acked", f"{p}:counters"
         self._k_recycled = f"{p}:recycled"
+        # the entries' small facts (n, lo, vt) under the same ids, trimmed with the stream:
+        # dashboards scan it without reading payloads
+        self._k_facts = f"{p}:facts"
         self._publish = self._r.register_script(_PUBLISH)
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
@@ -156,9 +170,9 @@ class RedisStore(TrajectoryStore):
         async with self._io("publish"):
             res = await self._publish(
                 keys=[f"{self.prefix}:id:{tid}", self._k_stream, self._k_counters,
-                      self._k_groups, self._k_acked],
+                      self._k_groups, self._k_acked, self._k_facts],
                 args=[int(self.config.dedup_seconds * 1000), self.config.max_backlog, tid, data,
-                      n, lo, hi])
+                      n, lo, hi, version_tokens(trajectory)])
         if res == -1:
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
@@ -238,7 +252,8 @@ class RedisStore(TrajectoryStore):
         return StoredEntry(entry_id=eid.decode(), trajectory_id=fields[b"tid"].decode(),
                            data=fields[b"d"], num_tokens=int(fields[b"n"]),
                            min_version=int(fields[b"lo"]), max_version=int(fields[b"hi"]),
-                           delivery_count=deliveries)
+                           delivery_count=deliveries,
+                           version_tokens=fields.get(b"vt", b"").decode())
 
     async def read(self, group: str, consumer: str, count: int, *,
                    block_ms: int = 0) -> list[StoredEntry]:
@@ -368,6 +383,54 @@ class RedisStore(TrajectoryStore):
             raise NotFound(f"consumer group {group!r} does not exist; create it first")
         return b[group]
 
+    async def group_stats(self) -> list[GroupStats]:
+        backlogs = await self._backlogs()
+        async with self._io("group_stats"):
+            counters = await self._r.hgetall(self._k_counters)
+            infos = await self._r.xinfo_groups(self._k_stream) if backlogs.get("") is None \
+                else []
+        pending = {_s(g["name"]): int(g["pending"]) for g in infos}
+        return [GroupStats(group=g, backlog=b, pending=pending.get(g, 0),
+                           redelivered=int(counters.get(f"redelivered:{g}".encode(), 0)))
+                for g, b in sorted(backlogs.items()) if g]
+
+    async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
+        """Entries after a group's last delivered id, or pending in a group (every entry
+        when there is no group), read from the facts stream (never the payloads)."""
+        async with self._io("unconsumed"):
+            infos = await self._r.xinfo_groups(self._k_stream) \
+                if await self._r.exists(self._k_stream) else []
+            groups = []  # (last delivered id, pending ids)
+            start = "-"
+            for g in infos:
+                last = _parse_id(_s(g["last-delivered-id"]))
+                ids: set[tuple[int, int]] = set()
+                if int(g["pending"]):
+                    pend = await self._r.xpending_range(self._k_stream, g["name"], min="-",
+                                                        max="+", count=limit)
+                    ids = {_parse_id(_s(p["message_id"])) for p in pend}
+                groups.append((last, ids))
+            if groups:
+                low = min(min(ids, default=(last[0], last[1] + 1)) for last, ids in groups)
+                start = f"{low[0]}-{low[1]}"
+            facts = await self._r.xrange(self._k_facts, min=start, max="+", count=limit + 1)
+        out: dict[int, int] = {}
+        n = 0
+        truncated = False
+        for fid, f in facts:
+            eid = _parse_id(_s(fid))
+            if groups and not any(eid > last or eid in ids for last, ids in groups):
+                continue
+            if n >= limit:
+                truncated = True
+                break
+            n += 1
+            vt, lo, ntok = _s(f.get(b"vt", b"")), int(f[b"lo"]), int(f[b"n"])
+            tv = parse_version_tokens(vt) if vt else ({lo: ntok} if lo >= 0 else {})
+            for v, c in tv.items():
+                out[v] = out.get(v, 0) + c
+        return UnconsumedTokens(out, n, truncated)
+
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         async with self._io("take_recycled"):
             got = await self._r.lpop(self._k_recycled, max_n) if max_n > 0 else None
@@ -405,3 +468,4 @@ class RedisStore(TrajectoryStore):
                 low = min(low, keep)
             if low[0] > 0:
                 await self._r.xtrim(self._k_stream, minid=f"{low[0]}-{low[1]}", approximate=False)
+                await self._r.xtrim(self._k_facts, minid=f"{low[0]}-{low[1]}", approximate=False)

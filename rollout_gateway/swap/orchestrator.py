@@ -64,6 +64,8 @@ class SwapOrchestrator:
         self.holder = holder
         self._lock = asyncio.Lock()
         self.in_progress: SwapRequest | None = None
+        #: called with (engine id, seconds paused) after each engine resumes (metrics)
+        self.on_pause_window = None
 
     async def current_version(self) -> int:
         return await self.registry.learner_version()
@@ -311,4 +313,6 @@ class SwapOrchestrator:
             with contextlib.suppress(GatewayError):
                 await e.client.resume()
         r.resumed_at = time.time()
+        if self.on_pause_window is not None and r.paused_at is not None:
+            self.on_pause_window(e.id, r.resumed_at - r.paused_at)
         await self.pool.open_gate(e)

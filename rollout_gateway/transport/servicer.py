@@ -107,6 +107,11 @@ class TrajectoryServicer:
         self.target_batch_bytes = min(target_batch_bytes, max_batch_bytes)
         self.max_read = max_read
         self.poll_ms = poll_ms
+        #: called with (entries, learner_version) for every batch sent (dashboards: lag
+        #: of delivered tokens); None: not observed
+        self.on_deliver = None
+        #: async () -> LagReport (the gateway's /v1/lag); fills Status.lag when set
+        self.lag_report = None
 
     def _group(self, context, kind: str, value: str) -> str:
         """A valid group name the caller's learner token may use (else PERMISSION_DENIED)."""
@@ -202,11 +207,14 @@ class TrajectoryServicer:
         if request.group:
             store.group_backlog = await self.store.group_backlog(
                 self._group(context, "group", request.group))
-        return spb.Status(
+        status = spb.Status(
             learner_version=cs.learner_version, max_engine_lag=cs.max_engine_lag,
             swap_in_progress=cs.swap_in_progress, store=store,
             engines=[spb.EngineVersion(engine_id=e.engine_id, version=e.version,
                                        healthy=e.healthy) for e in cs.engines])
+        if self.lag_report is not None:
+            status.lag.CopyFrom(lag_status(await self.lag_report()))
+        return status
 
     @_unary
     async def AnnounceVersion(self, request, context):
@@ -277,6 +285,8 @@ class _PullStream:
                     size += delivery_size(e)
                 if batch:
                     self.wake.set()  # room for the producer
+                    if self.svc.on_deliver is not None:
+                        self.svc.on_deliver(batch, self.version)
                     yield encode_batch(batch, self.credit.trajectories or 0,
                                        self.credit.tokens or 0)
                     continue
@@ -355,6 +365,32 @@ class _PullStream:
             await self.svc.store.nack(self.group, ids, delivered=False)
         except Exception:  # noqa: BLE001 - lease expiry still covers them
             log.warning("could not release %d held entries", len(ids))
+
+
+def _dist(d) -> spb.LagDistribution:
+    return spb.LagDistribution(buckets=[spb.LagBucket(lag=b.lag, tokens=b.tokens)
+                                        for b in d.buckets], tokens=d.tokens)
+
+
+def lag_status(rep) -> spb.LagStatus:
+    """rollout_gateway.observe.lag.LagReport -> rollout.v1.LagStatus."""
+    it, st = rep.intra_trajectory, rep.staleness
+    return spb.LagStatus(
+        replica=rep.replica,
+        engines=[spb.EngineLag(engine_id=e.id, state=e.state, version=e.version, lag=e.lag)
+                 for e in rep.engines],
+        in_flight=_dist(rep.in_flight), unconsumed=_dist(rep.unconsumed),
+        delivered=_dist(rep.delivered), in_flight_samples=rep.in_flight.samples,
+        trajectories_finished=it.trajectories,
+        trajectories_spanning_versions=it.spanning_versions, max_intra_lag=it.max_intra_lag,
+        tokens_after_switch=it.tokens_after_switch, tokens_on_stale_kv=it.tokens_on_stale_kv,
+        pause_windows=[spb.PauseWindow(swap_id=w.swap_id, version=w.version, mode=w.mode,
+                                       engine_id=w.engine, paused_at=w.paused_at,
+                                       resumed_at=w.resumed_at) for w in rep.pause_windows],
+        tokens_reprefilled=st.tokens_reprefilled, dropped_at_finish=st.at_finish_dropped,
+        masked_at_finish=st.at_finish_masked, recycled_at_finish=st.at_finish_recycled,
+        groups=[spb.GroupLag(group=g.group, backlog=g.backlog, pending=g.pending,
+                             redelivered=g.redelivered) for g in rep.groups])
 
 
 def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
