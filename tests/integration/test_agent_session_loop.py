@@ -7,6 +7,7 @@ mask, turn boundaries, versions, and logprobs against fresh forward passes."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -120,7 +121,10 @@ def test_agent_loop_across_a_hot_swap(make_engine, checkpoint_v1, checkpoint_v2,
         lc = TrajectoryClient(f"127.0.0.1:{gw.grpc_port}", group="agent")
         try:
             lc.create_group()
-            got = lc.pull(8, timeout=30)
+            got = []
+            deadline = time.monotonic() + 60
+            while not got and time.monotonic() < deadline:
+                got = lc.pull(8, timeout=5)
             assert [r.trajectory_id for r in got] == [f"{SID}.b0"]
             r = got[0]
             batch = collate(got, learner_version=1, layout="padded")
