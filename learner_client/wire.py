@@ -22,6 +22,16 @@ class SegmentInfo:
 
 
 @dataclass(slots=True)
+class TurnInfo:
+    """One turn of an agent session: output tokens [start, end); kind model | context."""
+
+    start: int
+    end: int
+    kind: str
+    index: int
+
+
+@dataclass(slots=True)
 class Rollout:
     """One delivered trajectory, columnar. ``entry_id`` is the ack/nack handle."""
 
@@ -49,8 +59,12 @@ class Rollout:
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
     finished_at: float = 0.0
+    #: agent sessions: uint8 [T], 1 where the model sampled the token, 0 for context it
+    #: only read (template, user/tool messages); None = every output token is the model's
+    loss_mask: np.ndarray | None = None
+    turns: list[TurnInfo] = field(default_factory=list)  # agent sessions; [] = one turn
     #: columns the wire carries that have no attribute here (fields added to the .proto
-    #: later), by path, e.g. ``{"loss_mask": array}``: read-only views like the others
+    #: later), by path, e.g. ``{"new_column": array}``: read-only views like the others
     extra_columns: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -67,7 +81,7 @@ class Rollout:
 
 
 _KNOWN = frozenset({"prompt_token_ids", "token_ids", "logprobs", "entropy", "policy_version",
-                    "kv_version", "old_logprobs", "routed_experts.data"})
+                    "kv_version", "old_logprobs", "routed_experts.data", "loss_mask"})
 
 
 def parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
@@ -97,4 +111,6 @@ def _rollout(d, t: codec.Decoded) -> Rollout:
         segments=[SegmentInfo(s.start, s.end, s.policy_version, s.engine_id, s.began, s.ended)
                   for s in m.segments],
         metadata=dict(m.metadata), created_at=m.created_at, finished_at=m.finished_at,
+        loss_mask=c.get("loss_mask"),
+        turns=[TurnInfo(x.start, x.end, x.kind, x.index) for x in m.turns],
         extra_columns={k: v for k, v in c.items() if k not in _KNOWN})

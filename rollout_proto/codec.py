@@ -57,9 +57,11 @@ COLUMN_DTYPES: dict[str, frozenset[str]] = {
     "kv_version": frozenset({"<i4"}),
     "old_logprobs": frozenset({"<f4"}),
     "routed_experts.data": _UINT,  # the narrowest uint that holds num_experts
+    "loss_mask": frozenset({"|u1"}),  # agent sessions: 1 = sampled by the model, 0 = context
 }
 #: columns that have one entry per output token (length T = len(token_ids))
-PER_TOKEN = ("logprobs", "entropy", "policy_version", "kv_version", "old_logprobs")
+PER_TOKEN = ("logprobs", "entropy", "policy_version", "kv_version", "old_logprobs",
+             "loss_mask")
 #: columns every trajectory carries (the others may be absent)
 REQUIRED = ("prompt_token_ids", "token_ids", "logprobs", "entropy", "policy_version",
             "kv_version")

@@ -15,6 +15,7 @@ from rollout_gateway.core.trajectory import (
     TokenColumns,
     Trajectory,
     Transition,
+    Turn,
 )
 from rollout_gateway.errors import InvalidArgument
 from rollout_proto import codec
@@ -48,6 +49,9 @@ def fields(traj: Trajectory) -> dict:
         "metadata": {str(k): str(v) for k, v in traj.metadata.items()},
         "reward": None if traj.reward is None else float(traj.reward),
         "created_at": traj.created_at, "finished_at": traj.finished_at,
+        "loss_mask": traj.loss_mask,
+        "turns": [{"start": t.start, "end": t.end, "kind": t.kind, "index": t.index}
+                  for t in traj.turns],
     }
 
 
@@ -103,4 +107,6 @@ def decode(data: bytes) -> Trajectory:
         entropy_error_bound=m.entropy_error_bound, routed_experts=routed,
         created_at=m.created_at, finished_at=m.finished_at, metadata=dict(m.metadata),
         reward=m.reward if m.HasField("reward") else None,
+        loss_mask=c.get("loss_mask"),
+        turns=[Turn(start=t.start, end=t.end, kind=t.kind, index=t.index) for t in m.turns],
     )
