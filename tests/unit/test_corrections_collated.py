@@ -8,7 +8,6 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
