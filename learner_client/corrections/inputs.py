@@ -34,9 +34,10 @@ class LossInputError(ValueError):
 
 
 _FLOAT_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs",
-                 "entropy")
+                 "entropy", "entropy_error_bound")
 _TOKEN_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "loss_mask",
-                 "old_logprobs", "ref_logprobs", "entropy", "versions", "seq_ids")
+                 "old_logprobs", "ref_logprobs", "entropy", "versions", "seq_ids",
+                 "entropy_error_bound")
 
 
 @dataclass(eq=False)
@@ -54,6 +55,8 @@ class LossInputs:
     seq_ids: Tensor | None = None  # [N] int sequence id per token (flat layout)
     cu_seqlens: Tensor | None = None  # [S+1] int offsets (flat layout), alternative to seq_ids
     learner_version: int | None = None  # v_theta: version of the weights being optimized
+    # per-token bound on |H_estimate - H| (0 exact; a top-k estimate's bound; inf: none)
+    entropy_error_bound: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
