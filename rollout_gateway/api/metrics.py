@@ -78,4 +78,10 @@ async def render(gw: Gateway) -> str:
         kind = "gauge" if k in ("running", "recycle_waiting") else "counter"
         name = f"rollout_gateway_admission_{k}" + ("" if kind == "gauge" else "_total")
         o.metric(name, kind, f"Admission control: {k.replace('_', ' ')} samples", [({}, v)])
+    if gw.oldlogits is not None:
+        for k, v in gw.oldlogits.metrics().items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                o.metric(f"rollout_gateway_old_logits_{k}", "counter",
+                         f"Exact old logits ({gw.oldlogits.mode}): {k.replace('_', ' ')}",
+                         [({}, v)])
     return "\n".join(o.lines) + "\n"

@@ -94,10 +94,11 @@ class SampleRunner:
     """Runs one sample to completion against the pool."""
 
     def __init__(self, pool: EnginePool, settings: GatewaySettings,
-                 registry: VersionRegistry | None = None) -> None:
+                 registry: VersionRegistry | None = None, oldlogits: Any = None) -> None:
         self.pool = pool
         self.settings = settings
         self.registry = registry
+        self.oldlogits = oldlogits  # oldlogits.OldLogitService (interruption sync) or None
 
     async def _learn_install_modes(self, eng: Engine, versions: set[int]) -> None:
         """A version this replica did not install (another replica led the swap): read how
@@ -181,6 +182,20 @@ class SampleRunner:
         """Run to completion; returns the trajectory and its output text (as the engines
         detokenized it, concatenated over requests)."""
         state = SampleState(trajectory_id, prompt_ids)
+        ol = self.oldlogits
+        if ol is None:
+            return await self._run(req, state, group_id, index, sticky_key, on_chunk)
+        ol.track(state, req.sampling_params.temperature)
+        try:
+            return await self._run(req, state, group_id, index, sticky_key, on_chunk)
+        except BaseException:
+            ol.untrack(trajectory_id)
+            raise
+
+    async def _run(self, req: RolloutRequest, state: SampleState, group_id: str, index: int,
+                   sticky_key: str | None, on_chunk) -> tuple[Trajectory, str]:
+        trajectory_id = state.trajectory_id
+        ol = self.oldlogits
         created = time.time()
         budget = req.sampling_params.max_new_tokens
         began = Transition.START
@@ -214,6 +229,8 @@ class SampleRunner:
 
                 async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
                     await on_chunk(self._stamp_delta(eng, d, how, base))
+            if ol is not None:
+                await ol.busy(trajectory_id, eng.id)
             async with self.pool.lease(eng, remaining):
                 dec, err = await self._call(eng, payload, decode_options(eng, self.settings),
                                             on_delta)
@@ -233,6 +250,8 @@ class SampleRunner:
                     await self._learn_install_modes(eng, {v for v, _, _ in dec.spans[1:]})
                 piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
                 state.pieces.append(piece)
+            if ol is not None:  # the partial output is in the state: a swap may score it
+                await ol.busy(trajectory_id, None)
             fin = dec.finish_reason if dec is not None else None
             if err is None and fin is not None and fin.get("type") != "abort":
                 finish = fin

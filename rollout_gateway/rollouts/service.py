@@ -29,12 +29,13 @@ class RolloutService:
     """Validates, admits, runs, judges (staleness policy) and publishes rollouts."""
 
     def __init__(self, pool: EnginePool, store: TrajectoryStore, settings: GatewaySettings,
-                 gatekeeper: Gatekeeper) -> None:
+                 gatekeeper: Gatekeeper, oldlogits: Any = None) -> None:
         self.pool = pool
         self.store = store
         self.settings = settings
         self.gatekeeper = gatekeeper
-        self.runner = SampleRunner(pool, settings, gatekeeper.registry)
+        self.oldlogits = oldlogits  # oldlogits.OldLogitService: fills old_logprobs, or None
+        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0}
@@ -114,6 +115,8 @@ class RolloutService:
                 self.counters["failed_samples"] += 1
                 raise
             self._count(traj)
+            if self.oldlogits is not None:  # exact old logits before delivery
+                await self.oldlogits.fill(traj, req.sampling_params.temperature)
             try:
                 verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
             except BaseException:
