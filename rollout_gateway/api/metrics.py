@@ -81,7 +81,8 @@ async def render(gw: Gateway) -> str:
     if gw.oldlogits is not None:
         for k, v in gw.oldlogits.metrics().items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                o.metric(f"rollout_gateway_old_logits_{k}", "counter",
+                o.metric(f"rollout_gateway_old_logits_{k}",
+                         "gauge" if k == "scorer_version" else "counter",
                          f"Exact old logits ({gw.oldlogits.mode}): {k.replace('_', ' ')}",
                          [({}, v)])
     return "\n".join(o.lines) + "\n"

@@ -29,12 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
-def _examples(http: str, ckpt1: Path) -> str:
+def _examples(http: str, ckpt1: Path, swap_mode: str = "in_place") -> str:
     return f"""
   rollout:   curl -s {http}/v1/rollouts -H 'content-type: application/json' \\
                -d '{{"prompt": "hello", "n": 2, "sampling_params": {{"max_new_tokens": 8}}}}'
   hot-swap:  curl -s {http}/v1/weights -H 'content-type: application/json' \\
-               -d '{{"version": 1, "source": {{"kind": "disk", "path": "{ckpt1}"}}, "mode": "in_place"}}'
+               -d '{{"version": 1, "source": {{"kind": "disk", "path": "{ckpt1}"}}, "mode": "{swap_mode}"}}'
   versions:  curl -s {http}/v1/versions
   engines:   curl -s {http}/v1/engines
   metrics:   curl -s {http}/metrics
@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  old logits:    {mode} (scorer {engines[-1].url})", flush=True)
             print(f"  gateway HTTP:  {http}\n  learner gRPC:  {args.host}:{grpc_port}\n"
                   f"  checkpoints:   {ckpt0} (v0, loaded), {ckpt1} (v1)", flush=True)
-            print(_examples(http, ckpt1), flush=True)
+            # interruption sync scores partial rollouts only for abort_resume / drain swaps
+            print(_examples(http, ckpt1, "abort_resume" if mode == "interruption"
+                            else "in_place"), flush=True)
             print("Ctrl-C stops everything.", flush=True)
 
         asyncio.run(serve_async(settings, ready=ready))
