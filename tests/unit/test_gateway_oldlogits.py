@@ -171,3 +171,25 @@ def test_interruption_sync_does_not_wait_forever_for_a_stuck_request():
 
     asyncio.run(scenario())
     assert svc.counters["late_at_swaps"] == 1  # left for the finish-time fill
+
+
+def test_serve_flags_and_env_reach_the_settings(monkeypatch):
+    import argparse
+
+    from rollout_gateway.service.cli import add_arguments, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--engine", "e0=http://127.0.0.1:1", "--old-logits", "interruption",
+                         "--old-logits-scorer", "http://127.0.0.1:2",
+                         "--old-logits-initial-source", "/ckpt/v0"])
+    s = settings_from_args(args)
+    assert (s.old_logits.mode, s.old_logits.scorer_url, s.old_logits.initial_source) == (
+        "interruption", "http://127.0.0.1:2", "/ckpt/v0")
+    assert settings_from_args(p.parse_args([])).old_logits.mode == "off"
+    monkeypatch.setenv("ROLLOUT_GATEWAY_OLD_LOGITS__MODE", "model")
+    monkeypatch.setenv("ROLLOUT_GATEWAY_OLD_LOGITS__SCORER_URL", "http://127.0.0.1:3")
+    assert load_settings().old_logits.mode == "model"
+    monkeypatch.delenv("ROLLOUT_GATEWAY_OLD_LOGITS__SCORER_URL")
+    with pytest.raises(Exception, match="scorer_url"):
+        load_settings()
