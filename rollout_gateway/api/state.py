@@ -45,7 +45,7 @@ class Gateway:
         if settings.old_logits.mode != "off":
             from rollout_gateway.oldlogits import OldLogitService
 
-            self.oldlogits = OldLogitService(settings)
+            self.oldlogits = OldLogitService(settings, registry)
         self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper,
                                        oldlogits=self.oldlogits)
         holder = f"{socket.gethostname()}:{os.getpid()}"

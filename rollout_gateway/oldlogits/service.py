@@ -39,7 +39,8 @@ class _Live:
 
 
 class OldLogitService:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, registry: Any = None) -> None:
+        self.registry = registry  # swap history: checkpoints of versions other replicas led
         self.cfg = settings.old_logits
         self.mode = self.cfg.mode
         self.scorer = OldLogitScorer(self.cfg, settings.timeouts)
@@ -133,7 +134,7 @@ class OldLogitService:
                     log.warning("interruption sync: scorer cannot load version %s: %s",
                                 outgoing, exc.message)
             for lv in list(self.live.values()):
-                if lv.busy_engine is None or lv.busy_engine not in engine_ids:
+                if lv.busy_engine is None:  # its partial output is complete in its state
                     try:
                         await self._score_partial(lv)
                     except GatewayError as exc:  # left for the finish-time fill
@@ -167,6 +168,20 @@ class OldLogitService:
             async with self.scorer.lock:
                 await self.scorer.ensure(version)
 
+    async def _learn_sources(self) -> None:
+        """Checkpoints of swaps another replica led (shared registry's swap history)."""
+        if self.registry is None:
+            return
+        try:
+            records = await self.registry.swaps(100)
+        except GatewayError as exc:
+            log.warning("old logits: cannot read the swap history: %s", exc.message)
+            return
+        for r in records:
+            if r.source and not r.source.startswith("distributed:") and r.status in (
+                    "succeeded", "partial"):
+                self.scorer.sources.setdefault(int(r.version), r.source)
+
     # ---- finish: fill the column before judge/publish -----------------------------------
     async def fill(self, traj: Trajectory, temperature: float) -> None:
         """Fill ``traj.tokens.old_logprobs`` (every token, exact under its version). On
@@ -190,6 +205,8 @@ class OldLogitService:
                     vs = sorted(set(pv[todo].tolist()),
                                 key=lambda v: (v != self.scorer.version, v))
                     for v in vs:
+                        if int(v) not in self.scorer.sources and v != self.scorer.version:
+                            await self._learn_sources()
                         await self.scorer.ensure(int(v))
                         vals = await self.scorer.score(traj.prompt_token_ids,
                                                        traj.tokens.token_ids, temperature)

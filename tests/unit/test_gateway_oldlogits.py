@@ -193,3 +193,22 @@ def test_serve_flags_and_env_reach_the_settings(monkeypatch):
     monkeypatch.delenv("ROLLOUT_GATEWAY_OLD_LOGITS__SCORER_URL")
     with pytest.raises(Exception, match="scorer_url"):
         load_settings()
+
+
+def test_model_fill_learns_checkpoints_of_swaps_another_replica_led():
+    from rollout_gateway.registry.base import SwapRecord
+
+    class _Registry:
+        async def swaps(self, limit=20):
+            return [SwapRecord(version=2, mode="abort_resume", source="/ckpt/v2",
+                               status="succeeded"),
+                    SwapRecord(version=3, mode="abort_resume", source="distributed:g@h:1",
+                               status="succeeded")]
+
+    svc = _svc("model")
+    svc.registry = _Registry()
+    svc.scorer = _FakeScorer(version=1, sources={1: "/v1"})
+    t = _traj([10, 11], [1, 2])
+    asyncio.run(svc.fill(t, 1.0))
+    assert svc.scorer.sources[2] == "/ckpt/v2" and 3 not in svc.scorer.sources
+    np.testing.assert_allclose(t.tokens.old_logprobs, [-10.1, -11.2])
