@@ -121,8 +121,9 @@ class OldLogitService:
                 except asyncio.TimeoutError:
                     break
         late = [lv for lv in self.live.values() if lv.busy_engine in engine_ids]
-        if late:  # e.g. a request sent just before the pause: the finish-time fill scores
-            # its tokens under their own version (exact, one more weight load)
+        if late:  # a request sent after the pause waits in the engine with no output; one
+            # whose aborted response is still on its way: its last piece is scored at
+            # finish under its own version (exact, one more weight load)
             self.counters["late_at_swaps"] += len(late)
             log.warning("interruption sync: %d sample(s) still in an engine call after %.1fs",
                         len(late), timeout)
@@ -134,12 +135,12 @@ class OldLogitService:
                     log.warning("interruption sync: scorer cannot load version %s: %s",
                                 outgoing, exc.message)
             for lv in list(self.live.values()):
-                if lv.busy_engine is None:  # its partial output is complete in its state
-                    try:
-                        await self._score_partial(lv)
-                    except GatewayError as exc:  # left for the finish-time fill
-                        log.warning("interruption sync: scoring %s failed: %s",
-                                    lv.state.trajectory_id, exc.message)
+                # the pieces in a state are complete engine requests: score them all
+                try:
+                    await self._score_partial(lv)
+                except GatewayError as exc:  # left for the finish-time fill
+                    log.warning("interruption sync: scoring %s failed: %s",
+                                lv.state.trajectory_id, exc.message)
         self.counters["swaps_scored"] += 1
         self.counters["swap_scoring_seconds"] += time.perf_counter() - t0
 

@@ -183,7 +183,7 @@ class SwapOrchestrator:
                 outgoing = {res[e.id].version_before for e in group}
                 await self.oldlogits.before_load(
                     {e.id for e in group}, outgoing.pop() if len(outgoing) == 1 else None,
-                    timeout=min(self.settings.timeouts.control_s, 10.0))
+                    timeout=min(self.settings.timeouts.control_s, 5.0))
             if isinstance(req.source, DistributedSource):
                 await self._load_distributed(group, req, res)
             else:

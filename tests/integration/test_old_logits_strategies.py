@@ -110,8 +110,9 @@ def test_interruption_sync_scores_partial_rollouts_at_the_swap(ckpts, models):
     m, spanning = _run("interruption", ckpts, models)
     assert m["swaps_scored"] == 1 and m["fill_failed"] == 0
     assert m["tokens_at_swaps"] > 0  # the partial prefixes were scored before the load
-    # the scorer followed the pool once (inside the pause) and never went back
-    assert m["scorer_weight_loads"] == 1
+    # the scorer followed the pool once (inside the pause) and went back to the old version
+    # only for a request caught in flight by the pause (none in the usual run)
+    assert 1 <= m["scorer_weight_loads"] <= 1 + m["late_at_swaps"]
 
 
 def test_interruption_sync_refuses_swaps_it_cannot_follow(ckpts, make_engine):
