@@ -39,7 +39,7 @@ CASES = [c for c in CASES if c[0] in LOSSES]
 _IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in c.items()) or 'default'}" for n, c in CASES]
 
 _FLOAT = ("logprobs", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs",
-          "entropy")
+          "entropy", "entropy_error_bound")
 _POISON = [math.nan, math.inf, -math.inf, 1e30, -1e30]
 
 
@@ -57,6 +57,7 @@ def _inputs(rng: np.random.Generator, lens: list[int], padded: bool, active_p: f
         "ref_logprobs": mu + rng.normal(0.0, 0.2, n),
         "advantages": rng.normal(0.0, 1.0, n),
         "entropy": np.abs(rng.normal(1.0, 0.8, n)),
+        "entropy_error_bound": np.zeros(n),  # exact entropy on active tokens
     }
     out = {k: torch.tensor(v, dtype=dtype).reshape(shape) for k, v in cols.items()}
     mask = rng.random(n) < active_p
