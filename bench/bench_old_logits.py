@@ -85,7 +85,7 @@ def metrics(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith("rollout_gateway_old_logits_"):
             k, v = line.rsplit(" ", 1)
-            out[k.removeprefix("rollout_gateway_old_logits_")] = float(v)
+            out[k.removeprefix("rollout_gateway_old_logits_").removesuffix("_total")] = float(v)
     return out
 
 

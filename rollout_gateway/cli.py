@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
            "gateway HTTP + gRPC, embedded store (the main job)"),
     "serve": ("rollout_gateway.service.cli", "run the gateway (HTTP API + learner gRPC service)"),
     "engine": ("rollout_gateway.reference_engine.cli", "run the reference engine (toy Qwen3-MoE, SGLang protocol)"),
+    "status": ("rollout_gateway.service.status", "show a running gateway's version lag "
+               "(engines, token lag in flight / unconsumed / delivered, pause windows)"),
 }
 
 

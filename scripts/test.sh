@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh dev
 bash scripts/ensure-redis.sh
+bash scripts/ensure-chromium.sh
 . .venv/bin/activate
 exec python -m pytest -q -p no:cacheprovider "$@"

@@ -1,88 +1,292 @@
-"""Prometheus text exposition of the gateway's counters and gauges (no client library)."""
+"""``/metrics``: Prometheus exposition built on ``prometheus_client``.
+
+Per replica (each replica exposes its own; sum them across replicas):
+histograms of HTTP request latency, time to first token, swap pause window per engine,
+admission wait and the lag of delivered tokens; counters of rollouts, samples, tokens,
+failovers, re-prefills, admission verdicts; gauges of in-flight work and engine versions.
+
+Shared (read from the store / registry that every replica shares, e.g. Redis): learner
+version, store backlog and counters, per-group backlog, unconsumed tokens by lag. Every
+replica exports them with the label ``shared="true"``; aggregate them with ``max``, never
+``sum`` (the Grafana dashboard in deploy/ does), so nothing is double counted.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from rollout_gateway.api.state import Gateway
 
+disable_created_metrics()  # no *_created series: they double the exposition for nothing
 
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+PREFIX = "rollout_gateway_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: lag buckets (versions) of the token-lag histograms
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+            300.0)
+
+#: rollout service counters -> (metric name without _total, help)
+ROLLOUT_COUNTERS = {
+    "rollouts": ("rollout_gateway_rollouts", "Rollout requests started"),
+    "samples": ("rollout_gateway_samples", "Samples finished"),
+    "tokens": ("rollout_gateway_tokens", "Output tokens stamped"),
+    "published": ("rollout_gateway_published", "Trajectories published to the store"),
+    "duplicates": ("rollout_gateway_duplicates", "Publishes ignored as duplicates"),
+    "publish_failed": ("rollout_gateway_publish_failed", "Trajectories the store refused or "
+                       "failed to take (returned to the caller with metadata.publish_error)"),
+    "failed_samples": ("rollout_gateway_failed_samples", "Samples that failed"),
+    "failovers": ("rollout_gateway_failovers", "Segments resumed on another engine after a "
+                  "failure"),
+    "abort_resumes": ("rollout_gateway_abort_resumes", "Segments resumed after an abort_resume "
+                      "swap"),
+    "tokens_reprefilled": ("rollout_gateway_tokens_reprefilled", "Prompt + output tokens "
+                           "re-prefilled by retract, abort_resume and failover"),
+    "replayed": ("rollout_gateway_replayed", "Samples of a retried request_id answered from "
+                 "the store"),
+}
+_ADMISSION_GAUGES = ("running", "recycle_waiting")
 
 
-class _Out:
+class GatewayMetrics:
+    """The histograms one replica observes; counters and gauges are read at scrape time."""
+
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.http_latency = Histogram(
+            "rollout_gateway_http_request_duration_seconds",
+            "HTTP request latency until the last byte of the response (streams included)",
+            ["method", "route", "status"], registry=r, buckets=_SECONDS)
+        self.ttft = Histogram(
+            "rollout_gateway_time_to_first_token_seconds",
+            "From a sample's start to the first streamed chunk of its engine response",
+            registry=r, buckets=_SECONDS)
+        self.swap_pause = Histogram(
+            "rollout_gateway_swap_pause_seconds",
+            "Time an engine was paused (fenced) for a weight swap",
+            ["engine"], registry=r, buckets=_SECONDS)
+        self.admission_wait = Histogram(
+            "rollout_gateway_admission_wait_seconds",
+            "Time a rollout (kind=new) or a recycled sample (kind=recycled) spent in "
+            "admission control", ["kind", "outcome"], registry=r, buckets=_SECONDS)
 
-    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{_esc(str(v))}"' for k, v in labels.items())
-            self.lines.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+    def observe_admission(self, kind: str, admitted: bool, seconds: float) -> None:
+        self.admission_wait.labels(kind, "admitted" if admitted else "refused").observe(seconds)
 
 
-async def render(gw: Gateway) -> str:
-    o = _Out()
-    c = gw.rollouts.counters
-    for key, help_ in (("rollouts", "Rollout requests started"),
-                       ("samples", "Samples finished"), ("tokens", "Output tokens stamped"),
-                       ("published", "Trajectories published to the store"),
-                       ("duplicates", "Publishes ignored as duplicates"),
-                       ("publish_failed", "Trajectories the store refused or failed to take "
-                        "(returned to the caller with metadata.publish_error)"),
-                       ("failed_samples", "Samples that failed"),
-                       ("failovers", "Segments resumed on another engine after a failure"),
-                       ("abort_resumes", "Segments resumed after an abort_resume swap"),
-                       ("tokens_reprefilled", "Prompt + output tokens re-prefilled by retract, "
-                        "abort_resume and failover")):
-        o.metric(f"rollout_gateway_{key}_total", "counter", help_, [({}, c[key])])
-    o.metric("rollout_gateway_inflight_samples", "gauge", "Samples generating now",
-             [({}, gw.rollouts.inflight_samples)])
-    engines = gw.pool.list()
-    o.metric("rollout_gateway_engine_outstanding_requests", "gauge", "Requests in flight per engine",
-             [({"engine": e.id}, e.outstanding_requests) for e in engines])
-    o.metric("rollout_gateway_engine_outstanding_tokens", "gauge",
-             "Max new tokens of requests in flight per engine",
-             [({"engine": e.id}, e.outstanding_tokens) for e in engines])
-    o.metric("rollout_gateway_engine_weight_version", "gauge", "Weight version each engine runs",
-             [({"engine": e.id}, e.version if e.version is not None else -1) for e in engines])
-    o.metric("rollout_gateway_engine_up", "gauge", "1 when the engine is in rotation",
-             [({"engine": e.id, "state": e.state.value}, int(e.routable)) for e in engines])
+def lag_histogram(name: str, help_: str, by_lag: dict[int, int],
+                  labels: dict[str, str] | None = None) -> HistogramMetricFamily:
+    """Tokens by lag as a Prometheus histogram (each token one observation)."""
+    labels = labels or {}
+    h = HistogramMetricFamily(name, help_, labels=list(labels))
+    total = sum(by_lag.values())
+    buckets = [(str(float(b)), sum(c for k, c in by_lag.items() if k <= b)) for b in LAG_BUCKETS]
+    buckets.append(("+Inf", total))
+    h.add_metric(list(labels.values()), buckets, sum(k * c for k, c in by_lag.items()))
+    return h
+
+
+async def _snapshot(gw: Gateway) -> dict[str, Any]:
+    """The figures that need I/O (registry, store), read once per scrape."""
+    snap: dict[str, Any] = {"errors": 0}
     try:
-        lv = await gw.registry.learner_version()
+        snap["learner_version"] = await gw.registry.learner_version()
     except GatewayError:
-        lv = None
-    o.metric("rollout_gateway_learner_version", "gauge", "Current learner weight version",
-             [({}, lv if lv is not None else -1)])
-    if lv is not None:
-        o.metric("rollout_gateway_engine_version_lag", "gauge", "learner version - engine version",
-                 [({"engine": e.id}, lv - e.version) for e in engines if e.version is not None])
+        snap["errors"] += 1
     try:
-        st = await gw.store.stats()
-        o.metric("rollout_gateway_store_backlog", "gauge", "Published, not yet acknowledged",
-                 [({}, st.backlog)])
-        o.metric("rollout_gateway_store_published_total", "counter", "Trajectories stored",
-                 [({}, st.published)])
+        snap["stats"] = await gw.store.stats()
+        snap["groups"] = await gw.store.group_stats()
+        snap["unconsumed"] = await gw.store.unconsumed_tokens()
     except GatewayError:
-        pass
-    lags = gw.gatekeeper.lag_counts
-    o.metric("rollout_gateway_trajectory_lag_total", "counter",
-             "Finished trajectories by max lag in versions at finish (8 = 8 or more)",
-             [({"lag": str(k) + ("+" if k == 8 else "")}, v) for k, v in sorted(lags.items())])
-    for k, v in gw.gatekeeper.counters().items():
-        kind = "gauge" if k in ("running", "recycle_waiting") else "counter"
-        name = f"rollout_gateway_admission_{k}" + ("" if kind == "gauge" else "_total")
-        o.metric(name, kind, f"Admission control: {k.replace('_', ' ')} samples", [({}, v)])
-    if gw.oldlogits is not None:
-        for k, v in gw.oldlogits.metrics().items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                o.metric(f"rollout_gateway_old_logits_{k}",
-                         "gauge" if k == "scorer_version" else "counter",
-                         f"Exact old logits ({gw.oldlogits.mode}): {k.replace('_', ' ')}",
-                         [({}, v)])
-    return "\n".join(o.lines) + "\n"
+        snap["errors"] += 1
+    return snap
+
+
+class _Live:
+    """Counters and gauges read from the gateway's live state at scrape time."""
+
+    def __init__(self, gw: Gateway, snap: dict[str, Any]) -> None:
+        self.gw, self.snap = gw, snap
+
+    def collect(self):  # noqa: C901 - one flat list of families
+        gw, snap = self.gw, self.snap
+        c = gw.rollouts.counters
+        for key, (name, help_) in ROLLOUT_COUNTERS.items():
+            yield CounterMetricFamily(name, help_, value=c[key])
+        yield GaugeMetricFamily("rollout_gateway_inflight_samples", "Samples generating now",
+                                value=gw.rollouts.inflight_samples)
+        engines = gw.pool.list()
+        for name, help_, fn in (
+                ("engine_outstanding_requests", "Requests in flight per engine",
+                 lambda e: e.outstanding_requests),
+                ("engine_outstanding_tokens", "Max new tokens of requests in flight per engine",
+                 lambda e: e.outstanding_tokens),
+                ("engine_weight_version", "Weight version each engine runs (-1: unknown)",
+                 lambda e: e.version if e.version is not None else -1)):
+            g = GaugeMetricFamily(PREFIX + name, help_, labels=["engine"])
+            for e in engines:
+                g.add_metric([e.id], fn(e))
+            yield g
+        g = GaugeMetricFamily("rollout_gateway_engine_up", "1 when the engine is in rotation",
+                              labels=["engine", "state"])
+        for e in engines:
+            g.add_metric([e.id, e.state.value], int(e.routable))
+        yield g
+        lv = snap.get("learner_version")
+        shared = {"shared": "true"}
+        yield _gauge("rollout_gateway_learner_version",
+                     "Current learner weight version (-1: registry unreachable)",
+                     lv if lv is not None else -1, shared)
+        g = GaugeMetricFamily("rollout_gateway_engine_version_lag",
+                              "learner version - engine version", labels=["engine"])
+        if lv is not None:
+            for e in engines:
+                if e.version is not None:
+                    g.add_metric([e.id], lv - e.version)
+        yield g
+        lags = gw.gatekeeper.lag_counts
+        fam = CounterMetricFamily("rollout_gateway_trajectory_lag",
+                                  "Finished trajectories by max lag in versions at finish "
+                                  "(8+ = 8 or more)", labels=["lag"])
+        for k, v in sorted(lags.items()):
+            fam.add_metric([str(k) + ("+" if k == 8 else "")], v)
+        yield fam
+        for k, v in gw.gatekeeper.counters().items():
+            if k in _ADMISSION_GAUGES:
+                yield GaugeMetricFamily(f"rollout_gateway_admission_{k}",
+                                        f"Admission control: {k.replace('_', ' ')} samples",
+                                        value=v)
+            else:
+                yield CounterMetricFamily(f"rollout_gateway_admission_{k}",
+                                          f"Admission control: {k.replace('_', ' ')} samples",
+                                          value=v)
+        f = gw.lag.finished
+        for name, help_, v in (
+                ("trajectories_spanning_versions", "Finished trajectories whose tokens come "
+                 "from more than one weight version", f.spanning_versions),
+                ("tokens_on_stale_kv", "Finished tokens whose KV came from an older version "
+                 "(kv_version < policy_version)", f.tokens_on_stale_kv),
+                ("delivered_trajectories", "Trajectories sent to learners over gRPC",
+                 gw.lag.delivered_trajectories)):
+            yield CounterMetricFamily(PREFIX + name, help_, value=v)
+        yield lag_histogram("rollout_gateway_delivered_token_lag",
+                            "Tokens sent to learners by lag (learner version the learner "
+                            "reported - the token's policy version)", gw.lag.delivered)
+        from rollout_gateway.observe.tracker import in_flight_tokens
+
+        by_version, _n = in_flight_tokens(list(gw.rollouts.runner.active.values()))
+        if lv is not None:
+            yield lag_histogram("rollout_gateway_inflight_token_lag",
+                                "Tokens generated so far by running samples, by lag",
+                                {lv - v: n for v, n in by_version.items()})
+        if gw.oldlogits is not None:  # exact old logits (old_logits.mode)
+            for k, v in gw.oldlogits.metrics().items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    fam = GaugeMetricFamily if k == "scorer_version" else CounterMetricFamily
+                    yield fam(PREFIX + "old_logits_" + k, f"Exact old logits "
+                              f"({gw.oldlogits.mode}): {k.replace('_', ' ')}", value=v)
+        yield _gauge("rollout_gateway_scrape_errors", "Shared figures that could not be read "
+                     "for this scrape (registry or store unreachable)", snap["errors"])
+        # ---- shared figures (store / registry): aggregate with max across replicas ----
+        st = snap.get("stats")
+        if st is not None:
+            yield _gauge("rollout_gateway_store_backlog", "Published, not yet acknowledged "
+                         "(max over consumer groups)", st.backlog, shared)
+            for name, help_, v in (
+                    ("store_published", "Trajectories stored", st.published),
+                    ("store_duplicates", "Publishes ignored as duplicates", st.duplicates),
+                    ("store_stale_dropped", "Deliveries dropped by a learner's staleness bound",
+                     st.stale_dropped),
+                    ("store_stale_masked", "Deliveries masked by a learner's staleness bound",
+                     st.stale_masked),
+                    ("store_stale_recycled", "Deliveries whose prompt was recycled",
+                     st.stale_recycled),
+                    ("store_dead_lettered", "Entries dead-lettered after max deliveries",
+                     st.dead_lettered),
+                    ("store_redelivered", "Redeliveries (lease expiry or nack)", st.redelivered)):
+                yield _counter(PREFIX + name, help_, v, shared)
+            gb = GaugeMetricFamily("rollout_gateway_group_backlog",
+                                   "Entries a consumer group has not acknowledged",
+                                   labels=["group", "shared"])
+            gr = CounterMetricFamily("rollout_gateway_group_redelivered",
+                                     "Redeliveries to a consumer group", labels=["group", "shared"])
+            for grp in snap.get("groups", []):
+                gb.add_metric([grp.group, "true"], grp.backlog)
+                gr.add_metric([grp.group, "true"], grp.redelivered)
+            yield gb
+            yield gr
+            un = snap.get("unconsumed")
+            if un is not None and lv is not None:
+                yield lag_histogram("rollout_gateway_unconsumed_token_lag",
+                                    "Output tokens finished but not yet acknowledged, by lag",
+                                    {lv - v: n for v, n in un.tokens_by_version.items()}, shared)
+
+
+def _gauge(name: str, help_: str, value: float, labels: dict[str, str] | None = None):
+    g = GaugeMetricFamily(name, help_, labels=list(labels or {}))
+    g.add_metric(list((labels or {}).values()), value)
+    return g
+
+
+def _counter(name: str, help_: str, value: float, labels: dict[str, str] | None = None):
+    g = CounterMetricFamily(name, help_, labels=list(labels or {}))
+    g.add_metric(list((labels or {}).values()), value)
+    return g
+
+
+async def render(gw: Gateway) -> bytes:
+    snap = await _snapshot(gw)
+    live = CollectorRegistry(auto_describe=False)
+    live.register(_Live(gw, snap))
+    return generate_latest(gw.metrics.registry) + generate_latest(live)
+
+
+class HTTPMetricsMiddleware:
+    """Pure ASGI: observes each HTTP request's latency until its last body byte, labelled by
+    method, route template (``unmatched`` for 404s) and status."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                observe()
+
+        done = {"v": False}
+
+        def observe() -> None:
+            if done["v"]:
+                return
+            done["v"] = True
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_latency.labels(scope["method"], path,
+                                             str(status["code"])).observe(
+                time.perf_counter() - t0)
+
+        try:
+            await self.app(scope, receive, wrapped)
+        finally:
+            observe()

@@ -10,6 +10,7 @@ import socket
 import time
 from typing import Any
 
+from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
@@ -27,16 +28,22 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, *, store: TrajectoryStore | None = None,
                  registry: Any = None) -> None:
         self.settings = settings
+        self.auth = Authenticator.from_settings(settings)
         self._own_store = store is None
         self._own_registry = registry is None
         if store is None:
             from rollout_gateway.store.factory import store_from_url
 
-            store = store_from_url(settings.store_url)
+            store = store_from_url(settings.store_url,
+                                   max_connections=settings.redis.max_connections,
+                                   pool_wait_s=settings.redis.wait_s)
         if registry is None:
             from rollout_gateway.registry import create_registry
 
-            registry = create_registry(settings.registry_url)
+            registry = create_registry(settings.registry_url,
+                                       max_connections=settings.redis.max_connections,
+                                       pool_wait_s=settings.redis.wait_s,
+                                       version_cache_s=settings.redis.version_cache_s)
         self.store = store
         self.registry = registry
         self.pool = EnginePool(settings)
@@ -54,7 +61,13 @@ class Gateway:
         from rollout_gateway.swap.control import GatewayControlPlane
 
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
+        from rollout_gateway.observe.tracker import install
+
+        install(self)  # lag tracker, Prometheus histograms, dashboard history
         self.started_at = time.time()
+        #: DNS resolver of engine discovery (None: the system's; tests pass a fake)
+        self.resolver = None
+        self.discovery = None  # DnsDiscovery when settings.engine_discovery.dns_name
         self.serving = False
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -79,7 +92,15 @@ class Gateway:
         self.pool.on_recovered = self.swaps.catch_up
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
+        if self.settings.engine_discovery.dns_name:
+            from rollout_gateway.engines.discovery import DnsDiscovery
+
+            self.discovery = DnsDiscovery(self, self.settings.engine_discovery,
+                                          resolver=self.resolver)
+            await self.discovery.sync_once()
+            self.discovery.start()
         self.gatekeeper.start()
+        self.history.start()
         self.serving = True
 
     async def _follow_registry(self) -> None:
@@ -101,6 +122,26 @@ class Gateway:
                 log.warning("registry watch failed (%s); retrying", exc)
                 await asyncio.sleep(1.0)
 
+    async def add_engine(self, engine_id: str, url: str, api_key: str | None = None) -> None:
+        """Register an engine found at run time (discovery): caught up to the pool's weights
+        before it serves; one that does not answer yet is registered offline (the health
+        loop brings it in and catches it up)."""
+        try:
+            eng = await self.pool.register(engine_id, url, api_key)
+        except GatewayError as exc:
+            if engine_id in {e.id for e in self.pool.list()}:
+                return
+            await self.pool.register_offline(engine_id, url, api_key, exc.message)
+            return
+        self.pool.close_gate(eng)
+        try:
+            await self.swaps.catch_up(eng)
+        except GatewayError as exc:
+            log.warning("engine %s could not catch up: %s", engine_id, exc.message)
+        finally:
+            await self.pool.open_gate(eng)
+        await self.sync_engine_version(eng.id, eng.version)
+
     async def sync_engine_version(self, engine_id: str, version: int | None) -> None:
         if version is None:
             return
@@ -111,6 +152,9 @@ class Gateway:
 
     async def stop(self) -> None:
         self.serving = False
+        await self.history.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         task, self._watch_task = self._watch_task, None
         if task is not None:
             task.cancel()

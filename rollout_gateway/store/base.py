@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 from pydantic import BaseModel, Field
 
 from rollout_gateway.core.staleness import StalePolicy
@@ -64,6 +65,53 @@ class StoredEntry:
     max_version: int
     delivery_count: int = 1
     masked: bool = False  # outside the staleness bound, delivered under StalePolicy.MASK
+    #: output tokens per policy version, "v:count;v:count" (see version_tokens); "" when
+    #: the entry predates the field (then its tokens count at min_version)
+    version_tokens: str = ""
+
+    def tokens_by_version(self) -> dict[int, int]:
+        """Output tokens per policy version (dashboards: lag of delivered tokens)."""
+        if self.version_tokens:
+            return parse_version_tokens(self.version_tokens)
+        return {self.min_version: self.num_tokens} if self.min_version >= 0 else {}
+
+
+@dataclass(slots=True)
+class GroupStats:
+    """One consumer group, for dashboards."""
+
+    group: str
+    backlog: int  # not acknowledged (pending + never delivered)
+    pending: int  # delivered and not yet acknowledged
+    redelivered: int  # deliveries to this group with delivery_count > 1, ever
+
+
+@dataclass(slots=True)
+class UnconsumedTokens:
+    """Output tokens of stored entries some consumer group has not acknowledged."""
+
+    tokens_by_version: dict[int, int]
+    entries: int
+    truncated: bool  # more entries than the scan limit: the oldest ``entries`` counted
+
+
+def version_tokens(traj: Trajectory) -> str:
+    """Output tokens per policy version of a trajectory, compact: "3:120;4:8"."""
+    pv = traj.tokens.policy_version
+    if not len(pv):
+        return ""
+    lo = int(pv.min())
+    counts = np.bincount(pv - lo)
+    return ";".join(f"{lo + i}:{c}" for i, c in enumerate(counts.tolist()) if c)
+
+
+def parse_version_tokens(s: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for part in s.split(";"):
+        if part:
+            v, _, c = part.partition(":")
+            out[int(v)] = out.get(int(v), 0) + int(c)
+    return out
 
 
 def entry_facts(traj: Trajectory) -> tuple[int, int, int]:
@@ -82,6 +130,13 @@ class TrajectoryStore(abc.ABC):
         backlog bound is reached and StoreError when the backend fails."""
 
     @abc.abstractmethod
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        """What was stored under these ids (idempotent retries): the serialized trajectory
+        while it is retained, None when it was stored but has since been trimmed (consumed
+        and past retention); ids never stored (or forgotten after dedup_seconds) are
+        absent."""
+
+    @abc.abstractmethod
     async def backlog(self) -> int:
         """Finished-but-unconsumed trajectories (for admission control)."""
 
@@ -92,6 +147,15 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections. Idempotent."""
+
+    @abc.abstractmethod
+    async def group_stats(self) -> list[GroupStats]:
+        """Backlog, pending and redeliveries of every consumer group (dashboards)."""
+
+    @abc.abstractmethod
+    async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
+        """Output tokens per policy version of the entries some group has not acknowledged
+        (every entry when there is no group), scanning at most ``limit`` entries."""
 
     # ---- learner side (used by the gRPC service) ----
 
@@ -114,6 +178,12 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     async def ack(self, group: str, entry_ids: list[str]) -> int:
         """Acknowledge; returns how many were pending (re-acks count 0)."""
+
+    @abc.abstractmethod
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """Renew the leases ``consumer`` holds on these entries for another
+        ``lease_seconds`` from now (delivery counts unchanged). Returns the ids extended;
+        entries acked, nacked or re-claimed by another consumer are not."""
 
     @abc.abstractmethod
     async def nack(self, group: str, entry_ids: list[str], *,
@@ -172,6 +242,7 @@ class TrajectoryStore(abc.ABC):
             if gone:
                 await self.ack(group, [e.entry_id for e in gone])
             counts = {"stale_masked": masked, "redelivered": redelivered,
+                      f"redelivered:{group}": redelivered,
                       "stale_dropped": len(gone) if policy == StalePolicy.DROP else 0,
                       "stale_recycled": len(gone) if policy == StalePolicy.RECYCLE else 0}
             counts = {k: v for k, v in counts.items() if v}

@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
+    GroupStats,
     StoreConfig,
     StoredEntry,
     StoreStats,
     TrajectoryStore,
+    UnconsumedTokens,
     check_name,
     entry_facts,
+    parse_version_tokens,
+    version_tokens,
 )
 from rollout_gateway.transport import codec
 
@@ -51,6 +55,7 @@ class _Entry:
     vmin: int
     vmax: int
     added: float
+    vt: str = ""  # output tokens per version (not journaled: reloaded entries count at vmin)
 
 
 @dataclass(slots=True)
@@ -147,7 +152,8 @@ class MemoryStore(TrajectoryStore):
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
         ntok, vmin, vmax = entry_facts(trajectory)
-        entry = _Entry(self._next_seq, tid, codec.encode(trajectory), ntok, vmin, vmax, now)
+        entry = _Entry(self._next_seq, tid, codec.encode(trajectory), ntok, vmin, vmax, now,
+                       version_tokens(trajectory))
         with self._tx():
             self._write("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
                         (entry.seq, tid, entry.data, ntok, vmin, vmax, now))
@@ -161,6 +167,17 @@ class MemoryStore(TrajectoryStore):
         async with self._cond:
             self._cond.notify_all()
         return True
+
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        self._check_open()
+        now = time.time()
+        want = {t for t in trajectory_ids if self._dedup.get(t, 0.0) > now}
+        out: dict[str, bytes | None] = dict.fromkeys(want)
+        if want:
+            for e in self._entries.values():
+                if e.tid in want:
+                    out[e.tid] = e.data
+        return out
 
     async def backlog(self) -> int:
         return self._backlog()
@@ -231,7 +248,7 @@ class MemoryStore(TrajectoryStore):
         e = self._entries[seq]
         return StoredEntry(entry_id=str(seq), trajectory_id=e.tid, data=e.data,
                            num_tokens=e.ntok, min_version=e.vmin, max_version=e.vmax,
-                           delivery_count=deliveries)
+                           delivery_count=deliveries, version_tokens=e.vt)
 
     async def read(self, group: str, consumer: str, count: int, *,
                    block_ms: int = 0) -> list[StoredEntry]:
@@ -275,6 +292,19 @@ class MemoryStore(TrajectoryStore):
         self._trim()
         return len(done)
 
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        self._check_open()
+        check_name("consumer", consumer)
+        g = self._group(group)
+        until = time.monotonic() + self.config.lease_seconds
+        out = []
+        for eid, seq in zip(entry_ids, self._seqs(entry_ids)):
+            lease = g.pending.get(seq)
+            if lease is not None and lease.consumer == consumer and lease.until > 0:
+                lease.until = until
+                out.append(eid)
+        return out
+
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:
         self._check_open()
@@ -310,6 +340,30 @@ class MemoryStore(TrajectoryStore):
         g = self._group(group)
         return self._next_seq - g.cursor + len(g.pending)
 
+    async def group_stats(self) -> list[GroupStats]:
+        return [GroupStats(group=g.name, backlog=self._next_seq - g.cursor + len(g.pending),
+                           pending=len(g.pending),
+                           redelivered=self._counters.get(f"redelivered:{g.name}", 0))
+                for g in self._groups.values()]
+
+    async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
+        groups = list(self._groups.values())
+        out: dict[int, int] = {}
+        n = 0
+        truncated = False
+        for seq, e in self._entries.items():
+            if groups and not any(seq >= g.cursor or seq in g.pending for g in groups):
+                continue
+            if n >= limit:
+                truncated = True
+                break
+            n += 1
+            tv = parse_version_tokens(e.vt) if e.vt else (
+                {e.vmin: e.ntok} if e.vmin >= 0 else {})
+            for v, c in tv.items():
+                out[v] = out.get(v, 0) + c
+        return UnconsumedTokens(out, n, truncated)
+
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         taken, self._recycled = self._recycled[:max_n], self._recycled[max_n:]
         self._write("DELETE FROM recycled WHERE id=?", [(i,) for i, _ in taken])
@@ -325,7 +379,7 @@ class MemoryStore(TrajectoryStore):
 
     async def _count(self, **counters: int) -> None:
         for k, v in counters.items():
-            self._counters[k] += v
+            self._counters[k] = self._counters.get(k, 0) + v
         self._write("INSERT OR REPLACE INTO counters VALUES (?, ?)",
                     [(k, self._counters[k]) for k in counters])
 

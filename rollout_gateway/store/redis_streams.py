@@ -2,8 +2,10 @@
 
 Keys under ``prefix``: ``{p}:stream`` (entries: tid, d = serialized rollout.v1.Trajectory,
 n = prompt+output tokens, lo/hi = min/max policy_version), ``{p}:id:<tid>`` (idempotency
-marker, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
-``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list).
+marker holding the entry id, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
+``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list),
+``{p}:facts`` (a stream with the entries' ids and n, lo, vt = output tokens per version:
+dashboards scan it without the payloads; trimmed with the stream).
 Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAIM for
 entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
 past the lease so the next read re-claims it at once. Publish, group creation and ack are
@@ -26,18 +28,25 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio as aioredis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry as SyncRetry
 from redis.exceptions import RedisError, ResponseError
 
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
+    GroupStats,
     StoreConfig,
     StoredEntry,
     StoreStats,
     TrajectoryStore,
+    UnconsumedTokens,
     check_name,
     entry_facts,
+    parse_version_tokens,
+    version_tokens,
 )
+from rollout_gateway.store.redis_client import blocking_client
 from rollout_gateway.transport import codec
 
 _PUBLISH = """
@@ -57,8 +66,9 @@ else
   end
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
-redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
+redis.call('SET', KEYS[1], eid, 'PX', ARGV[1])
+redis.call('XADD', KEYS[6], eid, 'n', ARGV[5], 'lo', ARGV[6], 'vt', ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
@@ -79,6 +89,18 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], n) end
 return n
 """
 
+_EXTEND = """
+local out = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out
+"""
+
 _CHUNK = 1000
 _BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
 
@@ -93,25 +115,37 @@ def _parse_id(eid: str) -> tuple[int, int]:
         raise InvalidArgument(f"malformed entry id {eid!r}") from None
 
 
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
 class RedisStore(TrajectoryStore):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "rollout",
-                 config: StoreConfig | None = None, client: aioredis.Redis | None = None):
+                 config: StoreConfig | None = None, client: aioredis.Redis | None = None, *,
+                 max_connections: int | None = None, pool_wait_s: float | None = None):
         self.config = config or StoreConfig()
         self.prefix = prefix
-        self._r = client or aioredis.Redis.from_url(url, decode_responses=False)
+        # a bounded pool that waits for a free connection (see redis_client)
+        self._r = client or blocking_client(url, max_connections=max_connections,
+                                            wait_s=pool_wait_s)
         p = prefix
         self._k_stream, self._k_groups = f"{p}:stream", f"{p}:groups"
         self._k_acked, self._k_counters = f"{p}:acked", f"{p}:counters"
         self._k_recycled = f"{p}:recycled"
+        # the entries' small facts (n, lo, vt) under the same ids, trimmed with the stream:
+        # dashboards scan it without reading payloads
+        self._k_facts = f"{p}:facts"
         self._publish = self._r.register_script(_PUBLISH)
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
+        self._extend = self._r.register_script(_EXTEND)
         self._claim_cursor: dict[str, str] = {}
         self._last_trim = 0.0
         self._closed = False
         # blocking client for bulk reads (None when the caller supplied its own client)
         self._bulk = None if client is not None else redis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0)
+            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0,
+            retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
         self._pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="redis-bulk")
 
     @asynccontextmanager
@@ -136,13 +170,34 @@ class RedisStore(TrajectoryStore):
         async with self._io("publish"):
             res = await self._publish(
                 keys=[f"{self.prefix}:id:{tid}", self._k_stream, self._k_counters,
-                      self._k_groups, self._k_acked],
+                      self._k_groups, self._k_acked, self._k_facts],
                 args=[int(self.config.dedup_seconds * 1000), self.config.max_backlog, tid, data,
-                      n, lo, hi])
+                      n, lo, hi, version_tokens(trajectory)])
         if res == -1:
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
         return res == 1
+
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        if not trajectory_ids:
+            return {}
+        out: dict[str, bytes | None] = {}
+        async with self._io("lookup"):
+            marks = await self._r.mget([f"{self.prefix}:id:{t}" for t in trajectory_ids])
+            want = []
+            pipe = self._r.pipeline(transaction=False)
+            for tid, mark in zip(trajectory_ids, marks):
+                if mark is None:
+                    continue
+                out[tid] = None
+                if mark != b"1":  # "1": a marker written before markers held the entry id
+                    want.append(tid)
+                    pipe.xrange(self._k_stream, mark, mark, count=1)
+            if want:
+                for tid, res in zip(want, await pipe.execute()):
+                    if res and res[0][1]:
+                        out[tid] = res[0][1][b"d"]
+        return out
 
     async def _backlogs(self) -> dict[str, int]:
         async with self._io("backlog"):
@@ -197,7 +252,8 @@ class RedisStore(TrajectoryStore):
         return StoredEntry(entry_id=eid.decode(), trajectory_id=fields[b"tid"].decode(),
                            data=fields[b"d"], num_tokens=int(fields[b"n"]),
                            min_version=int(fields[b"lo"]), max_version=int(fields[b"hi"]),
-                           delivery_count=deliveries)
+                           delivery_count=deliveries,
+                           version_tokens=fields.get(b"vt", b"").decode())
 
     async def read(self, group: str, consumer: str, count: int, *,
                    block_ms: int = 0) -> list[StoredEntry]:
@@ -274,6 +330,23 @@ class RedisStore(TrajectoryStore):
         await self._maybe_trim()
         return n
 
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """XCLAIM to the same consumer with JUSTID resets the idle time (the lease) and
+        leaves the delivery count alone; only entries still pending on ``consumer``."""
+        check_name("group", group)
+        check_name("consumer", consumer)
+        for e in entry_ids:
+            _parse_id(e)
+        if not await self.has_group(group):
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
+        out: list[str] = []
+        async with self._io("extend"):
+            for i in range(0, len(entry_ids), _CHUNK):
+                got = await self._extend(keys=[self._k_stream],
+                                         args=[group, consumer, *entry_ids[i:i + _CHUNK]])
+                out += [g.decode() if isinstance(g, bytes) else str(g) for g in got]
+        return out
+
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:
         check_name("group", group)
@@ -309,6 +382,54 @@ class RedisStore(TrajectoryStore):
         if group not in b:
             raise NotFound(f"consumer group {group!r} does not exist; create it first")
         return b[group]
+
+    async def group_stats(self) -> list[GroupStats]:
+        backlogs = await self._backlogs()
+        async with self._io("group_stats"):
+            counters = await self._r.hgetall(self._k_counters)
+            infos = await self._r.xinfo_groups(self._k_stream) if backlogs.get("") is None \
+                else []
+        pending = {_s(g["name"]): int(g["pending"]) for g in infos}
+        return [GroupStats(group=g, backlog=b, pending=pending.get(g, 0),
+                           redelivered=int(counters.get(f"redelivered:{g}".encode(), 0)))
+                for g, b in sorted(backlogs.items()) if g]
+
+    async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
+        """Entries after a group's last delivered id, or pending in a group (every entry
+        when there is no group), read from the facts stream (never the payloads)."""
+        async with self._io("unconsumed"):
+            infos = await self._r.xinfo_groups(self._k_stream) \
+                if await self._r.exists(self._k_stream) else []
+            groups = []  # (last delivered id, pending ids)
+            start = "-"
+            for g in infos:
+                last = _parse_id(_s(g["last-delivered-id"]))
+                ids: set[tuple[int, int]] = set()
+                if int(g["pending"]):
+                    pend = await self._r.xpending_range(self._k_stream, g["name"], min="-",
+                                                        max="+", count=limit)
+                    ids = {_parse_id(_s(p["message_id"])) for p in pend}
+                groups.append((last, ids))
+            if groups:
+                low = min(min(ids, default=(last[0], last[1] + 1)) for last, ids in groups)
+                start = f"{low[0]}-{low[1]}"
+            facts = await self._r.xrange(self._k_facts, min=start, max="+", count=limit + 1)
+        out: dict[int, int] = {}
+        n = 0
+        truncated = False
+        for fid, f in facts:
+            eid = _parse_id(_s(fid))
+            if groups and not any(eid > last or eid in ids for last, ids in groups):
+                continue
+            if n >= limit:
+                truncated = True
+                break
+            n += 1
+            vt, lo, ntok = _s(f.get(b"vt", b"")), int(f[b"lo"]), int(f[b"n"])
+            tv = parse_version_tokens(vt) if vt else ({lo: ntok} if lo >= 0 else {})
+            for v, c in tv.items():
+                out[v] = out.get(v, 0) + c
+        return UnconsumedTokens(out, n, truncated)
 
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         async with self._io("take_recycled"):
@@ -347,3 +468,4 @@ class RedisStore(TrajectoryStore):
                 low = min(low, keep)
             if low[0] > 0:
                 await self._r.xtrim(self._k_stream, minid=f"{low[0]}-{low[1]}", approximate=False)
+                await self._r.xtrim(self._k_facts, minid=f"{low[0]}-{low[1]}", approximate=False)

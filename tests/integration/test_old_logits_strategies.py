@@ -43,7 +43,7 @@ def _metrics(gw) -> dict[str, float]:
     for line in httpx.get(gw.url + "/metrics").text.splitlines():
         if line.startswith("rollout_gateway_old_logits_"):
             k, v = line.rsplit(" ", 1)
-            out[k.removeprefix("rollout_gateway_old_logits_")] = float(v)
+            out[k.removeprefix("rollout_gateway_old_logits_").removesuffix("_total")] = float(v)
     return out
 
 

@@ -107,6 +107,26 @@ class NackResponse(_message.Message):
     dead_lettered: int
     def __init__(self, requeued: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
 
+class ExtendLeaseRequest(_message.Message):
+    __slots__ = ("group", "consumer", "entry_ids")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_IDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    consumer: str
+    entry_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group: _Optional[str] = ..., consumer: _Optional[str] = ..., entry_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExtendLeaseResponse(_message.Message):
+    __slots__ = ("extended", "lost", "lease_seconds")
+    EXTENDED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    extended: int
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, extended: _Optional[int] = ..., lost: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
 class CreateGroupRequest(_message.Message):
     __slots__ = ("group", "from_latest")
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -138,7 +158,7 @@ class EngineVersion(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., version: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
-    __slots__ = ("published", "duplicates", "backlog", "max_backlog", "stale_dropped", "stale_masked", "stale_recycled", "dead_lettered", "redelivered", "group_backlog")
+    __slots__ = ("published", "duplicates", "backlog", "max_backlog", "stale_dropped", "stale_masked", "stale_recycled", "dead_lettered", "redelivered", "group_backlog", "lease_seconds")
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     BACKLOG_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +169,7 @@ class StoreStatus(_message.Message):
     DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
     GROUP_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     published: int
     duplicates: int
     backlog: int
@@ -159,21 +180,118 @@ class StoreStatus(_message.Message):
     dead_lettered: int
     redelivered: int
     group_backlog: int
-    def __init__(self, published: _Optional[int] = ..., duplicates: _Optional[int] = ..., backlog: _Optional[int] = ..., max_backlog: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., stale_masked: _Optional[int] = ..., stale_recycled: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., redelivered: _Optional[int] = ..., group_backlog: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, published: _Optional[int] = ..., duplicates: _Optional[int] = ..., backlog: _Optional[int] = ..., max_backlog: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., stale_masked: _Optional[int] = ..., stale_recycled: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., redelivered: _Optional[int] = ..., group_backlog: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("learner_version", "engines", "max_engine_lag", "swap_in_progress", "store")
+    __slots__ = ("learner_version", "engines", "max_engine_lag", "swap_in_progress", "store", "lag")
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     MAX_ENGINE_LAG_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineVersion]
     max_engine_lag: int
     swap_in_progress: bool
     store: StoreStatus
-    def __init__(self, learner_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineVersion, _Mapping]]] = ..., max_engine_lag: _Optional[int] = ..., swap_in_progress: _Optional[bool] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ...) -> None: ...
+    lag: LagStatus
+    def __init__(self, learner_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineVersion, _Mapping]]] = ..., max_engine_lag: _Optional[int] = ..., swap_in_progress: _Optional[bool] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., lag: _Optional[_Union[LagStatus, _Mapping]] = ...) -> None: ...
+
+class LagBucket(_message.Message):
+    __slots__ = ("lag", "tokens")
+    LAG_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lag: int
+    tokens: int
+    def __init__(self, lag: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class LagDistribution(_message.Message):
+    __slots__ = ("buckets", "tokens")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[LagBucket]
+    tokens: int
+    def __init__(self, buckets: _Optional[_Iterable[_Union[LagBucket, _Mapping]]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class EngineLag(_message.Message):
+    __slots__ = ("engine_id", "state", "version", "lag")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    state: str
+    version: int
+    lag: int
+    def __init__(self, engine_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., lag: _Optional[int] = ...) -> None: ...
+
+class PauseWindow(_message.Message):
+    __slots__ = ("swap_id", "version", "mode", "engine_id", "paused_at", "resumed_at")
+    SWAP_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AT_FIELD_NUMBER: _ClassVar[int]
+    swap_id: str
+    version: int
+    mode: str
+    engine_id: str
+    paused_at: float
+    resumed_at: float
+    def __init__(self, swap_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., engine_id: _Optional[str] = ..., paused_at: _Optional[float] = ..., resumed_at: _Optional[float] = ...) -> None: ...
+
+class GroupLag(_message.Message):
+    __slots__ = ("group", "backlog", "pending", "redelivered")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    backlog: int
+    pending: int
+    redelivered: int
+    def __init__(self, group: _Optional[str] = ..., backlog: _Optional[int] = ..., pending: _Optional[int] = ..., redelivered: _Optional[int] = ...) -> None: ...
+
+class LagStatus(_message.Message):
+    __slots__ = ("replica", "engines", "in_flight", "unconsumed", "delivered", "in_flight_samples", "trajectories_finished", "trajectories_spanning_versions", "max_intra_lag", "tokens_after_switch", "tokens_on_stale_kv", "pause_windows", "tokens_reprefilled", "dropped_at_finish", "masked_at_finish", "recycled_at_finish", "groups")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    UNCONSUMED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_SPANNING_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INTRA_LAG_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_AFTER_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ON_STALE_KV_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_REPREFILLED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_AT_FINISH_FIELD_NUMBER: _ClassVar[int]
+    MASKED_AT_FINISH_FIELD_NUMBER: _ClassVar[int]
+    RECYCLED_AT_FINISH_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    engines: _containers.RepeatedCompositeFieldContainer[EngineLag]
+    in_flight: LagDistribution
+    unconsumed: LagDistribution
+    delivered: LagDistribution
+    in_flight_samples: int
+    trajectories_finished: int
+    trajectories_spanning_versions: int
+    max_intra_lag: int
+    tokens_after_switch: int
+    tokens_on_stale_kv: int
+    pause_windows: _containers.RepeatedCompositeFieldContainer[PauseWindow]
+    tokens_reprefilled: int
+    dropped_at_finish: int
+    masked_at_finish: int
+    recycled_at_finish: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupLag]
+    def __init__(self, replica: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineLag, _Mapping]]] = ..., in_flight: _Optional[_Union[LagDistribution, _Mapping]] = ..., unconsumed: _Optional[_Union[LagDistribution, _Mapping]] = ..., delivered: _Optional[_Union[LagDistribution, _Mapping]] = ..., in_flight_samples: _Optional[int] = ..., trajectories_finished: _Optional[int] = ..., trajectories_spanning_versions: _Optional[int] = ..., max_intra_lag: _Optional[int] = ..., tokens_after_switch: _Optional[int] = ..., tokens_on_stale_kv: _Optional[int] = ..., pause_windows: _Optional[_Iterable[_Union[PauseWindow, _Mapping]]] = ..., tokens_reprefilled: _Optional[int] = ..., dropped_at_finish: _Optional[int] = ..., masked_at_finish: _Optional[int] = ..., recycled_at_finish: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLag, _Mapping]]] = ...) -> None: ...
 
 class WeightSource(_message.Message):
     __slots__ = ("kind", "uri", "options")

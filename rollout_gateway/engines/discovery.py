@@ -1,0 +1,94 @@
+"""Engine discovery through DNS: a Kubernetes headless Service answers one A/AAAA record per
+engine pod (``publishNotReadyAddresses: true`` lists pods that are still loading, which the
+health loop then brings into rotation). Every ``interval_s`` the gateway resolves the name,
+registers engines that appeared (as ``<prefix>-<ip>``, at ``scheme://ip:port``, caught up
+to the pool's weights before they serve) and deregisters those that disappeared (their
+in-flight samples fail over). A failed lookup changes nothing (a DNS blip must not empty
+the pool). Settings: ``ROLLOUT_GATEWAY_ENGINE_DISCOVERY__*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from rollout_gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.settings import EngineDiscovery
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str], Awaitable[list[str]]]
+
+
+async def resolve_addresses(name: str) -> list[str]:
+    """Every address ``name`` resolves to (the system resolver, as pods use it)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    return sorted({i[4][0] for i in infos})
+
+
+class DnsDiscovery:
+    def __init__(self, gw: Gateway, cfg: EngineDiscovery, resolver: Resolver | None = None):
+        self.gw = gw
+        self.cfg = cfg
+        self.resolver = resolver or resolve_addresses
+        self.discovered: set[str] = set()  # engine ids this loop registered
+        self._task: asyncio.Task[None] | None = None
+
+    def engine_id(self, addr: str) -> str:
+        return f"{self.cfg.id_prefix}-" + addr.replace(".", "-").replace(":", "-")
+
+    def url(self, addr: str) -> str:
+        host = f"[{addr}]" if ipaddress.ip_address(addr).version == 6 else addr
+        return f"{self.cfg.scheme}://{host}:{self.cfg.port}"
+
+    async def sync_once(self) -> tuple[list[str], list[str]]:
+        """One lookup; returns (added, removed) engine ids."""
+        try:
+            addrs = await self.resolver(self.cfg.dns_name)
+        except (OSError, UnicodeError) as exc:
+            log.warning("engine discovery: cannot resolve %s (%s); keeping %d engine(s)",
+                        self.cfg.dns_name, exc, len(self.discovered))
+            return [], []
+        want = {self.engine_id(a): self.url(a) for a in addrs}
+        added = [i for i in sorted(want) if i not in self.discovered]
+        removed = sorted(self.discovered - set(want))
+        for eid in added:
+            await self.gw.add_engine(eid, want[eid], self.cfg.api_key)
+            self.discovered.add(eid)
+        for eid in removed:
+            with contextlib.suppress(GatewayError):
+                await self.gw.pool.deregister(eid)
+            with contextlib.suppress(GatewayError):
+                await self.gw.registry.remove_engine(eid)
+            self.discovered.discard(eid)
+        if added or removed:
+            log.info("engine discovery (%s): added %s, removed %s", self.cfg.dns_name,
+                     added, removed)
+        return added, removed
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.sync_once()
+            except Exception as exc:  # noqa: BLE001 - keep discovering
+                log.warning("engine discovery failed: %s", exc)

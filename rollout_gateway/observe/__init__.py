@@ -1,0 +1,2 @@
+"""Observability: version-lag figures (``GET /v1/lag``, gRPC ``GetStatus``), their
+in-process accumulators and history, and the Prometheus metrics (``/metrics``)."""

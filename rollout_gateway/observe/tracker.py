@@ -1,0 +1,158 @@
+"""In-process accumulators behind ``/v1/lag`` and ``/metrics``: lag of delivered tokens,
+intra-trajectory staleness of finished samples, and a short history for the dashboard.
+
+Each replica keeps its own (it counts what it generated and delivered); figures that live
+in the shared store/registry are read at request time instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rollout_gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.core.trajectory import Trajectory
+    from rollout_gateway.store.base import StoredEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FinishedStats:
+    """Finished samples of this replica (any verdict)."""
+
+    trajectories: int = 0
+    tokens: int = 0
+    spanning_versions: int = 0  # trajectories whose tokens come from more than one version
+    max_intra_lag: int = 0  # max over trajectories of max - min policy_version
+    tokens_on_stale_kv: int = 0  # tokens whose kv_version < policy_version (in_place swaps)
+    tokens_after_switch: int = 0  # tokens newer than their trajectory's first version
+
+
+def add_counts(into: dict[int, int], keys: np.ndarray, counts: np.ndarray) -> None:
+    for k, c in zip(keys.tolist(), counts.tolist()):
+        if c:
+            into[k] = into.get(k, 0) + c
+
+
+class LagTracker:
+    """Accumulators fed by hooks in the rollout service and the gRPC servicer."""
+
+    def __init__(self, history_points: int = 900) -> None:
+        self.delivered: dict[int, int] = {}  # lag at delivery -> tokens
+        self.delivered_trajectories = 0
+        self.finished = FinishedStats()
+        self.history: deque[dict[str, Any]] = deque(maxlen=history_points)
+
+    def on_delivered(self, entries: list[StoredEntry], learner_version: int) -> None:
+        """Tokens of a batch sent to a learner that reported ``learner_version``."""
+        for e in entries:
+            for v, c in e.tokens_by_version().items():
+                lag = learner_version - v
+                self.delivered[lag] = self.delivered.get(lag, 0) + c
+        self.delivered_trajectories += len(entries)
+
+    def on_finished(self, traj: Trajectory) -> None:
+        f = self.finished
+        pv, kv = traj.tokens.policy_version, traj.tokens.kv_version
+        f.trajectories += 1
+        f.tokens += len(pv)
+        if len(pv):
+            lo, hi = int(pv.min()), int(pv.max())
+            if hi != lo:
+                f.spanning_versions += 1
+                f.max_intra_lag = max(f.max_intra_lag, hi - lo)
+                f.tokens_after_switch += int(np.count_nonzero(pv != pv[0]))
+            f.tokens_on_stale_kv += int(np.count_nonzero(kv < pv))
+
+
+def in_flight_tokens(states) -> tuple[dict[int, int], int]:
+    """Tokens generated so far by running samples, per policy version (finished engine
+    requests exactly; the request in flight as its incremental stream arrives, at the
+    version the engine reported with each chunk); and the count of samples."""
+    cols = [p.cols.policy_version for s in states for p in s.pieces]
+    out: dict[int, int] = {}
+    if cols:
+        pv = np.concatenate(cols)
+        if len(pv):
+            keys, counts = np.unique(pv, return_counts=True)
+            add_counts(out, keys, counts)
+    for s in states:
+        for v, c in list(s.live.items()):
+            out[v] = out.get(v, 0) + c
+    return out, len(states)
+
+
+class HistorySampler:
+    """Every ``interval_s`` appends one point (learner version, engine versions and states,
+    token and sample counters) to ``tracker.history`` for the dashboard's time series."""
+
+    def __init__(self, gw: Gateway, interval_s: float) -> None:
+        self.gw = gw
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def sample(self) -> None:
+        gw = self.gw
+        try:
+            lv: int | None = await gw.registry.learner_version()
+        except GatewayError:
+            lv = None
+        c = gw.rollouts.counters
+        gw.lag.history.append({
+            "t": time.time(), "learner_version": lv,
+            "engines": {e.id: {"version": e.version, "state": e.state.value}
+                        for e in gw.pool.list()},
+            "tokens": c["tokens"], "samples": c["samples"],
+            "in_flight_samples": gw.rollouts.inflight_samples,
+        })
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except Exception as exc:  # noqa: BLE001 - a dashboard gap, never a crash
+                log.warning("lag history sample failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+
+def install(gw: Gateway) -> None:
+    """Give a gateway its tracker, metrics and history sampler, and hook them into the
+    rollout service, the sample runner and the swap orchestrator."""
+    from rollout_gateway.api.metrics import GatewayMetrics
+
+    gw.lag = LagTracker()
+    gw.metrics = m = GatewayMetrics()
+    gw.history = HistorySampler(gw, gw.settings.lag_history_interval_s)
+    gw.rollouts.on_finished = gw.lag.on_finished
+    gw.rollouts.on_admission_wait = m.observe_admission
+    gw.rollouts.runner.on_first_token = m.ttft.observe
+    gw.swaps.on_pause_window = lambda eng, s: m.swap_pause.labels(eng).observe(s)
+
+    from rollout_gateway.observe.lag import lag_report
+
+    def report(**kw):
+        return lag_report(gw, **kw)
+
+    gw.lag_report = report

@@ -1,0 +1,90 @@
+"""Pure parts of the observability code: lag distributions, the token-lag histogram
+family, the tracker's intra-trajectory figures and the status table."""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollout_gateway.api.metrics import LAG_BUCKETS, lag_histogram
+from rollout_gateway.observe.lag import LagDistribution
+from rollout_gateway.observe.tracker import LagTracker
+from rollout_gateway.store.base import StoredEntry
+from rollout_gateway.transport.synthetic import make_trajectory
+
+
+def test_distribution_from_counts():
+    d = LagDistribution.from_counts({2: 3, 0: 5, 1: 0, -1: 2})
+    assert [(b.lag, b.tokens) for b in d.buckets] == [(-1, 2), (0, 5), (2, 3)]
+    assert d.tokens == 10 and d.max_lag == 2 and d.mean_lag == (-2 + 0 + 6) / 10
+    e = LagDistribution.from_counts({})
+    assert e.tokens == 0 and e.max_lag is None and e.mean_lag is None
+
+
+def test_lag_histogram_is_cumulative_and_parses():
+    by_lag = {0: 4, 1: 2, 5: 1, 40: 3}
+
+    class C:
+        def collect(self):
+            yield lag_histogram("rollout_gateway_x_token_lag", "x", by_lag, {"shared": "true"})
+
+    reg = CollectorRegistry()
+    reg.register(C())
+    [fam] = list(text_string_to_metric_families(generate_latest(reg).decode()))
+    assert fam.type == "histogram"
+    got = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    want = {str(float(b)): sum(c for k, c in by_lag.items() if k <= b) for b in LAG_BUCKETS}
+    want["+Inf"] = 10
+    assert got == want and got["0.0"] == 4 and got["6.0"] == 7 and got["32.0"] == 7
+    other = {s.name: s.value for s in fam.samples if not s.name.endswith("_bucket")}
+    assert other == {"rollout_gateway_x_token_lag_count": 10,
+                     "rollout_gateway_x_token_lag_sum": 0 + 2 + 5 + 120}
+
+
+def test_tracker_counts_delivered_and_intra_trajectory():
+    tr = LagTracker()
+    t = make_trajectory("a", versions=(2, 3), num_tokens=10)  # 5 tokens at v2, 5 at v3
+    t.tokens.kv_version[5:] = 2  # in_place: v3 tokens on v2 KV
+    tr.on_finished(t)
+    tr.on_finished(make_trajectory("b", versions=(3,), num_tokens=4))
+    f = tr.finished
+    assert (f.trajectories, f.tokens, f.spanning_versions, f.max_intra_lag) == (2, 14, 1, 1)
+    assert f.tokens_after_switch == 5 and f.tokens_on_stale_kv == 5
+    e = StoredEntry("1", "a", b"", 18, 2, 3, version_tokens="2:5;3:5")
+    old = StoredEntry("2", "b", b"", 12, 3, 3)  # no per-version facts: counted at min_version
+    tr.on_delivered([e, old], learner_version=4)
+    assert tr.delivered == {2: 5, 1: 5 + 12} and tr.delivered_trajectories == 2
+
+
+def test_status_table_renders_a_report():
+    from rollout_gateway.observe.lag import (
+        Delivered,
+        EngineLag,
+        InFlight,
+        IntraTrajectory,
+        LagReport,
+        StaleHandling,
+        Unconsumed,
+    )
+    from rollout_gateway.service.status import render
+
+    rep = LagReport(
+        at=0, replica="r", learner_version=3, max_engine_lag=1,
+        engines=[EngineLag(id="e0", state="healthy", version=2, lag=1, outstanding_requests=0,
+                           fenced=False)],
+        in_flight=InFlight.from_counts({}, samples=0),
+        unconsumed=Unconsumed.from_counts({0: 7, 1: 3}, entries=2),
+        delivered=Delivered.from_counts({}, trajectories=0),
+        intra_trajectory=IntraTrajectory(trajectories=1, tokens=10, spanning_versions=1,
+                                         max_intra_lag=1, tokens_after_switch=3,
+                                         tokens_on_stale_kv=3),
+        pause_windows=[], staleness=StaleHandling(
+            tokens_reprefilled=0, at_finish_dropped=0, at_finish_masked=0, at_finish_recycled=0,
+            at_delivery_dropped=1, at_delivery_masked=0, at_delivery_recycled=0,
+            dead_lettered=0), store_backlog=2, groups=[])
+    out = render(rep.model_dump())
+    assert "learner version 3" in out
+    assert ["e0", "healthy", "2", "1", "0"] in [ln.split() for ln in out.splitlines()]
+    assert "10 tokens, mean lag 0.30, max 1  [lag:tokens 0:7 1:3]" in out
+    assert np.isfinite(rep.unconsumed.mean_lag)
