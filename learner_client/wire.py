@@ -36,6 +36,16 @@ class SegmentInfo:
 
 
 @dataclass(slots=True)
+class TurnInfo:
+    """One turn of an agent session: output tokens [start, end); kind model | context."""
+
+    start: int
+    end: int
+    kind: str
+    index: int
+
+
+@dataclass(slots=True)
 class Rollout:
     """One delivered trajectory, columnar. ``entry_id`` is the ack/nack handle."""
 
@@ -63,6 +73,10 @@ class Rollout:
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
     finished_at: float = 0.0
+    #: agent sessions: uint8 [T], 1 where the model sampled the token, 0 for context it
+    #: only read (template, user/tool messages); None = every output token is the model's
+    loss_mask: np.ndarray | None = None
+    turns: list[TurnInfo] = field(default_factory=list)  # agent sessions; [] = one turn
 
     @property
     def redelivered(self) -> bool:
@@ -100,6 +114,7 @@ def decode_delivery(d: service_pb2.Delivery) -> Rollout:
         segments=[SegmentInfo(s.start, s.end, s.policy_version, s.engine_id, s.began, s.ended)
                   for s in t.segments],
         metadata=dict(t.metadata), created_at=t.created_at, finished_at=t.finished_at,
+        **_session_fields(t, array(t.loss_mask, "loss_mask") if t.HasField("loss_mask") else None),
     )
     _check(out)
     return out
@@ -111,7 +126,8 @@ def decode_delivery(d: service_pb2.Delivery) -> Rollout:
 # offset); only the small fields (ids, segments, metadata, ...) go through protobuf.
 
 _ARRAY_FIELDS = {4: "prompt_token_ids", 5: "token_ids", 6: "logprobs", 7: "entropy",
-                 10: "policy_version", 11: "kv_version", 12: "old_logprobs"}
+                 10: "policy_version", 11: "kv_version", 12: "old_logprobs",
+                 24: "loss_mask"}
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -288,9 +304,16 @@ def _rollout(entry_id: str, count: int, masked: bool, t: trajectory_pb2.Trajecto
         reward=t.reward if t.HasField("reward") else None, finish_reason=t.finish_reason.type,
         segments=[SegmentInfo(s.start, s.end, s.policy_version, s.engine_id, s.began, s.ended)
                   for s in t.segments],
-        metadata=dict(t.metadata), created_at=t.created_at, finished_at=t.finished_at)
+        metadata=dict(t.metadata), created_at=t.created_at, finished_at=t.finished_at,
+        **_session_fields(t, cols.get("loss_mask")))
     _check(r)
     return r
+
+
+def _session_fields(t: trajectory_pb2.Trajectory, mask: np.ndarray | None) -> dict[str, Any]:
+    """Agent-session fields (24 loss_mask, 25 turns)."""
+    return {"loss_mask": mask,
+            "turns": [TurnInfo(x.start, x.end, x.kind, x.index) for x in t.turns]}
 
 
 def _check(out: Rollout) -> None:
@@ -300,5 +323,9 @@ def _check(out: Rollout) -> None:
             raise DecodeError(f"{name} has shape {getattr(out, name).shape}, expected ({n},)")
     if out.old_logprobs is not None and out.old_logprobs.shape != (n,):
         raise DecodeError(f"old_logprobs has shape {out.old_logprobs.shape}, expected ({n},)")
+    if out.loss_mask is not None and (out.loss_mask.shape != (n,)
+                                      or out.loss_mask.dtype != np.uint8):
+        raise DecodeError(f"loss_mask must be uint8 ({n},), got {out.loss_mask.dtype} "
+                          f"{out.loss_mask.shape}")
     if out.routed_experts is not None and out.routed_experts.ndim != 3:
         raise DecodeError("routed_experts must be [R, L, K]")

@@ -283,6 +283,23 @@ class GatewaySettings(BaseSettings):
     lag_history_interval_s: float = Field(
         default=2.0, ge=0.1, le=3600, description="Seconds between points of the version-lag "
         "history the dashboard (/dashboard, /v1/lag?history=true) draws; 900 points are kept.")
+    # ---- agent sessions (/v1/chat/completions, /v1/completions; docs/agents.md) ----
+    chat_template: str = Field(
+        default="reference", min_length=1, description="'reference' (the reference engine's "
+        "byte tokenizer and documented template) or a model / tokenizer directory whose "
+        "tokenizer and chat template transformers.AutoTokenizer loads (as SGLang does).")
+    served_model_name: str = Field(default="reference", min_length=1, max_length=256,
+                                   description="Model id listed by GET /v1/models and echoed "
+                                   "in OpenAI responses.")
+    session_idle_timeout_s: float = Field(
+        default=600.0, gt=0, le=7 * 86400, description="A session with no call for this long "
+        "is ended and published (metadata session_ended_by=idle_timeout).")
+    session_reward_wait_s: float = Field(
+        default=600.0, gt=0, le=7 * 86400, description="How long a session ended with "
+        "await_reward waits for POST /v1/trajectories/{id}/reward before it is published "
+        "without one (metadata reward=missing).")
+    max_sessions: int = Field(default=10_000, ge=1, le=10_000_000,
+                              description="Open sessions at most; a new one past it gets 429.")
 
     @model_validator(mode="after")
     def _tls(self) -> GatewaySettings:

@@ -172,6 +172,11 @@ class _Live:
                 yield CounterMetricFamily(f"rollout_gateway_admission_{k}",
                                           f"Admission control: {k.replace('_', ' ')} samples",
                                           value=v)
+        for k, v in gw.sessions.counters.items():  # agent sessions (docs/agents.md)
+            yield CounterMetricFamily(PREFIX + k, f"Agent sessions: {k.replace('_', ' ')}",
+                                      value=v)
+        yield GaugeMetricFamily(PREFIX + "sessions_open", "Agent sessions open now",
+                                value=len(gw.sessions.sessions))
         f = gw.lag.finished
         for name, help_, v in (
                 ("trajectories_spanning_versions", "Finished trajectories whose tokens come "

@@ -64,6 +64,9 @@ class Gateway:
         from rollout_gateway.observe.tracker import install
 
         install(self)  # lag tracker, Prometheus histograms, dashboard history
+        from rollout_gateway.sessions.manager import SessionManager
+
+        self.sessions = SessionManager(self)
         self.started_at = time.time()
         #: DNS resolver of engine discovery (None: the system's; tests pass a fake)
         self.resolver = None
@@ -101,6 +104,7 @@ class Gateway:
             self.discovery.start()
         self.gatekeeper.start()
         self.history.start()
+        self.sessions.start()
         self.serving = True
 
     async def _follow_registry(self) -> None:
@@ -152,6 +156,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.serving = False
+        await self.sessions.stop()  # open sessions are published (ended_by=shutdown)
         await self.history.stop()
         if self.discovery is not None:
             await self.discovery.stop()

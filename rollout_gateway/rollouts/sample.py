@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,12 @@ class PassThrough:
             if self.top_logprobs_num > 0:
                 k.add("input_top_logprobs")
         return frozenset(k)
+
+#: The engine a sample's first request goes to when it is routable, over sticky routing
+#: (agent sessions: the engine holding the session's prefix, or a fresher one when that
+#: engine's version is outside the staleness bound). Set by the caller around
+#: ``RolloutService.run_with_text`` / the stream's consumer; tasks inherit it.
+PREFERRED_ENGINE: ContextVar[str | None] = ContextVar("preferred_engine", default=None)
 
 
 @dataclass(slots=True)
@@ -298,7 +305,7 @@ class SampleRunner:
         created = time.time()
         budget = req.sampling_params.max_new_tokens
         began = Transition.START
-        prefer: str | None = None
+        prefer: str | None = PREFERRED_ENGINE.get()
         exclude: set[str] = set()
         finish: dict[str, Any] | None = None
         attempts = 0

@@ -99,19 +99,28 @@ class RolloutService:
         sticky = req.session_id or req.group_id
         return group, ids, sticky
 
-    async def _publish(self, traj: Trajectory, req: RolloutRequest) -> None:
+    async def _publish(self, traj: Trajectory, req: RolloutRequest) -> Trajectory | None:
         """Publish; a store failure does not throw the generated tokens away: the caller
-        still gets the trajectory, marked ``metadata["publish_error"]``, and it is counted."""
+        still gets the trajectory, marked ``metadata["publish_error"]``, and it is counted.
+        When the id was already stored (the same request_id run elsewhere at the same
+        time), returns the stored copy: the caller is answered what the learner gets."""
         if not req.publish:
-            return
+            return None
         try:
             stored = await self.store.publish(traj)
         except GatewayError as exc:
             self.counters["publish_failed"] += 1
             traj.metadata["publish_error"] = f"{exc.code.value}: {exc.message}"[:300]
             log.error("publishing %s failed: %s", traj.trajectory_id, exc.message)
-            return
+            return None
         self.counters["published" if stored else "duplicates"] += 1
+        if stored or req.request_id is None:
+            return None
+        try:
+            data = (await self.store.lookup([traj.trajectory_id])).get(traj.trajectory_id)
+        except GatewayError:
+            return None
+        return codec.decode(data) if data else None
 
     def _count(self, traj: Trajectory) -> None:
         self.counters["samples"] += 1
@@ -167,8 +176,8 @@ class RolloutService:
                     raise
                 slot.held = True
                 continue
-            if verdict is not Verdict.DROP:
-                await self._publish(traj, req)
+            if verdict is not Verdict.DROP and (kept := await self._publish(traj, req)):
+                return kept, ""  # an earlier run's copy of this sample
             return traj, text
 
     async def run(self, req: RolloutRequest) -> list[Trajectory]:

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the scorer engine (outside the pool) for --old-logits")
     p.add_argument("--old-logits-initial-source", metavar="DIR",
                    help="checkpoint dir of the scorer's start-up weight version")
+    p.add_argument("--chat-template", help="agent sessions: 'reference' (default) or a model / "
+                   "tokenizer directory with a chat template (docs/agents.md)")
+    p.add_argument("--served-model-name", help="model id of the OpenAI routes (default reference)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback bind without the admin and learner keys")
     p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
@@ -50,7 +53,9 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
                       ("grpc_port", "grpc_port"), ("store", "store_url"),
                       ("registry", "registry_url"), ("insecure", "insecure"),
                       ("tls_cert", "tls_cert_file"), ("tls_key", "tls_key_file"),
-                      ("grpc_client_ca", "grpc_client_ca_file")):
+                      ("grpc_client_ca", "grpc_client_ca_file"),
+                      ("chat_template", "chat_template"),
+                      ("served_model_name", "served_model_name")):
         v = getattr(args, attr, None)
         if v is not None:
             over[key] = v
@@ -189,5 +194,9 @@ def run(args: argparse.Namespace) -> int:
               f"{' (TLS)' if settings.tls_cert_file else ''}: "
               f"{settings.grpc_host}:{grpc_port}", flush=True)
 
-    asyncio.run(serve_async(settings, ready=ready))
+    try:
+        asyncio.run(serve_async(settings, ready=ready))
+    except GatewayError as exc:  # e.g. a chat template that cannot be loaded
+        print(f"rollout-gateway serve: {exc.message}")
+        return 2
     return 0

@@ -40,6 +40,9 @@ def _examples(http: str, ckpt1: Path, swap_mode: str = "in_place") -> str:
   versions:  curl -s {http}/v1/versions
   engines:   curl -s {http}/v1/engines
   metrics:   curl -s {http}/metrics
+  agent:     curl -s {http}/v1/chat/completions -H 'content-type: application/json' \
+               -H 'x-session-id: s1' -d '{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 8}}'
+             curl -s {http}/v1/sessions/s1/end -H 'content-type: application/json' -d '{{"reward": 1}}'
 """
 
 

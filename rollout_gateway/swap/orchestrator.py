@@ -147,8 +147,9 @@ class SwapOrchestrator:
                          source=source, leader=self.holder)
         if req.source is not None:
             targets = self._targets(req)
-            if req.engines is None and not targets:
-                raise Unavailable("no engine in rotation to update")
+            if not targets:
+                raise Unavailable("no engine in rotation to update" + (
+                    f" among {', '.join(req.engines)}" if req.engines else ""))
             for e in targets:
                 if e.version is not None and e.version >= req.version:
                     raise FailedPrecondition(

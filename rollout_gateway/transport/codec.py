@@ -17,6 +17,7 @@ from rollout_gateway.core.trajectory import (
     TokenColumns,
     Trajectory,
     Transition,
+    Turn,
 )
 from rollout_gateway.errors import InvalidArgument
 from rollout_proto.rollout.v1 import trajectory_pb2 as pb
@@ -91,7 +92,26 @@ def to_pb(traj: Trajectory) -> pb.Trajectory:
         msg.metadata[str(k)] = str(v)
     if traj.reward is not None:
         msg.reward = float(traj.reward)
+    _session_to_pb(traj, msg)
     return msg
+
+
+# ---- agent sessions: loss mask and turns (fields 24, 25) ----
+
+def _session_to_pb(traj: Trajectory, msg: pb.Trajectory) -> None:
+    if traj.loss_mask is not None:
+        array_to_pb(traj.loss_mask, msg.loss_mask)
+    for t in traj.turns:
+        msg.turns.add(start=t.start, end=t.end, kind=t.kind, index=t.index)
+
+
+def _session_from_pb(msg: pb.Trajectory) -> dict:
+    mask = array_from_pb(msg.loss_mask, "loss_mask") if msg.HasField("loss_mask") else None
+    if mask is not None and mask.dtype != np.uint8:
+        raise InvalidArgument(f"loss_mask must be |u1, got {mask.dtype.str}")
+    return {"loss_mask": mask,
+            "turns": [Turn(start=t.start, end=t.end, kind=t.kind, index=t.index)
+                      for t in msg.turns]}
 
 
 def encode(traj: Trajectory) -> bytes:
@@ -154,6 +174,7 @@ def from_pb(msg: pb.Trajectory) -> Trajectory:
         finished_at=msg.finished_at,
         metadata=dict(msg.metadata),
         reward=msg.reward if msg.HasField("reward") else None,
+        **_session_from_pb(msg),
     )
 
 

@@ -181,7 +181,7 @@ class TrajectoryServicer:
     @_unary
     async def ExtendLease(self, request, context):
         ids = _ids(request.entry_ids)
-        done = await self.store.extend(check_name("group", request.group),
+        done = await self.store.extend(self._group(context, "group", request.group),
                                        check_name("consumer", request.consumer), ids)
         kept = set(done)
         return spb.ExtendLeaseResponse(extended=len(done),

@@ -85,10 +85,12 @@ def test_text_prompt_and_idempotent_request_id(gateway, models):
     assert t["prompt_token_ids"] == list(b"hi!")
     check_against_ground_truth(t, models)
     before = httpx.get(gateway.url + "/metrics").text
-    httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=60)
+    r2 = httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=60).json()
+    # the retry answers the stored trajectory (not a new generation)
+    assert r2["trajectories"] == r1["trajectories"]
     after = httpx.get(gateway.url + "/metrics").text
-    dup = [line for line in after.splitlines() if line.startswith("rollout_gateway_duplicates_total")]
-    assert dup and float(dup[0].split()[-1]) >= 1, (before, after)
+    rep = [line for line in after.splitlines() if line.startswith("rollout_gateway_replayed_total")]
+    assert rep and float(rep[0].split()[-1]) >= 1, (before, after)
 
 
 def test_stream_gives_stamped_chunks_then_trajectories(gateway, models):
