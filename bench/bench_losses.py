@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"decoupled_ppo[loglinear]": ("decoupled_ppo", {"ratio_mode": "loglinear"}),
              "mis[geometric]": ("mis", {"level": "geometric"}),
              "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None}),
+             "estr[target rate]": ("estr", {"target_mask_rate": 0.02}),  # default: tau 1.0
              "estr[no version diag]": ("estr", {"version_diagnostics": False}),
              "estr[tau][no version diag]": ("estr", {"tau": 0.05, "target_mask_rate": None,
                                                     "version_diagnostics": False})}

@@ -92,6 +92,9 @@ class TrajectoryBatch:
             learner_version=self.learner_version)
         if self.layout == "packed":
             kw["cu_seqlens"] = self.cu_seqlens.to(device=dev, dtype=torch.int64)
+        bounds = [float(r.entropy_error_bound) for r in self.rollouts]
+        if any(x != 0.0 for x in bounds):  # top-k entropy somewhere: ESTR checks the bound
+            kw["entropy_error_bound"] = self.per_sequence(torch.tensor(bounds)).to(dev)
         if fill_old is not None:
             from learner_client.old_logits import FillContext, fill_old_logprobs
 

@@ -48,9 +48,16 @@ class Gateway:
         self.registry = registry
         self.pool = EnginePool(settings)
         self.gatekeeper = Gatekeeper(settings.admission, store, registry)
-        self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper)
+        self.oldlogits = None
+        if settings.old_logits.mode != "off":
+            from rollout_gateway.oldlogits import OldLogitService
+
+            self.oldlogits = OldLogitService(settings, registry)
+        self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper,
+                                       oldlogits=self.oldlogits)
         holder = f"{socket.gethostname()}:{os.getpid()}"
-        self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder)
+        self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder,
+                                      oldlogits=self.oldlogits)
         from rollout_gateway.swap.control import GatewayControlPlane
 
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
@@ -68,6 +75,8 @@ class Gateway:
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        if self.oldlogits is not None:  # the scorer must answer before rollouts need it
+            await self.oldlogits.start()
         for spec in self.settings.engines:
             try:
                 eng = await self.pool.register(spec.id, spec.url, spec.api_key)
@@ -158,6 +167,8 @@ class Gateway:
                 await task
         await self.gatekeeper.stop()
         await self.pool.close()
+        if self.oldlogits is not None:
+            await self.oldlogits.close()
         if self._own_store:
             await self.store.close()
         if self._own_registry:

@@ -31,12 +31,13 @@ class RolloutService:
     """Validates, admits, runs, judges (staleness policy) and publishes rollouts."""
 
     def __init__(self, pool: EnginePool, store: TrajectoryStore, settings: GatewaySettings,
-                 gatekeeper: Gatekeeper) -> None:
+                 gatekeeper: Gatekeeper, oldlogits: Any = None) -> None:
         self.pool = pool
         self.store = store
         self.settings = settings
         self.gatekeeper = gatekeeper
-        self.runner = SampleRunner(pool, settings, gatekeeper.registry)
+        self.oldlogits = oldlogits  # oldlogits.OldLogitService: fills old_logprobs, or None
+        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
@@ -152,6 +153,8 @@ class RolloutService:
                                                    prompt_ids=prompt, on_chunk=on_chunk,
                                                    passthrough=passthrough)
                 self._count(traj)
+                if self.oldlogits is not None:  # exact old logits before delivery
+                    await self.oldlogits.fill(traj, req.sampling_params.temperature)
             except BaseException:
                 slot.release(self.gatekeeper)
                 self.counters["failed_samples"] += 1

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an engine to register (repeatable)")
     p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
     p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--old-logits", choices=["off", "model", "interruption"],
+                   help="fill old_logprobs exactly: a dedicated scorer (model) or at swaps "
+                        "(interruption); default off")
+    p.add_argument("--old-logits-scorer", metavar="URL",
+                   help="the scorer engine (outside the pool) for --old-logits")
+    p.add_argument("--old-logits-initial-source", metavar="DIR",
+                   help="checkpoint dir of the scorer's start-up weight version")
     p.add_argument("--chat-template", help="agent sessions: 'reference' (default) or a model / "
                    "tokenizer directory with a chat template (docs/agents.md)")
     p.add_argument("--served-model-name", help="model id of the OpenAI routes (default reference)")
@@ -52,6 +59,12 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
         v = getattr(args, attr, None)
         if v is not None:
             over[key] = v
+    ol = {k: v for k, v in (("mode", getattr(args, "old_logits", None)),
+                            ("scorer_url", getattr(args, "old_logits_scorer", None)),
+                            ("initial_source", getattr(args, "old_logits_initial_source", None)))
+          if v is not None}
+    if ol:
+        over["old_logits"] = ol
     if getattr(args, "engine", None):
         engines = []
         for i, spec in enumerate(args.engine):

@@ -97,13 +97,13 @@ def test_loss_inputs_from_batch():
         assert li.learner_version == 6
         if layout == "packed":
             assert li.cu_seqlens.tolist() == [0, 8, 10, 21]
-            # masked positions (prompt, padding) read 0 in LossInputs (torch.where)
-            act = b.loss_mask[10:21] > 0
-            assert li.advantages[10:21][act].eq(3.0).all() and act.any()
-            assert li.advantages[8:10].eq(0.0).all()  # sequence 1: prompt only
+            assert li.advantages[8:10].eq(2.0).all()
         else:
-            act = b.loss_mask[2] > 0
-            assert li.advantages[2][act].eq(3.0).all() and li.advantages[2][~act].eq(0).all()
+            assert li.advantages[2].eq(3.0).all()
+        # NaN at masked positions (old_logprobs outside responses) never reaches a loss
+        li2 = b.loss_inputs(logp, torch.tensor([1.0, 2.0, 3.0]),
+                            old_logprobs=torch.full_like(b.rollout_logprobs, float("nan")))
+        assert not torch.isnan(li2.old_logprobs[b.loss_mask == 0]).any()
 
 
 def test_pack_samples_for_megatron():
