@@ -53,6 +53,8 @@ ROLLOUT_COUNTERS = {
                       "swap"),
     "tokens_reprefilled": ("rollout_gateway_tokens_reprefilled", "Prompt + output tokens "
                            "re-prefilled by retract, abort_resume and failover"),
+    "replayed": ("rollout_gateway_replayed", "Samples of a retried request_id answered from "
+                 "the store"),
 }
 _ADMISSION_GAUGES = ("running", "recycle_waiting")
 

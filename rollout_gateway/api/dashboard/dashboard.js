@@ -230,7 +230,8 @@ async function poll() {
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const rep = await r.json();
     render(rep);
-    status.textContent = `replica ${rep.replica} · updated ${new Date(rep.at * 1000).toLocaleTimeString()}`;
+    status.textContent = (rep.replica ? `replica ${rep.replica} · ` : "") +
+      `updated ${new Date(rep.at * 1000).toLocaleTimeString()}`;
     status.className = "status";
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   } catch (e) {
