@@ -209,8 +209,8 @@ class SampleRunner:
         """One engine request -> (decoded output so far, error). A broken, silent or
         unreadable stream keeps what arrived: the last cumulative chunk, or the merged
         deltas of an incremental stream. ``on_delta(d)`` (live streaming to a client) sees
-        every chunk's new tokens; ``first()`` is called at the first chunk, ``on_tokens(d)``
-        with each incremental chunk (dashboards)."""
+        every chunk's new tokens; ``first()`` is called at the first answer byte and
+        ``on_tokens(d)`` per chunk of new tokens (lag of tokens in flight)."""
         if not self.settings.stream_from_engines and on_delta is None:
             try:
                 body = await eng.client.generate(payload)

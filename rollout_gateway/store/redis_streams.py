@@ -67,8 +67,8 @@ else
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
 local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
-redis.call('XADD', KEYS[6], eid, 'n', ARGV[5], 'lo', ARGV[6], 'vt', ARGV[8])
 redis.call('SET', KEYS[1], eid, 'PX', ARGV[1])
+redis.call('XADD', KEYS[6], eid, 'n', ARGV[5], 'lo', ARGV[6], 'vt', ARGV[8])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
