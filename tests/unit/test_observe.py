@@ -136,5 +136,5 @@ async def test_get_status_reports_lag_or_says_why_not():
     svc.lag_report = broken
     st = await svc.GetStatus(spb.StatusRequest(), None)
     assert st.learner_version == 0 and st.store.max_backlog > 0  # the rest stays valid
-    assert st.lag.error.startswith("UNAVAILABLE") or "connection reset" in st.lag.error
+    assert st.lag.error.startswith("UNAVAILABLE") and "connection reset" in st.lag.error
     assert not st.lag.in_flight.buckets
