@@ -224,7 +224,7 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
                 marks = page.evaluate(
                     "() => Object.fromEntries([...document.querySelectorAll('svg.chart')]"
                     ".map(s => [s.id, Number(s.dataset.marks)]))")
-                for chart in ("chart-lag", "chart-versions", "chart-inflight",
+                for chart in ("chart-lag", "chart-versions", "chart-states", "chart-inflight",
                               "chart-inflight-requests",
                               "chart-unconsumed", "chart-delivered", "chart-pauses",
                               "chart-throughput"):
