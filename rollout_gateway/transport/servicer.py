@@ -217,7 +217,10 @@ class TrajectoryServicer:
             engines=[spb.EngineVersion(engine_id=e.engine_id, version=e.version,
                                        healthy=e.healthy) for e in cs.engines])
         if self.lag_report is not None:
-            status.lag.CopyFrom(lag_status(await self.lag_report()))
+            try:  # the rest of Status stays valid when the lag figures cannot be read
+                status.lag.CopyFrom(lag_status(await self.lag_report()))
+            except GatewayError as exc:
+                status.lag.error = f"{exc.code.value}: {exc.message}"[:500]
         return status
 
     @_unary
