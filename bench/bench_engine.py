@@ -45,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--json", help="write the results here (bench/run_all)")
     args = ap.parse_args()
     with EngineProcess(seed=0) as eng:
         results = {n: asyncio.run(run_level(eng.url, n, args.new_tokens, args.prompt_len))
@@ -54,6 +55,15 @@ def main() -> None:
           f"prompt {args.prompt_len}, cpu threads=1)")
     for n, tps in results.items():
         print(f"  concurrency {n:>2}: {tps:8.1f} tok/s   x{tps / base:5.2f} vs 1")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import Report
+
+    rep = Report("engine", "Reference engine decode throughput (bench_engine.py)",
+                 new_tokens=args.new_tokens, prompt=args.prompt_len, torch_threads=1)
+    for n, tps in results.items():
+        rep.row("decode tokens/s, concurrent requests", f"{n} concurrent", tps, "tok/s",
+                ratio=None if n == 1 else tps / base, ratio_to=None if n == 1 else "1 concurrent")
+    rep.write(args.json)
 
 
 if __name__ == "__main__":

@@ -245,14 +245,28 @@ def part_a_wire(rounds: int) -> list[tuple[str, float, float]]:
     return out
 
 
-def print_a_wire(rows: list[tuple[str, float, float]]) -> None:
+def print_a_wire(rows: list[tuple[str, float, float]], rep=None) -> None:
+    if rep is not None:
+        for name, _mb, tps in rows:
+            rep.row("A. routed experts alone, output tok per CPU-s", name, tps, "tok/CPU-s",
+                    ratio=tps / rows[0][2], ratio_to=rows[0][0])
     print("\n   routed experts alone (prompt+output rows, validated, uint8 out), output tokens per "
           "CPU-second:")
     for name, mb, tps in rows:
         print(f"   {name:52s} {mb:6.1f} MB {tps / 1e6:9.2f}M")
 
 
-def print_a(rows: list[dict[str, Any]]) -> None:
+def print_a(rows: list[dict[str, Any]], rep=None) -> None:
+    if rep is not None:
+        for r in rows:
+            sec = "A. hot path on one core (decode + stamp + Trajectory), stamped tok per CPU-s"
+            rep.row(sec, f"{r['scenario']}: engines.decode", r["ours_tok_s"], "tok/CPU-s")
+            rep.row(sec, f"{r['scenario']}: straightforward decoder", r["naive_tok_s"],
+                    "tok/CPU-s", ratio=r["ours_tok_s"] / r["naive_tok_s"],
+                    ratio_to="engines.decode / this")
+            if "top" in r["scenario"]:
+                rep.goal(f"hot path, {r['scenario']}", r["ours_tok_s"], 1_000_000,
+                         unit="tok/CPU-s")
     print("\nA. hot path on one core: decode + stamp + Trajectory, output tokens per CPU-second "
           f"(mix {MIX}, {LAYERS} layers x top-{TOPK})")
     print(f"{'scenario':40s} {'MB':>6s} {'ours':>10s} {'no fast':>10s} {'x':>6s} "
@@ -299,8 +313,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_JSON = {"content-type": "application/json"}
+
+
 async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency: int,
-                duration: float) -> tuple[float, int, int]:
+                duration: float, rid: bool = True) -> tuple[float, int, int]:
     """Closed loop: ``concurrency`` workers post for ``duration`` s. (tok/s, ok, errors)."""
     import httpx
 
@@ -312,8 +329,14 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
         async def worker() -> None:
             nonlocal ok, err
             while time.perf_counter() < stop:
-                b = dict(body, rid=f"b{uuid.uuid4().hex[:12]}")
-                r = await client.post(url, content=orjson.dumps(b))
+                b = dict(body, rid=f"b{uuid.uuid4().hex[:12]}") if rid else body
+                try:
+                    r = await client.post(url, content=orjson.dumps(b), headers=_JSON)
+                except httpx.HTTPError as exc:
+                    err += 1
+                    if err <= 3:
+                        print(f"  ! {url}: {type(exc).__name__}: {exc}")
+                    continue
                 if r.status_code == 200 and r.content:
                     ok += 1
                 else:
@@ -338,7 +361,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def part_b(concurrency: int, duration: float, prompt: int, out: int,
-           rounds: int = 3) -> dict[str, Any]:
+           rounds: int = 3, router: bool = True) -> dict[str, Any]:
     """Direct vs the gateway reading engines streamed (its default) and non-streamed.
 
     All three targets run at once; the load visits them in turn for ``rounds`` rounds of
@@ -347,9 +370,16 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
     # gets a bound the run cannot reach: its checks still run on every request.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
                ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
-    body = {"input_ids": list(range(1, prompt + 1)),
+    topk = {"input_ids": list(range(1, prompt + 1)),
             "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
             "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
+    plain = {k: v for k, v in topk.items() if k != "top_logprobs_num"}
+    # sglang-router 0.3 drops return_routed_experts (its typed request lacks the field), so
+    # with routing it forwards ~13x fewer bytes than the others; the third body has no
+    # routing for anyone: the like-for-like column for the router
+    no_routing = {k: v for k, v in topk.items() if k != "return_routed_experts"}
+    bodies = {"top-5 logprobs + routing": topk, "routing, no top-k": plain,
+              "top-5 logprobs, no routing": no_routing}
     procs: list[subprocess.Popen] = []
     try:
         e_port = _free_port()
@@ -360,77 +390,144 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
         engine = f"http://127.0.0.1:{e_port}"
         _wait_http(engine + "/health", procs[0])
         targets: dict[str, tuple[str, subprocess.Popen | None]] = {"direct": (engine, None)}
-        for name, streamed in (("streamed", True), ("non-streamed", False)):
+        for name, streamed, fast in (("streamed", True, True), ("non-streamed", False, True),
+                                     ("streamed, asyncio+h11", True, False)):
             g_port = _free_port()
             gw = subprocess.Popen(
                 [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
                  "--port", str(g_port), "--grpc-host", "127.0.0.1", "--grpc-port", "0",
                  "--engine", f"replay={engine}", "--log-level", "warning"],
-                env=dict(env, ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(streamed).lower()),
+                env=dict(env, ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(streamed).lower(),
+                         ROLLOUT_GATEWAY_FAST_IO=str(fast).lower()),
                 stdout=subprocess.DEVNULL)
             procs.append(gw)
             targets[name] = (f"http://127.0.0.1:{g_port}", gw)
+        if router:
+            r_port = _free_port()
+            rp = subprocess.Popen(
+                [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                 "--port", str(r_port), "--worker-urls", engine, "--policy", "round_robin",
+                 "--log-level", "error"], env=env, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            procs.append(rp)
+            targets["sglang-router"] = (f"http://127.0.0.1:{r_port}", rp)
         for url, proc in targets.values():
             if proc is not None:
                 _wait_http(url + "/health", proc)
         warm = min(2.0, duration / 4)
         for url, _ in targets.values():
-            asyncio.run(_load(url + "/generate", body, out, concurrency, warm))
-        acc = {name: [0.0, 0, 0, 0.0] for name in targets}  # seconds, ok, errors, cpu
+            asyncio.run(_load(url + "/generate", topk, out, concurrency, warm))
+        keys = [(b, t) for b in bodies for t in targets]
+        # /v1/rollouts on the default gateway: the gateway's own API (top-k from settings)
+        targets["v1/rollouts"] = targets["streamed"]
+        rollouts_body = {"input_ids": topk["input_ids"],
+                         "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
+                         "return_routed_experts": True}
+        keys.insert(len(targets) - 1, ("top-5 logprobs + routing", "v1/rollouts"))
+        acc = {k: [0.0, 0, 0, 0.0] for k in keys}  # seconds, ok, errors, cpu
         for _ in range(rounds):
-            for name, (url, proc) in targets.items():
+            for bname, name in keys:
+                url, proc = targets[name]
                 c0 = _cpu_seconds(proc.pid) if proc else 0.0
                 t0 = time.perf_counter()
-                _, ok, err = asyncio.run(_load(url + "/generate", body, out, concurrency,
-                                               duration / rounds))
-                a = acc[name]
+                if name == "v1/rollouts":
+                    _, ok, err = asyncio.run(_load(url + "/v1/rollouts", rollouts_body, out,
+                                                   concurrency, duration / rounds, rid=False))
+                else:
+                    _, ok, err = asyncio.run(_load(url + "/generate", bodies[bname], out,
+                                                   concurrency, duration / rounds))
+                a = acc[(bname, name)]
                 a[0] += time.perf_counter() - t0
                 a[1] += ok
                 a[2] += err
                 a[3] += (_cpu_seconds(proc.pid) - c0) if proc else 0.0
-        res = {name: (ok * out / secs, ok, err, cpu) for name, (secs, ok, err, cpu) in acc.items()}
+        res = {k: (ok * out / secs, ok, err, cpu) for k, (secs, ok, err, cpu) in acc.items()}
         return {"results": res, "prompt": prompt, "out": out, "concurrency": concurrency,
-                "duration": duration, "rounds": rounds}
+                "duration": duration, "rounds": rounds, "bodies": list(bodies)}
     finally:
         _stop(procs)
 
 
-def print_b(r: dict[str, Any]) -> None:
+B_LABELS = {"direct": "direct to replay engine",
+            "sglang-router": "SGLang's router (sglang-router, no stamping)",
+            "streamed": "gateway /generate, engines read streamed (default)",
+            "non-streamed": "gateway /generate, engines read non-streamed",
+            "streamed, asyncio+h11": "gateway /generate, streamed, fast_io off (asyncio + h11)",
+            "v1/rollouts": "gateway /v1/rollouts (default settings: streamed, top-5)"}
+
+
+def print_b(r: dict[str, Any], rep=None) -> None:
     res = r["results"]
-    d = res["direct"][0]
     print(f"\nB. end to end, closed loop, {r['concurrency']} concurrent, {r['duration']:.0f} s "
           f"per target in {r['rounds']} interleaved rounds, prompt {r['prompt']} + output "
-          f"{r['out']} tokens, top-5 logprobs requested, routed experts {LAYERS}x{TOPK}")
-    labels = {"direct": "direct to replay engine",
-              "streamed": "gateway /generate, engines read streamed (default)",
-              "non-streamed": "gateway /generate, engines read non-streamed"}
-    for name, (tps, ok, err, cpu) in res.items():
-        line = f"  {labels[name]:52s} {tps / 1e3:8.1f}k tok/s  ({ok} requests, {err} errors)"
+          f"{r['out']} tokens, routed experts {LAYERS}x{TOPK}")
+    for (bname, name), (tps, ok, err, cpu) in res.items():
+        d = res[(bname, "direct")][0]
+        label = f"[{bname}] {B_LABELS[name]}"
+        line = f"  {label:70s} {tps / 1e3:8.1f}k tok/s  ({ok} requests, {err} errors)"
+        per_cpu = ok * r["out"] / cpu if cpu > 0 and name.startswith(("streamed", "non-", "v1")) \
+            else None
         if name != "direct":
-            line += (f"  ratio {tps / d if d else float('nan'):.3f}  "
-                     f"{ok * r['out'] / cpu / 1e3 if cpu > 0 else float('nan'):.1f}k tok per "
-                     "gateway CPU-s")
+            line += f"  ratio {tps / d if d else float('nan'):.3f}"
+        if per_cpu:
+            line += f"  {per_cpu / 1e3:.1f}k tok per gateway CPU-s"
         print(line)
+        if rep is not None:
+            sec = f"B. end to end, {bname}"
+            label = B_LABELS[name]
+            if name == "sglang-router" and "no routing" not in bname:
+                label += " [drops return_routed_experts: not like for like]"
+            rep.row(sec, label + (f" ({err} errors)" if err else ""), tps, "tok/s",
+                    ratio=tps / d if d and name != "direct" else None,
+                    ratio_to="direct" if name != "direct" else None)
+            if per_cpu:
+                rep.row("B. stamped output tokens per gateway CPU-second", f"[{bname}] "
+                        + B_LABELS[name], per_cpu, "tok/CPU-s")
+            if name == "v1/rollouts":
+                rep.goal("gateway /v1/rollouts (default) vs direct /generate",
+                         tps / d if d else 0.0, 0.9)
+            if name == "streamed":
+                rep.goal(f"gateway /generate ({bname}, default) vs direct",
+                         tps / d if d else 0.0, 0.9)
+                rep.goal(f"stamped tok per gateway CPU-s e2e ({bname})", per_cpu or 0.0,
+                         500_000, unit="tok/CPU-s")
     print(f"  gateway = stamped + published to the embedded store; all processes share "
-          f"{os.cpu_count()} cores (client, 2 gateways, replay engine)")
+          f"{os.cpu_count()} cores (client, 3 gateways, SGLang's router, replay engine)")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="short run (fewer rounds, 3 s loads)")
+    ap.add_argument("--quick", action="store_true", help="short run (fewer rounds, 5 s loads)")
     ap.add_argument("--skip-e2e", action="store_true", help="part A only")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--out", type=int, default=1024)
+    ap.add_argument("--no-router", action="store_true",
+                    help="leave out the sglang-router column (also when it is not installed)")
+    ap.add_argument("--json", help="write the results here (bench/run_all)")
     args = ap.parse_args(argv)
-    print_a(part_a(rounds=3 if args.quick else 7))
-    print_a_wire(part_a_wire(rounds=3 if args.quick else 7))
+    from _report import Report
+
+    duration = 5.0 if args.quick else args.duration
+    rep = Report("gateway", "Gateway: hot path and end to end (bench_gateway.py)",
+                 concurrency=args.concurrency, seconds_per_target=duration,
+                 prompt=args.prompt, output=args.out, routed_experts=f"{LAYERS}x{TOPK}")
+    print_a(part_a(rounds=3 if args.quick else 7), rep)
+    print_a_wire(part_a_wire(rounds=3 if args.quick else 7), rep)
     if decode_experts.pybase64 is None:
         print("   (pybase64 is not installed: engines.decode uses its numpy fallback)")
     if not args.skip_e2e:
-        print_b(part_b(args.concurrency, 3.0 if args.quick else args.duration,
-                       args.prompt, args.out))
+        import importlib.util
+
+        router = not args.no_router and importlib.util.find_spec("sglang_router") is not None
+        if not router and not args.no_router:
+            rep.note("sglang-router is not installed: its column is missing")
+        print_b(part_b(args.concurrency, duration, args.prompt, args.out, router=router), rep)
+        rep.note("Part B: the closed-loop client (httpx), the gateway(s), SGLang's router and "
+                 "the replay engine all share the machine's cores; the gateway stamps every "
+                 "token and publishes to the embedded store.")
+    rep.write(args.json)
     return 0
 
 

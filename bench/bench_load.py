@@ -1,7 +1,7 @@
 """Bounded load test on loopback: 1000 concurrent rollouts against one gateway.
 
 One run, three scenarios side by side, all against the same replay engine
-(``bench/replay_engine.py --delay-ms D``: every /generate answers after D ms, so requests
+(``bench/replay_engine.py --delay S``: every /generate answers after S seconds, so requests
 stay in flight together):
 
 - ``direct``: N concurrent ``/generate`` straight to the engine: the baseline latency.
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
              "--layers", "4", "--top-k", "2", "--experts", "8",
-             "--delay-ms", str(args.delay_ms)], env=env, stdout=subprocess.DEVNULL))
+             "--delay", str(args.delay_ms / 1000)], env=env, stdout=subprocess.DEVNULL))
         engine = f"http://127.0.0.1:{e_port}"
         _wait_http(engine + "/health", procs[0])
         results["direct"] = asyncio.run(_scenario(engine + "/generate", direct_body, n, 1,

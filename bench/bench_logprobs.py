@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -98,9 +99,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write the results here (bench/run_all)")
     args = ap.parse_args()
     if args.child:
         return child(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _report import Report
+
+    rep = Report("logprobs", "Learner logprobs + entropy, chunked vs naive (bench_logprobs.py)",
+                 rows=args.rows, vocab=args.vocab, chunk=args.chunk, reps=args.reps,
+                 threads=args.threads)
     torch.set_num_threads(args.threads)
     logits, targets, w = _inputs(args.rows, args.vocab)
     times = {k: [] for k in VARIANTS}
@@ -126,8 +134,16 @@ def main() -> None:
             capture_output=True, text=True, check=True)
         peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"] / 1024
         med = statistics.median(times[name])
-        print(f"{name:20s} {med:10.3f} {med / base:6.2f} "
-              f"{saved_bytes(fn, logits, targets, args.chunk) / mib:10.2f} {peak:9.0f}")
+        saved = saved_bytes(fn, logits, targets, args.chunk) / mib
+        print(f"{name:20s} {med:10.3f} {med / base:6.2f} {saved:10.2f} {peak:9.0f}")
+        naive_row = name == "naive log_softmax"
+        rep.row("forward + backward wall time (median)", name, med, "s",
+                ratio=None if naive_row else med / base,
+                ratio_to=None if naive_row else "naive log_softmax")
+        rep.row("memory kept for backward", name, saved, "MiB")
+        rep.row("peak RSS rise of one fwd+bwd (own process)", name, peak, "MiB")
+    rep.note(f"max |difference| vs the naive log_softmax: {err:.1e}")
+    rep.write(args.json)
 
 
 if __name__ == "__main__":

@@ -104,13 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-factor", type=float, default=2.0)
     ap.add_argument("--only", default="",
                     help="comma-separated case names to run besides ppo_clip (default: all)")
+    ap.add_argument("--json", help="write the results here (bench/run_all)")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import Report
+
+    rep = Report("losses", "Correction losses, forward + backward (bench_losses.py)",
+                 tokens=args.tokens, seq_len=args.seq_len, reps=args.reps,
+                 threads=args.threads, device="cpu")
     torch.set_num_threads(args.threads)
     data = make_inputs(args.tokens, args.seq_len)
     names = ["ppo_clip"] + sorted(n for n in LOSSES if n != "ppo_clip")
     extra = {"decoupled_ppo[loglinear]": ("decoupled_ppo", {"ratio_mode": "loglinear"}),
              "mis[geometric]": ("mis", {"level": "geometric"}),
              "estr[tau]": ("estr", {"tau": 0.05, "target_mask_rate": None}),
+             "estr[target rate]": ("estr", {"target_mask_rate": 0.02}),  # default: tau 1.0
              "estr[no version diag]": ("estr", {"version_diagnostics": False}),
              "estr[tau][no version diag]": ("estr", {"tau": 0.05, "target_mask_rate": None,
                                                     "version_diagnostics": False})}
@@ -172,10 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c:<26}{pc * 1e3:>8.1f}{pc / base_cpu:>12.2f}{med * 1e3:>9.1f}"
               f"{med / base_med:>12.2f}{f:>16.2f}{produced[c] / 2**20:>14.1f}"
               f"{produced[c] / produced['ppo_clip']:>12.2f}")
+        rep.row("process CPU time per forward+backward (median)", c, pc * 1e3, "ms",
+                ratio=None if c == "ppo_clip" else pc / base_cpu,
+                ratio_to=None if c == "ppo_clip" else "ppo_clip")
+        if c in ("sat", "estr", "decoupled_ppo"):
+            rep.goal(f"{c} fwd+bwd / ppo_clip on {n // 1000}k tokens (CPU)", pc / base_cpu,
+                     1.25, "<=")
     print("Floors (the same round-robin; what a loss cannot undercut):")
     for c in floors:
         pc = statistics.median(cpu[c])
         print(f"  {c:<54}{pc * 1e3:>7.2f} ms {pc / base_cpu:>6.2f} x ppo_clip")
+        rep.row("floors (what a loss cannot undercut)", c, pc * 1e3, "ms",
+                ratio=pc / base_cpu, ratio_to="ppo_clip")
+    rep.note(f"no loss created a tensor larger than {args.max_factor} x N: "
+             f"{'OK' if ok else 'FAILED'}")
+    rep.write(args.json)
     print(f"no loss created a tensor larger than {args.max_factor} x N "
           f"(an N x vocab tensor would be vocab x N): {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1

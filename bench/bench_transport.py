@@ -181,6 +181,7 @@ def main() -> int:
     p.add_argument("--gateway-cpu", type=int, default=None,
                    help="core of the gateway in the split setup (default: another core; "
                         "-1 skips the split setup)")
+    p.add_argument("--json", help="write the results here (bench/run_all)")
     args = p.parse_args()
     if args.gateway_cpu is None:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
@@ -230,6 +231,31 @@ def main() -> int:
     return 0
 
 
+def json_report(args, rows) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import Report
+
+    rep = Report("transport", "Transport: store -> gRPC -> learner tensors (bench_transport.py)",
+                 trajectories=args.trajectories, prompt=args.prompt, response=args.response,
+                 routed_experts=f"{args.layers}x{args.top_k} uint8", rounds=args.rounds,
+                 message_kib=args.message_kb, hiredis=hiredis_on())
+    raw_tps, raw_cpu = rows[0][1], rows[0][2]
+    for label, tps, me, gw, rd in rows:
+        first = label == rows[0][0]
+        rep.row("output tokens/s (wall clock)", label, tps, "tok/s",
+                ratio=None if first else tps / raw_tps, ratio_to=None if first else rows[0][0])
+        rep.row("reader CPU-s per million tokens", label, me, "CPU-s/Mtok",
+                ratio=None if first else raw_cpu / me,
+                ratio_to=None if first else "raw reader cpu / this")
+        rep.row("gateway + Redis CPU-s per million tokens", label, gw + rd, "CPU-s/Mtok")
+        if not first:
+            rep.goal(f"transport tok per learner CPU-s ({label})", 1e6 / me, 2_000_000,
+                     unit="tok/CPU-s")
+            rep.goal(f"transport / raw Redis read, wall ({label})", tps / raw_tps, 0.5)
+            rep.goal(f"transport / raw Redis read, reader CPU ({label})", raw_cpu / me, 0.5)
+    rep.write(args.json)
+
+
 def median(xs):
     return sorted(xs)[len(xs) // 2]
 
@@ -251,6 +277,8 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
     print(f"reader (raw redis-py / learner) on cpu {args.cpu}; gateway: " + ", ".join(
         f"{k} -> cpu {v}" for k, v in setups.items()) + "; Redis where the OS puts it")
 
+    rows = []
+
     def row(label, runs, ref=None):
         tps = median([tok / dt for tok, dt, _ in runs])
         # CPU seconds per million tokens: reader process, gateway process, Redis server
@@ -262,6 +290,7 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
         if ref is not None:
             out += f"   ratio {tps / ref[0]:4.2f} wall, {ref[1] / me:4.2f} reader-cpu"
         print(out)
+        rows.append((label, tps, me, gw, rd))
         return tps, me
 
     print(f"{'':<31}  {'wall clock':<27}  reader gateway redis")
@@ -271,6 +300,8 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
     print("ratio wall = transport tok/s / raw tok/s; ratio reader-cpu = raw reader cpu-s/Mtok / "
           "learner cpu-s/Mtok (the work each reading core pays; Redis' and the gateway's own "
           "work runs beside it)")
+    if args.json:
+        json_report(args, rows)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ class ReplayConfig:
     experts: int = 128
     weight_version: str = "0"
     stream_interval: int = 64  # tokens per SSE chunk (incremental streaming)
-    delay_s: float = 0.0  # each /generate answers after this long (holds requests in flight)
     seed: int = 0
+    delay: float = 0.0  # seconds each /generate is held before its answer (requests in flight)
     cache: dict[tuple, tuple[bytes, bytes]] = field(default_factory=dict)
 
 
@@ -199,8 +199,8 @@ async def _serve_conn(cfg: ReplayConfig, reader: asyncio.StreamReader,
                 elif k == b"connection" and v.strip().lower() == b"close":
                     close = True
             body = await reader.readexactly(length) if length else b""
-            if cfg.delay_s and path.startswith(b"/generate"):
-                await asyncio.sleep(cfg.delay_s)
+            if cfg.delay and path.startswith(b"/generate"):
+                await asyncio.sleep(cfg.delay)
             status, ctype, data = _route(cfg, method, path.split(b"?", 1)[0], body)
             writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
                          % (status, ctype, len(data)))
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--weight-version", default="0")
-    ap.add_argument("--delay-ms", type=float, default=0.0,
-                    help="answer each /generate after this many ms (a slow engine)")
+    ap.add_argument("--delay", type=float, default=0.0,
+                    help="hold each /generate this many seconds (many requests in flight)")
     args = ap.parse_args(argv)
     cfg = ReplayConfig(layers=args.layers, top_k=args.top_k, experts=args.experts,
-                       weight_version=args.weight_version, delay_s=args.delay_ms / 1000)
+                       weight_version=args.weight_version, delay=args.delay)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         asyncio.run(serve(cfg, args.host, args.port))

@@ -5,8 +5,10 @@ the position of the token it describes (response token t of sequence i at P_i + 
 model's log-probability for that token comes from the logits one position earlier.
 Columns are zero (or NaN for old_logprobs, -1 for versions) outside the response.
 
-* ``loss_mask``: 1 on response tokens, 0 on prompt and padding, and 0 on tokens of a
-  ``masked`` delivery whose lag exceeds ``max_lag`` (the MASK stale policy).
+* ``loss_mask``: 1 on response tokens, 0 on prompt and padding, 0 on tokens of a
+  ``masked`` delivery whose lag exceeds ``max_lag`` (the MASK stale policy), and 0 on an
+  agent session's context tokens (the rollout's ``loss_mask``: chat template, user / tool /
+  environment messages; ``Rollout.turns`` has the turn boundaries).
 * ``versions`` / ``kv_versions``: policy_version / kv_version per token; ``lags`` =
   learner_version - policy_version (0 outside the response).
 * ``routed_experts``: [B, S, L, K] (padded) or [N, L, K] (packed); uint8 when the wire
@@ -90,6 +92,9 @@ class TrajectoryBatch:
             learner_version=self.learner_version)
         if self.layout == "packed":
             kw["cu_seqlens"] = self.cu_seqlens.to(device=dev, dtype=torch.int64)
+        bounds = [float(r.entropy_error_bound) for r in self.rollouts]
+        if any(x != 0.0 for x in bounds):  # top-k entropy somewhere: ESTR checks the bound
+            kw["entropy_error_bound"] = self.per_sequence(torch.tensor(bounds)).to(dev)
         if fill_old is not None:
             from learner_client.old_logits import FillContext, fill_old_logprobs
 
@@ -116,10 +121,10 @@ class TrajectoryBatch:
 
         out = []
         for i, r in enumerate(self.rollouts):
-            stale = _stale_tokens(r, self.learner_version, self.max_lag)
             cols: dict[str, Any] = {
                 "rollout_logprobs": r.logprobs, "entropy": r.entropy,
-                "versions": r.policy_version, "loss_mask": (~stale).astype(np.float32)}
+                "versions": r.policy_version,
+                "loss_mask": _token_mask(r, self.learner_version, self.max_lag)}
             if r.old_logprobs is not None:
                 cols["old_logprobs"] = r.old_logprobs
             if advantages is not None:
@@ -135,6 +140,15 @@ def _stale_tokens(r: Rollout, learner_version: int, max_lag: int | None) -> np.n
     if not r.masked or max_lag is None:
         return np.zeros(r.num_tokens, dtype=bool)
     return (learner_version - r.policy_version.astype(np.int64)) > max_lag
+
+
+def _token_mask(r: Rollout, learner_version: int, max_lag: int | None) -> np.ndarray:
+    """float32 [T]: 1 on tokens that get a loss. 0 on stale tokens of a masked delivery and
+    on an agent session's context tokens (its ``loss_mask``: template, user/tool messages)."""
+    m = (~_stale_tokens(r, learner_version, max_lag)).astype(np.float32)
+    if r.loss_mask is not None:
+        m *= r.loss_mask
+    return m
 
 
 def collate(rollouts: list[Rollout], learner_version: int, *,
@@ -176,8 +190,8 @@ def collate(rollouts: list[Rollout], learner_version: int, *,
             flat[a:e] = v
         return torch.from_numpy(out)
 
-    loss_mask = column([(~_stale_tokens(r, learner_version, max_lag)).astype(np.float32)
-                        for r in rollouts], np.float32, 0.0)
+    loss_mask = column([_token_mask(r, learner_version, max_lag) for r in rollouts],
+                       np.float32, 0.0)
     versions = column([r.policy_version for r in rollouts], np.int32, -1)
     lags = column([learner_version - r.policy_version for r in rollouts], np.int32, 0)
     old = None

@@ -6,7 +6,7 @@ Three roles, one token each (settings ``admin_api_key``, ``learner_api_key``,
 
 - **admin**: weight swaps, engine admin, configuration, gRPC ``AnnounceVersion``; the admin
   token is accepted wherever another role is asked for.
-- **learner**: gRPC ``Pull``/``Ack``/``Nack``/``CreateGroup``/``GetStatus``/``WatchVersions``.
+- **learner**: gRPC ``Pull``/``Ack``/``Nack``/``ExtendLease``/``CreateGroup``/``GetStatus``/``WatchVersions``.
   ``learner_jobs`` adds tokens bound to consumer groups: such a token touches only groups
   named in its ``groups`` (exact names, or prefixes written ``name*``), so one training job
   cannot pull or ack another job's trajectories.

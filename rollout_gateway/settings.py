@@ -13,7 +13,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -133,6 +133,40 @@ class ModelShape(BaseModel):
     num_experts: int | None = Field(default=None, ge=1, le=1 << 20, description="Experts per layer.")
 
 
+class OldLogitsSettings(BaseModel):
+    """Exact old logits (pi_old) filled into the trajectory's ``old_logprobs`` column by a
+    dedicated scorer engine (a reference/SGLang engine outside the generation pool, used
+    for input-logprob re-scoring). See docs: README "Exact old logits".
+
+    * ``off``: nothing is filled (learner-side strategies: snapshots, EWMA, fallbacks).
+    * ``model``: every finished trajectory is scored before delivery, each token under the
+      version that produced it (the scorer loads that version's checkpoint on demand).
+    * ``interruption``: at each swap, after the fence and before the new weights load, the
+      partial rollouts interrupted by it are scored under the outgoing version; the scorer
+      then follows the swap; at finish the tail (current version) is scored. Needs
+      ``mode=abort_resume`` or ``drain`` swaps from disk, not rolling.
+    Both need disk sources (the scorer reloads checkpoints by path)."""
+
+    mode: Literal["off", "model", "interruption"] = Field(
+        default="off", description="Which exact old-logit strategy fills old_logprobs.")
+    scorer_url: str | None = Field(
+        default=None, min_length=8, description="Base URL of the scorer engine (not in the pool).")
+    scorer_api_key: str | None = Field(default=None, description="Scorer admin API key.")
+    initial_source: str | None = Field(
+        default=None, max_length=4096,
+        description="Checkpoint dir of the scorer's start-up version (so it can return to "
+                    "it after loading newer ones); later versions come from swap records.")
+    score_timeout_s: float = Field(default=120.0, gt=0, le=3600,
+                                   description="Deadline of one scoring call.")
+
+    @model_validator(mode="after")
+    def _scorer_needed(self) -> OldLogitsSettings:
+        if self.mode != "off" and not self.scorer_url:
+            raise ValueError(f"old_logits.mode={self.mode!r} needs old_logits.scorer_url "
+                             "(a scorer engine outside the generation pool)")
+        return self
+
+
 class EngineDiscovery(BaseModel):
     """Engines found by resolving a DNS name (a Kubernetes headless Service): one engine per
     address, re-resolved every ``interval_s`` (see rollout_gateway/engines/discovery.py)."""
@@ -222,6 +256,10 @@ class GatewaySettings(BaseSettings):
     stream_from_engines: bool = Field(
         default=True, description="Read engine output as a stream so tokens generated before an "
         "engine dies are kept and resumed elsewhere (costs some parsing).")
+    fast_io: bool = Field(
+        default=True, description="Serve on the uvloop event loop with uvicorn's httptools "
+        "HTTP parser (both C; base dependencies). false: the stdlib asyncio loop and h11, "
+        "e.g. to compare (bench/bench_gateway.py measures both side by side).")
     health_interval_s: float = Field(default=2.0, gt=0, le=3600,
                                      description="Seconds between engine health probes.")
     unhealthy_after: int = Field(default=2, ge=1, le=100,
@@ -234,6 +272,9 @@ class GatewaySettings(BaseSettings):
     model: ModelShape = Field(default_factory=ModelShape, description="MoE shape; overrides "
                               "what engines' config.json says (ROLLOUT_GATEWAY_MODEL__*).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
+    old_logits: OldLogitsSettings = Field(
+        default_factory=OldLogitsSettings,
+        description="Exact old logits by a dedicated scorer (model) or at swaps (interruption).")
     redis: RedisPool = Field(default_factory=RedisPool,
                              description="Redis connection pools (store and registry).")
     breaker: CircuitBreaker = Field(default_factory=CircuitBreaker,
@@ -246,6 +287,23 @@ class GatewaySettings(BaseSettings):
     lag_history_interval_s: float = Field(
         default=2.0, ge=0.1, le=3600, description="Seconds between points of the version-lag "
         "history the dashboard (/dashboard, /v1/lag?history=true) draws; 900 points are kept.")
+    # ---- agent sessions (/v1/chat/completions, /v1/completions; docs/agents.md) ----
+    chat_template: str = Field(
+        default="reference", min_length=1, description="'reference' (the reference engine's "
+        "byte tokenizer and documented template) or a model / tokenizer directory whose "
+        "tokenizer and chat template transformers.AutoTokenizer loads (as SGLang does).")
+    served_model_name: str = Field(default="reference", min_length=1, max_length=256,
+                                   description="Model id listed by GET /v1/models and echoed "
+                                   "in OpenAI responses.")
+    session_idle_timeout_s: float = Field(
+        default=600.0, gt=0, le=7 * 86400, description="A session with no call for this long "
+        "is ended and published (metadata session_ended_by=idle_timeout).")
+    session_reward_wait_s: float = Field(
+        default=600.0, gt=0, le=7 * 86400, description="How long a session ended with "
+        "await_reward waits for POST /v1/trajectories/{id}/reward before it is published "
+        "without one (metadata reward=missing).")
+    max_sessions: int = Field(default=10_000, ge=1, le=10_000_000,
+                              description="Open sessions at most; a new one past it gets 429.")
 
     @model_validator(mode="after")
     def _tls(self) -> GatewaySettings:

@@ -48,6 +48,8 @@ _reg("decoupled_ppo", decoupled.DecoupledPPOConfig, decoupled.decoupled_ppo,
      "AReaL decoupled PPO with the r_d x r_s decomposition and proximal modes.")
 _reg("ppo_ewma", decoupled.PPOEWMAConfig, decoupled.ppo_ewma,
      "PPO-EWMA: (pi_prox/mu) * S(pi/pi_prox, A), total ratio capped.")
+_reg("ppo_ewma_revised", decoupled.RevisedPPOEWMAConfig, decoupled.ppo_ewma_revised,
+     "Revised PPO-EWMA: EWMA proximal, r_d mask [1/c, c], PPO clip on pi/pi_prox.")
 _reg("sat", sat.SATConfig, sat.sat, "Staleness-Adaptive Trust Region on PPO (r = pi/mu).")
 _reg("sat_gspo", sat.SATGSPOConfig, sat.sat_gspo, "SAT on the GSPO sequence ratio.")
 _reg("estr", estr.ESTRConfig, estr.estr, "Entropy-Scaled Trust Region mask on PPO (r = pi/mu).")

@@ -281,3 +281,53 @@ def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig) -> TokenLoss:
             (logp.detach() - mu > math.log(cfg.imp_samp_max)).to(m.dtype), m)
     metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
     return TokenLoss(pg, m, metrics)
+
+
+class RevisedPPOEWMAConfig(LossConfig):
+    """Revised PPO-EWMA (arXiv 2605.12070, after Hilton et al. 2021) as one loss: the
+    decoupled ratio with the EWMA proximal policy. ``old_logprobs`` = log pi_prox under the
+    debiased EWMA weights (``learner_client.old_logits.RevisedPPOEWMA`` fills it and keeps
+    the weights), r_d = pi_prox/mu with the discrepancy mask M_d(r_d) = r_d inside
+    [1/c, c], 0 outside; r_s = pi/pi_prox with PPO's clip:
+        loss = -(1/#active) sum_t M_d(r_d,t) S(r_s,t, A_t; eps_low, eps_high).
+    Metrics for the wiring: ``active_token_fraction`` (kept by M_d and not clipped),
+    ``ewma_reset`` (1 when that fraction < reset_threshold: theta_prox <- theta),
+    ``ewma_window`` (W_stale = max observed lag + 1 over the active tokens, when versions
+    and learner_version are given) and ``ewma_beta`` = W_stale / (W_stale + 2)."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Clip of r_s below: 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0.0, description="Clip of r_s above: 1 + eps_high.")
+    discrepancy_c: float = Field(2.0, gt=1.0, description="Keep r_d within [1/c, c].")
+    reset_threshold: float = Field(
+        0.9, ge=0.0, le=1.0, description="Reset theta_prox <- theta when the active-token "
+                                         "fraction after masking and clipping drops below.")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual clip c: for A < 0 the token loss is capped at c*|A|.")
+
+
+def ppo_ewma_revised(inputs: LossInputs, cfg: RevisedPPOEWMAConfig) -> TokenLoss:
+    base = DecoupledPPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                              dual_clip=cfg.dual_clip, ratio_mode="decoupled",
+                              discrepancy="mask", discrepancy_c=cfg.discrepancy_c,
+                              aggregation=cfg.aggregation,
+                              constant_normalizer=cfg.constant_normalizer)
+    tok = decoupled_ppo(inputs, base)
+    frac = tok.metrics["active_token_fraction"]
+    tok.metrics["ewma_reset"] = (frac < cfg.reset_threshold).to(frac.dtype) * (
+        inputs.mask_count > 0)
+    if inputs.versions is not None and inputs.learner_version is not None:
+        w = observed_window(inputs.flat("versions"), inputs.learner_version, inputs.active)
+        tok.metrics["ewma_window"] = torch.tensor(float(w))
+        tok.metrics["ewma_beta"] = torch.tensor(w / (w + 2.0))
+    return tok
+
+
+def observed_window(versions: Tensor, learner_version: int, active: Tensor) -> int:
+    """W_stale = S + 1, S = max lag learner_version - version over the active tokens with a
+    version (>= 0): the width of the live version window [v_theta - S, v_theta]."""
+    v = versions.reshape(-1)
+    keep = active.reshape(-1) & (v >= 0)
+    if not bool(keep.any()):
+        return 1
+    s = int(learner_version) - int(v[keep].min())
+    return max(s, 0) + 1

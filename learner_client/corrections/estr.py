@@ -3,9 +3,16 @@
 delta = log pi - log mu; H = behavior-side full-vocabulary entropy at the position
 score = delta^2 / (H + eps_h), eps_h = 0.01; M = 1[score <= tau] (no gradient through M)
 loss = -(1 / #active) * sum_t M_t * S(r_t, A_t; eps_low, eps_high), r = pi / mu
-Masked tokens stay in the denominator (the paper's 1/sum active). tau is not published:
-fixed ``tau``, or ``target_mask_rate`` sets tau per batch to the (1 - rate) quantile of the
-active tokens' scores. Tokens whose entropy is NaN (engine gave none) are never masked and
+Masked tokens stay in the denominator (the paper's 1/sum active). The paper's rule is a
+fixed threshold: ``tau`` (default 1.0; the paper does not publish its value, this default
+is ours: |delta| <= 0.1 at H = 0, <= 1 at H = 1). Option: ``target_mask_rate`` sets tau per
+batch to the (1 - rate) quantile of the active tokens' scores (then tau is None). An
+infinite score (a -inf behavior logprob) is always masked.
+The score needs the full-vocabulary entropy. When ``entropy_error_bound`` (per token, from
+the rollout's entropy_kind: 0 exact, the top-k estimate's bound otherwise) exceeds
+``entropy_error_tolerance`` * (H + eps_h) on an active token, ``on_inexact_entropy``
+raises (LossInputError), warns, or ignores it; metric ``entropy_inexact_rate``.
+Tokens whose entropy is NaN (engine gave none) are never masked and
 counted in ``entropy_missing_rate``. Diagnostics: mask rate; intra = v_last - v_first
 within a trajectory and inter = v_target - v_last (means over sequences) when versions,
 boundaries and learner_version are given.
@@ -13,21 +20,25 @@ boundaries and learner_version are given.
 
 from __future__ import annotations
 
+import warnings
+from typing import Literal
+
 import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
 from .base import LossConfig, TokenLoss
-from .inputs import LossInputs
+from .inputs import LossInputError, LossInputs
 from .fused import fused_token_loss, ppo_metrics, ppo_surrogate
 from .ops import indices_above, masked_mean, masked_quantile, quantile_and_tail
 from .ppo import ppo_token_loss_ex
 
 
 class ESTRConfig(LossConfig):
-    """ESTR: eps 0.2 both sides, eps_h 0.01. Exactly one of tau / target_mask_rate is set;
-    the default (our choice, tau is unpublished) targets a 2% mask rate per batch."""
+    """ESTR: eps 0.2 both sides, eps_h 0.01, the paper's fixed threshold tau (default 1.0,
+    our choice: the paper does not publish it). Exactly one of tau / target_mask_rate is
+    set; giving target_mask_rate alone selects the batch-quantile mode (tau -> None)."""
 
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
     eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
@@ -37,12 +48,27 @@ class ESTRConfig(LossConfig):
                     "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
                     "loss. None (the paper's form) disables it.")
     eps_h: float = Field(0.01, gt=0.0, description="Added to H in the score's denominator.")
-    tau: float | None = Field(None, ge=0.0, description="Fixed threshold on delta^2/(H+eps_h).")
+    tau: float | None = Field(1.0, ge=0.0, description="Fixed threshold on delta^2/(H+eps_h) "
+                                                       "(the paper's rule; value ours).")
     target_mask_rate: float | None = Field(
-        0.02, ge=0.0, lt=1.0, description="Set tau per batch to mask about this fraction.")
+        None, ge=0.0, lt=1.0,
+        description="Batch-quantile mode: set tau per batch to mask about this fraction.")
+    entropy_error_tolerance: float = Field(
+        0.1, ge=0.0, description="Largest entropy_error_bound / (H + eps_h) accepted on an "
+                                 "active token (top-k entropy estimates).")
+    on_inexact_entropy: Literal["raise", "warn", "ignore"] = Field(
+        "warn", description="What to do when the entropy's error bound exceeds the tolerance.")
     version_diagnostics: bool = Field(
         True, description="Report intra/inter version spread (needs versions and sequence "
                           "boundaries; costs two segment reductions over N).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _target_alone_selects_quantile(cls, data: object) -> object:
+        if (isinstance(data, dict) and data.get("target_mask_rate") is not None
+                and "tau" not in data):
+            data = {**data, "tau": None}
+        return data
 
     @model_validator(mode="after")
     def _one_mode(self) -> ESTRConfig:
@@ -50,6 +76,27 @@ class ESTRConfig(LossConfig):
             raise ValueError("set exactly one of tau and target_mask_rate "
                              "(pass target_mask_rate=None with tau)")
         return self
+
+
+def check_entropy_exactness(inputs: LossInputs, cfg: ESTRConfig) -> Tensor:
+    """Share of active tokens whose entropy error bound exceeds the tolerance relative to
+    H + eps_h (0 when no bound is given); raises or warns per ``cfg.on_inexact_entropy``."""
+    n_act = inputs.mask_count
+    if inputs.entropy_error_bound is None:
+        return torch.zeros_like(n_act)
+    b = inputs.flat("entropy_error_bound").detach()
+    h = inputs.flat("entropy").detach()
+    bad = (b > cfg.entropy_error_tolerance * (h + cfg.eps_h)) & inputs.active & ~torch.isnan(h)
+    n_bad = int(bad.sum())
+    if n_bad and cfg.on_inexact_entropy != "ignore":
+        msg = (f"ESTR: the entropy of {n_bad} active token(s) is a top-k estimate whose error "
+               f"bound exceeds {cfg.entropy_error_tolerance} x (H + eps_h): the score "
+               "delta^2/(H+eps_h) is unreliable there (serve exact entropy: the engine's "
+               "full-vocabulary entropy, or raise the top-k)")
+        if cfg.on_inexact_entropy == "raise":
+            raise LossInputError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    return torch.tensor(float(n_bad), dtype=n_act.dtype) / n_act.clamp_min(1.0)
 
 
 def estr_scores(delta: Tensor, entropy: Tensor, eps_h: float) -> Tensor:
@@ -134,6 +181,7 @@ def _reduce_segments(w: np.ndarray, inputs: LossInputs) -> tuple[np.ndarray, np.
 def estr_reference(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     """ESTR through eager [N] ops (for tests against the fused ``estr``)."""
     inputs.require("entropy")
+    inexact = check_entropy_exactness(inputs, cfg)
     m = inputs.mask
     n_act = inputs.mask_count
     d = inputs.flat("logprobs") - inputs.flat("rollout_logprobs").detach()
@@ -157,6 +205,7 @@ def estr_reference(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     metrics["tau"] = tau.detach().to(torch.float32)
     metrics["entropy_missing_rate"] = (masked_mean(missing_b.to(m.dtype), m, n_act)
                                        if any_missing else torch.zeros_like(n_act))
+    metrics["entropy_inexact_rate"] = inexact
     if cfg.version_diagnostics:
         metrics.update(version_spread(inputs))
     return TokenLoss(pg.masked_fill(drop, 0.0), m, metrics)
@@ -173,6 +222,7 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     detected by one sum) takes the masked-copy path for tau.
     """
     inputs.require("entropy")
+    inexact = check_entropy_exactness(inputs, cfg)
     m = inputs.mask
     n_act = inputs.mask_count
     mu = inputs.flat("rollout_logprobs").detach()
@@ -218,6 +268,7 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     metrics["tau"] = box["tau"].detach().to(torch.float32)
     metrics["entropy_missing_rate"] = (masked_mean(missing_b.to(m.dtype), m, n_act)
                                        if any_missing else torch.zeros_like(n_act))
+    metrics["entropy_inexact_rate"] = inexact
     if cfg.version_diagnostics:
         metrics.update(version_spread(inputs))
     return TokenLoss(pg, m, metrics)

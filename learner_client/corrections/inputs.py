@@ -34,9 +34,10 @@ class LossInputError(ValueError):
 
 
 _FLOAT_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs",
-                 "entropy")
+                 "entropy", "entropy_error_bound")
 _TOKEN_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "loss_mask",
-                 "old_logprobs", "ref_logprobs", "entropy", "versions", "seq_ids")
+                 "old_logprobs", "ref_logprobs", "entropy", "versions", "seq_ids",
+                 "entropy_error_bound")
 
 
 @dataclass(eq=False)
@@ -54,6 +55,8 @@ class LossInputs:
     seq_ids: Tensor | None = None  # [N] int sequence id per token (flat layout)
     cu_seqlens: Tensor | None = None  # [S+1] int offsets (flat layout), alternative to seq_ids
     learner_version: int | None = None  # v_theta: version of the weights being optimized
+    # per-token bound on |H_estimate - H| (0 exact; a top-k estimate's bound; inf: none)
+    entropy_error_bound: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
@@ -84,28 +87,45 @@ class LossInputs:
         self._sanitize_inactive()
 
     def _sanitize_inactive(self) -> None:
-        """Tokens with loss_mask 0 never change a loss or its gradient: every float field is
-        replaced by ``torch.where(active, x, 0)`` (NaN/+-inf at masked positions, e.g.
-        collate's NaN old_logprobs outside responses or an engine's -inf logprob, would
-        otherwise survive masking by multiplication: NaN * 0 = NaN). ``logprobs`` keeps its
-        graph: the gradient at inactive positions is exactly 0. Skipped when every token is
-        active (one count, cached as ``mask_count``)."""
+        """Tokens with loss_mask 0 never change a loss or its gradient. Finite values at
+        masked positions are harmless (every loss multiplies by the mask before anything
+        can overflow), but NaN/+-inf (collate's NaN old_logprobs outside responses, an
+        engine's -inf logprob) would survive that (NaN * 0 = NaN). So a float field whose
+        sum is not finite (one cheap reduction per field) is replaced by
+        ``torch.where(active, x, 0)`` (detached: the losses never differentiate through
+        them). ``logprobs`` keeps the caller's tensor: ``flat("logprobs")`` then applies the
+        same where on each call (a fresh autograd node, so one LossInputs can feed several
+        losses and backward passes; the gradient at masked positions is exactly 0).
+        Nothing happens when every token is active (one count, cached as ``mask_count``)."""
+        self._mask_logprobs = False
         if int(self.mask_count) == self.num_tokens:
             return
-        act = self.active.reshape(self.logprobs.shape)
+        act = None
         for name in _FLOAT_FIELDS:
             t = getattr(self, name)
-            if t is None or not torch.is_floating_point(t):
+            if t is None or not torch.is_floating_point(t) or t.numel() == 0:
                 continue
-            setattr(self, name, torch.where(act, t, torch.zeros((), dtype=t.dtype,
-                                                                            device=t.device)))
+            if bool(torch.isfinite(t.detach().sum())):
+                continue
+            if name == "logprobs":
+                self._mask_logprobs = True
+                continue
+            if act is None:
+                act = self.active.reshape(self.logprobs.shape)
+            setattr(self, name, torch.where(act, t.detach(),
+                                            torch.zeros((), dtype=t.dtype, device=t.device)))
 
     # ---- flat views (cheap: reshape, no copies for contiguous inputs) -------------------
 
     def flat(self, name: str) -> Tensor | None:
-        """Field ``name`` as a 1-D [N] tensor (None when absent)."""
+        """Field ``name`` as a 1-D [N] tensor (None when absent); 0 at masked positions."""
         t = getattr(self, name)
-        return None if t is None else t.reshape(-1)
+        if t is None:
+            return None
+        if name == "logprobs" and self._mask_logprobs:
+            return torch.where(self.active, t.reshape(-1),
+                               torch.zeros((), dtype=t.dtype, device=t.device))
+        return t.reshape(-1)
 
     @property
     def num_tokens(self) -> int:

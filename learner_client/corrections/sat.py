@@ -21,11 +21,12 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .gspo import sequence_stats
-from .inputs import LossInputs
+from .inputs import LossInputError, LossInputs
 from .fused import fused_token_loss, ppo_metrics, ppo_surrogate
-from .ops import (LOG_RATIO_CLAMP, broadcast, clipped_surrogate, dual_clip_cap, masked_mean, masked_quantile,
+from .ops import (LOG_RATIO_CLAMP, broadcast, clipped_surrogate, dual_clip_cap, masked_mean,
+                  masked_quantile,
                   quantile_and_tail, weighted_run_quantile)
-from .ppo import ppo_token_loss_ex
+from .ppo import k3_kl, ppo_token_loss_ex
 
 
 class SATConfig(LossConfig):
@@ -36,6 +37,12 @@ class SATConfig(LossConfig):
     quantile: float = Field(0.9, gt=0.0, lt=1.0,
                             description="Tail threshold q = this quantile of |d| (active tokens).")
     kernel_power: float = Field(2.0, gt=0.0, description="p in psi(u; q) = 1/(1 + (u/q)^p).")
+    kl_coef: float = Field(
+        0.0, ge=0.0,
+        description="beta of the low-variance k3 KL estimator to the reference policy, "
+                    "exp(ref - log pi) - (ref - log pi) - 1 per active token (needs "
+                    "ref_logprobs), aggregated like the base loss. 0 = off (the paper's "
+                    "coefficient is not in corrections.md).")
     dual_clip: float | None = Field(
         None, gt=1.0,
         description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
@@ -194,8 +201,20 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     return TokenLoss(pg, m, metrics)
 
 
+def _with_kl(tok: TokenLoss, inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
+    """Adds beta * k3(pi, pi_ref) on the active tokens (the base loss' aggregation)."""
+    if cfg.kl_coef <= 0.0:
+        return tok
+    if inputs.ref_logprobs is None:
+        raise LossInputError("SAT with kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
+    m = inputs.mask
+    kl = k3_kl(inputs.flat("logprobs"), inputs.flat("ref_logprobs").detach())
+    tok.metrics["kl"] = masked_mean(kl.detach(), m, inputs.mask_count)
+    return TokenLoss(tok.loss + cfg.kl_coef * kl * m, tok.denom_mask, tok.metrics)
+
+
 def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
-    return _sat_fused(inputs, cfg)
+    return _with_kl(_sat_fused(inputs, cfg), inputs, cfg)
 
 
 def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
@@ -228,4 +247,4 @@ def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
                   else torch.ones((), dtype=d.dtype, device=d.device)),
     }
     pg_i = dual_clip_cap(-s_i, adv_i, cfg.dual_clip)
-    return TokenLoss(broadcast(pg_i, idx) * m, m, metrics)
+    return _with_kl(TokenLoss(broadcast(pg_i, idx) * m, m, metrics), inputs, cfg)

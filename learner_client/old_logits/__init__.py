@@ -8,12 +8,13 @@
   (computed at interruption time), filling NaN positions with a strategy.
 """
 
-from .ewma import EwmaWeightTracker, staleness_beta
+from .ewma import EwmaWeightTracker, RevisedPPOEWMA, staleness_beta
 from .fill import (STRATEGIES, FillContext, Strategy, ewma_strategy, fill_old_logprobs,
                    snapshot_strategy)
 from .snapshots import (Runner, SnapshotMissing, WeightSnapshotStore, cpu_copy,
                         functional_runner, live_window)
 
-__all__ = ["STRATEGIES", "EwmaWeightTracker", "FillContext", "Runner", "SnapshotMissing",
+__all__ = ["STRATEGIES", "EwmaWeightTracker", "FillContext", "RevisedPPOEWMA", "Runner",
+           "SnapshotMissing",
            "Strategy", "WeightSnapshotStore", "cpu_copy", "ewma_strategy", "fill_old_logprobs",
            "functional_runner", "live_window", "snapshot_strategy", "staleness_beta"]

@@ -97,3 +97,53 @@ class EwmaWeightTracker:
         self._prox = {k: self._copy(v) for k, v in prox.items()}  # type: ignore[union-attr]
         self.resets = int(state.get("resets", 0))  # type: ignore[arg-type]
         self.updates = int(state.get("updates", 0))  # type: ignore[arg-type]
+
+
+class RevisedPPOEWMA:
+    """The revised PPO-EWMA wired end to end: EWMA proximal weights, pi_prox filled from
+    them, the registered ``ppo_ewma_revised`` loss, the window tied to the observed
+    staleness and the reset rule.
+
+    Per optimizer step::
+
+        loss, metrics = ewma.loss(inputs)      # fills old_logprobs = log pi_prox
+        loss.backward(); optimizer.step()
+        ewma.after_step(model.state_dict(), metrics)
+
+    ``run(weights, token_index) -> logprobs [K]`` scores the batch's tokens with given
+    weights (``snapshots.functional_runner``). ``loss`` sets beta from W_stale = S + 1
+    (S = max lag of the batch's active tokens); ``after_step`` folds theta into the EWMA
+    and resets theta_prox <- theta when the loss's active-token fraction < the threshold.
+    Before the first ``after_step`` the tracker starts from ``initial`` weights.
+    """
+
+    def __init__(self, run, initial: Weights, config=None, **tracker_kw) -> None:
+        from learner_client.corrections import get_loss
+
+        self.spec = get_loss("ppo_ewma_revised")
+        self.config = self.spec.config(config)
+        self.run = run
+        self.tracker = EwmaWeightTracker(reset_threshold=self.config.reset_threshold,
+                                         **tracker_kw)
+        self.tracker.update(initial)
+        self.window = 1
+
+    def loss(self, inputs):
+        from learner_client.corrections.decoupled import observed_window
+
+        if inputs.versions is not None and inputs.learner_version is not None:
+            self.window = observed_window(inputs.flat("versions"), inputs.learner_version,
+                                          inputs.active)
+            self.tracker.set_window(self.window)
+        idx = torch.nonzero(inputs.active).reshape(-1)
+        old = torch.zeros(inputs.num_tokens, dtype=inputs.logprobs.dtype,
+                          device=inputs.logprobs.device)
+        if idx.numel():
+            old[idx] = self.run(self.tracker.weights, idx).to(old.device, old.dtype)
+        filled = inputs.replace(old_logprobs=old.reshape(inputs.logprobs.shape))
+        return self.spec.fn(filled, self.config)
+
+    def after_step(self, theta: Weights, metrics) -> bool:
+        """EWMA update with the new weights; True when the reset rule fired."""
+        self.tracker.update(theta)
+        return self.tracker.maybe_reset(metrics["active_token_fraction"], theta)

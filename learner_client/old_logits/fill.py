@@ -110,9 +110,9 @@ def fill_old_logprobs(old_logprobs: Tensor | None, strategy: str | Strategy,
     Only active tokens are filled (``FillContext.active``: loss_mask > 0, else version >= 0):
     NaN at prompt and padding positions of a collated batch stays NaN (the losses ignore
     masked positions) and is never handed to a strategy (a snapshot strategy has no
-    version -1). ``old_logprobs`` None means the column is absent everywhere (``shape`` or the context's
-    rollout_logprobs give the shape). The result is detached. counts: ``present`` (values kept), ``filled``,
-    ``left_inactive`` (NaN left at masked positions).
+    version -1). ``old_logprobs`` None means the column is absent everywhere (``shape`` or
+    the context's rollout_logprobs give the shape). The result is detached. counts:
+    ``present`` (values kept), ``filled``, ``left_inactive`` (NaN left at masked positions).
     """
     if old_logprobs is None:
         ref = ctx.rollout_logprobs if ctx.rollout_logprobs is not None else ctx.logprobs

@@ -42,9 +42,10 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     from rollout_gateway.api import observe, routes
     from rollout_gateway.api.generate import router as generate_router
     from rollout_gateway.api.metrics import HTTPMetricsMiddleware
+    from rollout_gateway.api.openai import router as openai_router
 
     for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router,
-              observe.router):
+              observe.router, openai_router):
         app.include_router(r)
     from rollout_gateway.api.schemas import apply_limits
 

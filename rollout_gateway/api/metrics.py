@@ -172,6 +172,11 @@ class _Live:
                 yield CounterMetricFamily(f"rollout_gateway_admission_{k}",
                                           f"Admission control: {k.replace('_', ' ')} samples",
                                           value=v)
+        for k, v in gw.sessions.counters.items():  # agent sessions (docs/agents.md)
+            yield CounterMetricFamily(PREFIX + k, f"Agent sessions: {k.replace('_', ' ')}",
+                                      value=v)
+        yield GaugeMetricFamily(PREFIX + "sessions_open", "Agent sessions open now",
+                                value=len(gw.sessions.sessions))
         f = gw.lag.finished
         for name, help_, v in (
                 ("trajectories_spanning_versions", "Finished trajectories whose tokens come "
@@ -191,6 +196,12 @@ class _Live:
             yield lag_histogram("rollout_gateway_inflight_token_lag",
                                 "Tokens generated so far by running samples, by lag",
                                 {lv - v: n for v, n in by_version.items()})
+        if gw.oldlogits is not None:  # exact old logits (old_logits.mode)
+            for k, v in gw.oldlogits.metrics().items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    fam = GaugeMetricFamily if k == "scorer_version" else CounterMetricFamily
+                    yield fam(PREFIX + "old_logits_" + k, f"Exact old logits "
+                              f"({gw.oldlogits.mode}): {k.replace('_', ' ')}", value=v)
         yield _gauge("rollout_gateway_scrape_errors", "Shared figures that could not be read "
                      "for this scrape (registry or store unreachable)", snap["errors"])
         # ---- shared figures (store / registry): aggregate with max across replicas ----

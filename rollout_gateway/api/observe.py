@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, Response
 
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway
+from rollout_gateway.api.security import is_admin
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.errors import NotFound
 from rollout_gateway.observe.lag import LagReport
@@ -21,15 +22,18 @@ ASSET_TYPES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
 @router.get("/v1/lag", response_model=LagReport)
-async def lag(gw: Gateway = Depends(gateway),
+async def lag(request: Request, gw: Gateway = Depends(gateway),
               history: bool = Query(False, description="include the dashboard time series"),
               recent_swaps: int = Query(10, ge=1, le=100,
                                         description="swaps whose pause windows are listed"),
               ) -> Response:
     """Learner version, each engine's version/state/lag, the lag distributions of tokens in
     flight, finished-but-unconsumed and delivered, intra-trajectory staleness, recent pause
-    windows, staleness handling and per-group backlog."""
+    windows, staleness handling and per-group backlog. ``replica`` (host:pid) is shown to
+    the admin only."""
     rep = await gw.lag_report(recent_swaps=recent_swaps, history=history)
+    if not is_admin(request):
+        rep.replica = None
     return ORJSONResponse(rep.model_dump())
 
 

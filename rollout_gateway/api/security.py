@@ -66,7 +66,8 @@ def public_view(obj: Any) -> Any:
 # ---- the ASGI guard ----------------------------------------------------------------------
 
 #: routes that start generation: bounded by ``max_pending_requests``
-GENERATION_PATHS = frozenset({"/v1/rollouts", "/generate"})
+GENERATION_PATHS = frozenset({"/v1/rollouts", "/generate", "/v1/chat/completions",
+                              "/v1/completions"})
 
 
 def _json(status: int, code: str, message: str, extra_headers: list | None = None):

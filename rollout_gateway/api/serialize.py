@@ -50,6 +50,8 @@ def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
         "engine_ids": t.engine_ids, "created_at": t.created_at, "finished_at": t.finished_at,
         "metadata": t.metadata,
     }
+    if t.tokens.old_logprobs is not None:  # exact old logits (old_logits.mode)
+        out["old_logprobs"] = t.tokens.old_logprobs
     r = t.routed_experts
     if r is not None:
         out["routed_experts"] = {"shape": list(r.data.shape), "dtype": r.data.dtype.str,

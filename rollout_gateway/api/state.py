@@ -48,15 +48,25 @@ class Gateway:
         self.registry = registry
         self.pool = EnginePool(settings)
         self.gatekeeper = Gatekeeper(settings.admission, store, registry)
-        self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper)
+        self.oldlogits = None
+        if settings.old_logits.mode != "off":
+            from rollout_gateway.oldlogits import OldLogitService
+
+            self.oldlogits = OldLogitService(settings, registry)
+        self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper,
+                                       oldlogits=self.oldlogits)
         holder = f"{socket.gethostname()}:{os.getpid()}"
-        self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder)
+        self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder,
+                                      oldlogits=self.oldlogits)
         from rollout_gateway.swap.control import GatewayControlPlane
 
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
         from rollout_gateway.observe.tracker import install
 
         install(self)  # lag tracker, Prometheus histograms, dashboard history
+        from rollout_gateway.sessions.manager import SessionManager
+
+        self.sessions = SessionManager(self)
         self.started_at = time.time()
         #: DNS resolver of engine discovery (None: the system's; tests pass a fake)
         self.resolver = None
@@ -65,6 +75,8 @@ class Gateway:
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        if self.oldlogits is not None:  # the scorer must answer before rollouts need it
+            await self.oldlogits.start()
         for spec in self.settings.engines:
             try:
                 eng = await self.pool.register(spec.id, spec.url, spec.api_key)
@@ -92,6 +104,7 @@ class Gateway:
             self.discovery.start()
         self.gatekeeper.start()
         self.history.start()
+        self.sessions.start()
         self.serving = True
 
     async def _follow_registry(self) -> None:
@@ -143,6 +156,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.serving = False
+        await self.sessions.stop()  # open sessions are published (ended_by=shutdown)
         await self.history.stop()
         if self.discovery is not None:
             await self.discovery.stop()
@@ -153,6 +167,8 @@ class Gateway:
                 await task
         await self.gatekeeper.stop()
         await self.pool.close()
+        if self.oldlogits is not None:
+            await self.oldlogits.close()
         if self._own_store:
             await self.store.close()
         if self._own_registry:

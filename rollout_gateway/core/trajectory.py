@@ -39,6 +39,7 @@ class Transition(StrEnum):
     DRAIN = "drain"  # finished on the old weights before the swap
     FAILOVER = "failover"  # the engine died; resumed elsewhere from the tokens so far
     ABORTED = "aborted"  # ended by an abort that was not resumed
+    CONTEXT = "context"  # agent session: tokens the model read but did not sample (loss mask 0)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,20 @@ class Segment:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn of an agent session over output token indices [start, end).
+
+    ``kind`` is ``model`` (tokens the policy sampled, loss mask 1) or ``context`` (chat
+    template tokens and user / tool / environment messages, loss mask 0); ``index`` is the
+    session's model call the turn belongs to (context is read by the call that follows it)."""
+
+    start: int
+    end: int
+    kind: str
+    index: int = 0
 
 
 @dataclass(slots=True)
@@ -211,11 +226,30 @@ class Trajectory:
     finished_at: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
     reward: float | None = None
+    #: agent sessions: 1 where the model sampled the token, 0 where it only read it
+    #: (uint8 [T]); None = every output token is the model's (plain rollouts)
+    loss_mask: np.ndarray | None = None
+    turns: list[Turn] = field(default_factory=list)  # agent sessions; [] = one model turn
 
     def __post_init__(self) -> None:
         if not self.trajectory_id:
             raise InvalidArgument("trajectory_id must be non-empty")
         self.prompt_token_ids = np.ascontiguousarray(self.prompt_token_ids, dtype=TOKEN_DTYPE)
+        if self.loss_mask is not None:
+            self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
+            if self.loss_mask.shape != (len(self.tokens),):
+                raise InvalidArgument(f"loss_mask has shape {self.loss_mask.shape}, expected "
+                                      f"({len(self.tokens)},)")
+        if self.turns:
+            pos = 0
+            for t in self.turns:
+                if t.start != pos or t.end < t.start or t.kind not in ("model", "context"):
+                    raise InvalidArgument(f"turns must tile the output in order with kind "
+                                          f"model|context; got {t} at token {pos}")
+                pos = t.end
+            if pos != len(self.tokens):
+                raise InvalidArgument(f"turns cover {pos} tokens but the trajectory has "
+                                      f"{len(self.tokens)}")
         covered = sum(s.num_tokens for s in self.segments)
         if covered != len(self.tokens):
             raise InvalidArgument(

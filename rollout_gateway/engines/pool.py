@@ -179,7 +179,8 @@ class EnginePool:
             eng.probe_failures += 1
             if eng.probe_failures >= self.settings.unhealthy_after:
                 self.mark_unhealthy(eng, "health probe failed")
-                self.evict(eng, "it stopped answering health probes")
+                if eng.gate.is_set():  # fenced: our swap is handling it (a slow load)
+                    self.evict(eng, "it stopped answering health probes")
         elif eng.state is EngineState.UNHEALTHY and eng.breaker_open:
             eng.probe_failures = 0  # alive, but its circuit is open: it stays out until then
         else:

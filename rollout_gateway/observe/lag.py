@@ -124,7 +124,8 @@ class LagReport(BaseModel):
     """Everything ``GET /v1/lag`` answers."""
 
     at: float = Field(description="unix time of the report")
-    replica: str = Field(description="the gateway replica that answered")
+    replica: str | None = Field(description="the gateway replica that answered (host:pid; "
+                                "None unless the caller is the admin, when an admin key is set)")
     learner_version: int
     max_engine_lag: int = Field(description="max lag over engines with a known version")
     engines: list[EngineLag]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,12 @@ class PassThrough:
             if self.top_logprobs_num > 0:
                 k.add("input_top_logprobs")
         return frozenset(k)
+
+#: The engine a sample's first request goes to when it is routable, over sticky routing
+#: (agent sessions: the engine holding the session's prefix, or a fresher one when that
+#: engine's version is outside the staleness bound). Set by the caller around
+#: ``RolloutService.run_with_text`` / the stream's consumer; tasks inherit it.
+PREFERRED_ENGINE: ContextVar[str | None] = ContextVar("preferred_engine", default=None)
 
 
 @dataclass(slots=True)
@@ -148,10 +155,11 @@ class SampleRunner:
     """Runs one sample to completion against the pool."""
 
     def __init__(self, pool: EnginePool, settings: GatewaySettings,
-                 registry: VersionRegistry | None = None) -> None:
+                 registry: VersionRegistry | None = None, oldlogits: Any = None) -> None:
         self.pool = pool
         self.settings = settings
         self.registry = registry
+        self.oldlogits = oldlogits  # oldlogits.OldLogitService (interruption sync) or None
         #: samples running now, by trajectory id (dashboards: lag of tokens in flight)
         self.active: dict[str, SampleState] = {}
         #: called with the seconds from a sample's start to its first streamed chunk
@@ -275,10 +283,17 @@ class SampleRunner:
         detokenized it, concatenated over requests)."""
         state = SampleState(trajectory_id, prompt_ids)
         self.active[trajectory_id] = state
+        ol = self.oldlogits
+        if ol is not None:  # exact old logits: a swap may score this sample's partial output
+            ol.track(state, req.sampling_params.temperature)
         try:
             return await self._run(state, req, trajectory_id, group_id, index,
                                    sticky_key=sticky_key, on_chunk=on_chunk,
                                    passthrough=passthrough)
+        except BaseException:
+            if ol is not None:
+                ol.untrack(trajectory_id)
+            raise
         finally:
             self.active.pop(trajectory_id, None)
 
@@ -286,10 +301,11 @@ class SampleRunner:
                    group_id: str, index: int, *, sticky_key: str | None,
                    on_chunk=None, passthrough: PassThrough | None = None
                    ) -> tuple[Trajectory, str]:
+        ol = self.oldlogits
         created = time.time()
         budget = req.sampling_params.max_new_tokens
         began = Transition.START
-        prefer: str | None = None
+        prefer: str | None = PREFERRED_ENGINE.get()
         exclude: set[str] = set()
         finish: dict[str, Any] | None = None
         attempts = 0
@@ -332,6 +348,8 @@ class SampleRunner:
                 v = d.weight_version if d.weight_version is not None else eng.version
                 if v is not None:
                     live[v] = live.get(v, 0) + d.num_tokens
+            if ol is not None:
+                await ol.busy(trajectory_id, eng.id)
             try:
                 async with self.pool.lease(eng, remaining):
                     opts = decode_options(eng, self.settings,
@@ -358,6 +376,8 @@ class SampleRunner:
                 piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
                 piece.input_start = payload["logprob_start_len"]
                 state.pieces.append(piece)
+            if ol is not None:  # the partial output is in the state: a swap may score it
+                await ol.busy(trajectory_id, None)
             fin = dec.finish_reason if dec is not None else None
             if err is None and fin is not None and fin.get("type") != "abort":
                 self.pool.record_success(eng)

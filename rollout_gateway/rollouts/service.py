@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_gateway.core import wire
 from rollout_gateway.core.admission import Verdict
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.pool import EnginePool
@@ -21,7 +22,6 @@ from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.rollouts.sample import PassThrough, SampleRunner
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
-from rollout_gateway.transport import codec
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,13 @@ class RolloutService:
     """Validates, admits, runs, judges (staleness policy) and publishes rollouts."""
 
     def __init__(self, pool: EnginePool, store: TrajectoryStore, settings: GatewaySettings,
-                 gatekeeper: Gatekeeper) -> None:
+                 gatekeeper: Gatekeeper, oldlogits: Any = None) -> None:
         self.pool = pool
         self.store = store
         self.settings = settings
         self.gatekeeper = gatekeeper
-        self.runner = SampleRunner(pool, settings, gatekeeper.registry)
+        self.oldlogits = oldlogits  # oldlogits.OldLogitService: fills old_logprobs, or None
+        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
@@ -99,11 +100,13 @@ class RolloutService:
         sticky = req.session_id or req.group_id
         return group, ids, sticky
 
-    async def _publish(self, traj: Trajectory, req: RolloutRequest) -> None:
+    async def _publish(self, traj: Trajectory, req: RolloutRequest) -> Trajectory | None:
         """Publish; a store failure does not throw the generated tokens away: the caller
-        still gets the trajectory, marked ``metadata["publish_error"]``, and it is counted."""
+        still gets the trajectory, marked ``metadata["publish_error"]``, and it is counted.
+        When the id was already stored (the same request_id run elsewhere at the same
+        time), returns the stored copy: the caller is answered what the learner gets."""
         if not req.publish:
-            return
+            return None
         try:
             stored = await self.store.publish(traj)
         except GatewayError as exc:
@@ -111,8 +114,15 @@ class RolloutService:
             traj.metadata["publish_error"] = clean_message(
                 f"{exc.code.value}: {exc.message}")[:300]  # shown to clients: no addresses
             log.error("publishing %s failed: %s", traj.trajectory_id, exc.message)
-            return
+            return None
         self.counters["published" if stored else "duplicates"] += 1
+        if stored or req.request_id is None:
+            return None
+        try:
+            data = (await self.store.lookup([traj.trajectory_id])).get(traj.trajectory_id)
+        except GatewayError:
+            return None
+        return wire.decode(data) if data else None
 
     def _count(self, traj: Trajectory) -> None:
         self.counters["samples"] += 1
@@ -145,6 +155,8 @@ class RolloutService:
                                                    prompt_ids=prompt, on_chunk=on_chunk,
                                                    passthrough=passthrough)
                 self._count(traj)
+                if self.oldlogits is not None:  # exact old logits before delivery
+                    await self.oldlogits.fill(traj, req.sampling_params.temperature)
             except BaseException:
                 slot.release(self.gatekeeper)
                 self.counters["failed_samples"] += 1
@@ -166,8 +178,8 @@ class RolloutService:
                     raise
                 slot.held = True
                 continue
-            if verdict is not Verdict.DROP:
-                await self._publish(traj, req)
+            if verdict is not Verdict.DROP and (kept := await self._publish(traj, req)):
+                return kept, ""  # an earlier run's copy of this sample
             return traj, text
 
     async def run(self, req: RolloutRequest) -> list[Trajectory]:
@@ -205,7 +217,7 @@ class RolloutService:
                 f"request {req.request_id} finished earlier and its trajectories were "
                 f"consumed and are no longer retained ({', '.join(gone[:8])}); use a new "
                 "request_id to generate again", details={"trajectory_ids": gone})
-        stored = {i: codec.decode(found[t]) for i, t in enumerate(ids) if t in found}
+        stored = {i: wire.decode(found[t]) for i, t in enumerate(ids) if t in found}
         if stored:
             self.counters["replayed"] += len(stored)
             group = next(iter(stored.values())).group_id or group

@@ -27,6 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an engine to register (repeatable)")
     p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
     p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--old-logits", choices=["off", "model", "interruption"],
+                   help="fill old_logprobs exactly: a dedicated scorer (model) or at swaps "
+                        "(interruption); default off")
+    p.add_argument("--old-logits-scorer", metavar="URL",
+                   help="the scorer engine (outside the pool) for --old-logits")
+    p.add_argument("--old-logits-initial-source", metavar="DIR",
+                   help="checkpoint dir of the scorer's start-up weight version")
+    p.add_argument("--chat-template", help="agent sessions: 'reference' (default) or a model / "
+                   "tokenizer directory with a chat template (docs/agents.md)")
+    p.add_argument("--served-model-name", help="model id of the OpenAI routes (default reference)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback bind without the admin and learner keys")
     p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
@@ -43,10 +53,18 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
                       ("grpc_port", "grpc_port"), ("store", "store_url"),
                       ("registry", "registry_url"), ("insecure", "insecure"),
                       ("tls_cert", "tls_cert_file"), ("tls_key", "tls_key_file"),
-                      ("grpc_client_ca", "grpc_client_ca_file")):
+                      ("grpc_client_ca", "grpc_client_ca_file"),
+                      ("chat_template", "chat_template"),
+                      ("served_model_name", "served_model_name")):
         v = getattr(args, attr, None)
         if v is not None:
             over[key] = v
+    ol = {k: v for k, v in (("mode", getattr(args, "old_logits", None)),
+                            ("scorer_url", getattr(args, "old_logits_scorer", None)),
+                            ("initial_source", getattr(args, "old_logits_initial_source", None)))
+          if v is not None}
+    if ol:
+        over["old_logits"] = ol
     if getattr(args, "engine", None):
         engines = []
         for i, spec in enumerate(args.engine):
@@ -115,6 +133,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False,
+                            http="httptools" if _fast_io(settings) else "h11",
                             **uvicorn_tls(settings))
     server = uvicorn.Server(config)
     # we handle SIGTERM/SIGINT ourselves (health off, drain, then stop uvicorn)
@@ -176,5 +195,23 @@ def run(args: argparse.Namespace) -> int:
               f"{' (TLS)' if settings.tls_cert_file else ''}: "
               f"{settings.grpc_host}:{grpc_port}", flush=True)
 
-    asyncio.run(serve_async(settings, ready=ready))
+    try:
+        if _fast_io(settings):
+            import uvloop
+
+            uvloop.run(serve_async(settings, ready=ready))
+        else:
+            asyncio.run(serve_async(settings, ready=ready))
+    except GatewayError as exc:  # e.g. a chat template that cannot be loaded
+        print(f"rollout-gateway serve: {exc.message}")
+        return 2
     return 0
+
+
+def _fast_io(settings) -> bool:
+    """settings.fast_io, when uvloop and httptools are importable (base dependencies; a
+    platform without wheels falls back to asyncio + h11)."""
+    import importlib.util
+
+    return settings.fast_io and all(importlib.util.find_spec(m) is not None
+                                    for m in ("uvloop", "httptools"))

@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"gateway base URL (env ROLLOUT_GATEWAY_URL; default {DEFAULT_URL})")
     p.add_argument("--json", action="store_true", help="print the /v1/lag JSON as is")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    p.add_argument("--token", default=os.environ.get("ROLLOUT_GATEWAY_ADMIN_API_KEY"),
+                   help="admin token (env ROLLOUT_GATEWAY_ADMIN_API_KEY): also shows the "
+                   "answering replica's host")
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
@@ -36,7 +39,8 @@ def _dist(d: dict[str, Any]) -> str:
 
 
 def render(rep: dict[str, Any]) -> str:
-    lines = [f"gateway replica {rep['replica']}  learner version {rep['learner_version']}  "
+    lines = [f"gateway replica {rep['replica'] or '(hidden)'}  "
+             f"learner version {rep['learner_version']}  "
              f"max engine lag {rep['max_engine_lag']}  store backlog {rep['store_backlog']}", ""]
     lines += _table(["engine", "state", "version", "lag", "requests"],
                     [[e["id"], e["state"] + (" (fenced)" if e["fenced"] else ""), e["version"],
@@ -78,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     url = args.url.rstrip("/") + "/v1/lag"
     try:
-        r = httpx.get(url, timeout=args.timeout)
+        headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+        r = httpx.get(url, timeout=args.timeout, headers=headers)
     except httpx.HTTPError as exc:
         print(f"rollout-gateway status: cannot reach {url}: {exc}")
         return 1

@@ -23,12 +23,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="memory://", help="trajectory store URL (default memory://)")
     p.add_argument("--registry", default="memory://", help="version registry URL")
     p.add_argument("--workdir", help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--old-logits", choices=["off", "model", "interruption"], default="off",
+                   help="exact old logits: start a scorer engine and fill old_logprobs with "
+                        "it for every trajectory (model) or at swaps (interruption)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback --host without the admin and learner keys")
     p.add_argument("--log-level", default="warning")
 
 
-def _examples(http: str, ckpt1: Path, settings=None) -> str:
+def _examples(http: str, ckpt1: Path, swap_mode: str = "in_place", settings=None) -> str:
     # with keys set, the examples send them (named by env var: the values are never printed)
     client = admin = ""
     if settings is not None and settings.admin_api_key:
@@ -39,10 +42,13 @@ def _examples(http: str, ckpt1: Path, settings=None) -> str:
   rollout:   curl -s {http}/v1/rollouts{client} -H 'content-type: application/json' \\
                -d '{{"prompt": "hello", "n": 2, "sampling_params": {{"max_new_tokens": 8}}}}'
   hot-swap:  curl -s {http}/v1/weights{admin} -H 'content-type: application/json' \\
-               -d '{{"version": 1, "source": {{"kind": "disk", "path": "{ckpt1}"}}, "mode": "in_place"}}'
+               -d '{{"version": 1, "source": {{"kind": "disk", "path": "{ckpt1}"}}, "mode": "{swap_mode}"}}'
   versions:  curl -s {http}/v1/versions
   engines:   curl -s {http}/v1/engines
   metrics:   curl -s {http}/metrics
+  agent:     curl -s {http}/v1/chat/completions -H 'content-type: application/json' \
+               -H 'x-session-id: s1' -d '{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 8}}'
+             curl -s {http}/v1/sessions/s1/end -H 'content-type: application/json' -d '{{"reward": 1}}'
 """
 
 
@@ -74,19 +80,31 @@ def run(args: argparse.Namespace) -> int:
     try:
         for _ in range(args.engines):
             engines.append(EngineProcess(checkpoint=ckpt0, weight_version="0", host=args.host).start())
+        extra = {}
+        mode = getattr(args, "old_logits", "off")
+        if mode != "off":  # a dedicated scorer engine, outside the generation pool
+            scorer = EngineProcess(checkpoint=ckpt0, weight_version="0", host=args.host).start()
+            engines.append(scorer)
+            extra["old_logits"] = {"mode": mode, "scorer_url": scorer.url,
+                                   "initial_source": str(ckpt0)}
+        pool = engines[:args.engines]
         settings = load_settings(
-            engines=[{"id": f"engine-{i}", "url": e.url} for i, e in enumerate(engines)],
+            engines=[{"id": f"engine-{i}", "url": e.url} for i, e in enumerate(pool)],
             http_host=args.host, http_port=args.port, grpc_host=args.host,
             grpc_port=args.grpc_port, store_url=args.store, registry_url=args.registry,
-            **({"insecure": True} if args.insecure else {}))
+            **extra, **({"insecure": True} if args.insecure else {}))
 
         def ready(http_port: int, grpc_port: int) -> None:
             http = f"http://{args.host}:{http_port}"
-            print(f"rollout-gateway up: {len(engines)} reference engine(s) "
-                  f"({', '.join(e.url for e in engines)})", flush=True)
+            print(f"rollout-gateway up: {len(pool)} reference engine(s) "
+                  f"({', '.join(e.url for e in pool)})", flush=True)
+            if mode != "off":
+                print(f"  old logits:    {mode} (scorer {engines[-1].url})", flush=True)
             print(f"  gateway HTTP:  {http}\n  learner gRPC:  {args.host}:{grpc_port}\n"
                   f"  checkpoints:   {ckpt0} (v0, loaded), {ckpt1} (v1)", flush=True)
-            print(_examples(http, ckpt1, settings), flush=True)
+            # interruption sync scores partial rollouts only for abort_resume / drain swaps
+            print(_examples(http, ckpt1, "abort_resume" if mode == "interruption"
+                            else "in_place", settings), flush=True)
             print("Ctrl-C stops everything.", flush=True)
 
         asyncio.run(serve_async(settings, ready=ready))

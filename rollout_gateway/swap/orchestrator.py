@@ -57,7 +57,8 @@ class SwapOrchestrator:
     """One swap at a time per replica; across replicas, the registry's lease decides."""
 
     def __init__(self, pool: EnginePool, registry: VersionRegistry, settings: GatewaySettings,
-                 holder: str = "gateway") -> None:
+                 holder: str = "gateway", oldlogits: Any = None) -> None:
+        self.oldlogits = oldlogits  # oldlogits.OldLogitService (scores at swaps) or None
         self.pool = pool
         self.registry = registry
         self.settings = settings
@@ -129,6 +130,8 @@ class SwapOrchestrator:
         return [e for e in engines if e.routable]
 
     async def _swap(self, req: SwapRequest, lease: Any) -> SwapRecord:
+        if self.oldlogits is not None:
+            self.oldlogits.check_swap(req)
         current = await self.registry.learner_version()
         if req.version <= current:
             raise FailedPrecondition(
@@ -144,8 +147,9 @@ class SwapOrchestrator:
                          source=source, leader=self.holder)
         if req.source is not None:
             targets = self._targets(req)
-            if req.engines is None and not targets:
-                raise Unavailable("no engine in rotation to update")
+            if not targets:
+                raise Unavailable("no engine in rotation to update" + (
+                    f" among {', '.join(req.engines)}" if req.engines else ""))
             for e in targets:
                 if e.version is not None and e.version >= req.version:
                     raise FailedPrecondition(
@@ -190,11 +194,23 @@ class SwapOrchestrator:
             self.pool.close_gate(e)
         try:
             await asyncio.gather(*(self._fence(e, req, res[e.id]) for e in group))
+            if self.oldlogits is not None:  # interruption sync: score the partial rollouts
+                outgoing = {res[e.id].version_before for e in group}
+                await self.oldlogits.before_load(
+                    {e.id for e in group}, outgoing.pop() if len(outgoing) == 1 else None,
+                    timeout=min(self.settings.timeouts.control_s, 5.0))
             if isinstance(req.source, DistributedSource):
                 await self._load_distributed(group, req, res)
             else:
                 await asyncio.gather(*(self._load_disk(e, req, res[e.id]) for e in group))
             await asyncio.gather(*(self._verify(e, req, res[e.id]) for e in group))
+            if self.oldlogits is not None and isinstance(req.source, DiskSource):
+                try:  # inside the pause window: the scorer follows the pool
+                    await self.oldlogits.after_swap(req.version, req.source.path,
+                                                    any(r.ok for r in res.values()))
+                except GatewayError as exc:  # the fill loads it on demand later
+                    log.warning("old-logit scorer did not take version %s: %s", req.version,
+                                exc.message)
         finally:
             await asyncio.gather(*(self._finish(e, req, res[e.id]) for e in group))
 

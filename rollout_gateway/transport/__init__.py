@@ -1,1 +1,2 @@
-"""Trajectory transport: protobuf codec, the learner-facing gRPC service and server."""
+"""Trajectory transport: the learner-facing gRPC service and server (the codec is
+``rollout_proto.codec``; the gateway's Trajectory mapping ``core.wire``)."""

@@ -33,7 +33,7 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 #: the role each TrajectoryService method needs (rollout_gateway.auth)
 METHOD_ROLES = {"AnnounceVersion": Role.ADMIN, "Pull": Role.LEARNER, "Ack": Role.LEARNER,
                 "Nack": Role.LEARNER, "CreateGroup": Role.LEARNER, "GetStatus": Role.LEARNER,
-                "WatchVersions": Role.LEARNER}
+                "WatchVersions": Role.LEARNER, "ExtendLease": Role.LEARNER}
 
 
 def _metadata_value(md, key: str) -> str | None:

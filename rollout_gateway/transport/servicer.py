@@ -22,7 +22,7 @@ from rollout_gateway.errors import GatewayError, InvalidArgument, NotFound
 from rollout_gateway.redact import clean_message
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
 from rollout_gateway.transport.control import ControlPlane, WeightSource
-from rollout_gateway.transport.wire import delivery_size, encode_batch
+from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,10 @@ def _unary(fn):
         except Exception as exc:  # noqa: BLE001 - the single translation point
             await _abort(context, exc, private=not self._is_admin(context))
     return wrapper
+
+
+def _size(e: StoredEntry) -> int:
+    return codec.delivery_size(e.entry_id, e.data)
 
 
 def _ids(ids) -> list[str]:
@@ -193,7 +197,7 @@ class TrajectoryServicer:
     @_unary
     async def ExtendLease(self, request, context):
         ids = _ids(request.entry_ids)
-        done = await self.store.extend(check_name("group", request.group),
+        done = await self.store.extend(self._group(context, "group", request.group),
                                        check_name("consumer", request.consumer), ids)
         kept = set(done)
         return spb.ExtendLeaseResponse(extended=len(done),
@@ -225,7 +229,10 @@ class TrajectoryServicer:
             engines=[spb.EngineVersion(engine_id=e.engine_id, version=e.version,
                                        healthy=e.healthy) for e in cs.engines])
         if self.lag_report is not None:
-            status.lag.CopyFrom(lag_status(await self.lag_report()))
+            try:  # the rest of Status stays valid when the lag figures cannot be read
+                status.lag.CopyFrom(lag_status(await self.lag_report()))
+            except GatewayError as exc:
+                status.lag.error = f"{exc.code.value}: {exc.message}"[:500]
         return status
 
     @_unary
@@ -284,23 +291,24 @@ class _PullStream:
                 self.wake.clear()
                 if self.failure:
                     raise self.failure[0]
-                if self.held and delivery_size(self.held[0]) > self.svc.max_batch_bytes:
+                if self.held and _size(self.held[0]) > self.svc.max_batch_bytes:
                     await self.svc._reject_oversize(self.group, self._pop())
                     continue
                 batch, size = [], 0
                 while self.held and self.credit.fits(self.held[0]) and (
-                        not batch or size + delivery_size(self.held[0])
+                        not batch or size + _size(self.held[0])
                         <= self.svc.target_batch_bytes):
                     e = self._pop()
                     self.credit.take(e)
                     batch.append(e)
-                    size += delivery_size(e)
+                    size += _size(e)
                 if batch:
                     self.wake.set()  # room for the producer
                     if self.svc.on_deliver is not None:
                         self.svc.on_deliver(batch, self.version)
-                    yield encode_batch(batch, self.credit.trajectories or 0,
-                                       self.credit.tokens or 0)
+                    yield codec.encode_batch(
+                        ((e.entry_id, e.delivery_count, e.masked, e.data) for e in batch),
+                        self.credit.trajectories or 0, self.credit.tokens or 0)
                     continue
                 if self.requests_done and (not self.credit.open() or self.drained):
                     return

@@ -174,6 +174,22 @@ def test_a_swap_one_engine_fails_to_load_aborts_nothing_and_stamps_true(cluster,
     assert any(1 in t["policy_version"] for t in trajs)
     check_delivered(gw, "swap", submitted)
 
+    # over gRPC: a version past int32 is refused; a bad path at the largest version is
+    # tried, kept by every engine, and pins nothing
+    from learner_client import TrajectoryClient
+    from learner_client.errors import TrajectoryClientError
+
+    with TrajectoryClient(target(gw), "swap", "admin") as client:
+        with pytest.raises(TrajectoryClientError) as ei:
+            client.announce(2**31, str(ckpt))
+        assert ei.value.code == "INVALID_ARGUMENT"
+        res = client.announce(2**31 - 1, str(tmp_path / "missing"), mode="in_place")
+        assert not res.accepted and "learner version stays 1" in res.message
+        assert client.status().learner_version == 1
+    for eid, version in (("e0", 1), ("e1", 0)):
+        st = engine_state(gw, eid)
+        assert st["state"] == "healthy" and st["weight_version"] == version
+
 
 def test_killed_engine_requests_fail_over_with_true_stamps(cluster, fault_models):
     gw, e0, _, _ = cluster

@@ -147,7 +147,7 @@ def test_redis_killed_and_restarted_loses_nothing_acknowledged(engine, redis_ser
 
 
 def test_learner_killed_before_ack_gets_its_batch_redelivered(engine, redis_server):
-    url = urls(redis_server, lease_seconds=2)
+    url = urls(redis_server, lease_seconds=3)
     gw = GatewayProcess({"e0": engine.url}, store_url=url, registry_url=url).start()
     try:
         create_group(target(gw), "learner")
@@ -164,7 +164,7 @@ def test_learner_killed_before_ack_gets_its_batch_redelivered(engine, redis_serv
                                   env=env, text=True)
         try:
             assert doomed.stdout.readline().strip() == "4"
-            time.sleep(3)  # it holds them past the lease, renewing in the background
+            time.sleep(4.5)  # it holds them past the lease, renewing in the background
             from learner_client import TrajectoryClient
 
             with TrajectoryClient(target(gw), "learner", "peek") as peek:

@@ -70,11 +70,14 @@ def test_serve_discovers_engines_through_the_system_resolver(engine):
     import httpx
     from _gateway_support import GatewayProcess, rollout
 
-    env = {"ROLLOUT_GATEWAY_ENGINE_DISCOVERY__DNS_NAME": "localhost",
+    admin = "admin-key-0123456789"
+    env = {"ROLLOUT_GATEWAY_ADMIN_API_KEY": admin,
+           "ROLLOUT_GATEWAY_ENGINE_DISCOVERY__DNS_NAME": "localhost",
            "ROLLOUT_GATEWAY_ENGINE_DISCOVERY__PORT": str(engine.port),
            "ROLLOUT_GATEWAY_ENGINE_DISCOVERY__INTERVAL_S": "1"}
     with GatewayProcess({}, env=env) as gw:
-        engines = {e["id"]: e for e in httpx.get(gw.url + "/v1/engines").json()["engines"]}
+        engines = {e["id"]: e for e in httpx.get(
+            gw.url + "/v1/engines", headers={"Authorization": f"Bearer {admin}"}).json()["engines"]}
         assert engines["engine-127-0-0-1"]["state"] == "healthy"
         assert engines["engine-127-0-0-1"]["url"] == f"http://127.0.0.1:{engine.port}"
         body = rollout(gw.url, [1, 2, 3], max_new_tokens=4)

@@ -131,14 +131,16 @@ plan = st.tuples(st.sampled_from(STAGES), st.sampled_from(range(len(ERRORS))))
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plans=st.lists(plan, min_size=1, max_size=4), stream=st.booleans(),
        bad_prompt=st.booleans(), cancel_after=st.one_of(st.none(), st.integers(0, 6)),
-       read_events=st.integers(0, 3))
+       read_events=st.integers(0, 3), retried=st.booleans())
 def test_every_admitted_slot_is_released_whatever_fails(plans, stream, bad_prompt,
-                                                        cancel_after, read_events):
+                                                        cancel_after, read_events, retried):
     async def main() -> None:
         resolved = [(s, ERRORS[e]) for s, e in plans]
         svc, gk, registry, store = build(resolved, len(plans))
         await registry.set_learner_version(10)
-        req = RolloutRequest(input_ids=[1, 2, 3], n=len(plans), stream=stream)
+        # retried: the same request_id runs twice (the second answers what the first stored)
+        req = RolloutRequest(input_ids=[1, 2, 3], n=len(plans), stream=stream,
+                             request_id="rid" if retried else None)
         if bad_prompt:  # the HTTP schema refuses it; past that, a failure must not leak
             req.input_ids = [2147483648]
 
@@ -154,6 +156,11 @@ def test_every_admitted_slot_is_released_whatever_fails(plans, stream, bad_promp
                     break
             await events.aclose()
 
+        if retried:
+            try:
+                await client()
+            except BaseException:  # noqa: BLE001
+                pass
         task = asyncio.create_task(client())
         if cancel_after is not None:
             for _ in range(cancel_after):
@@ -168,6 +175,7 @@ def test_every_admitted_slot_is_released_whatever_fails(plans, stream, bad_promp
         assert gk.running == 0, (plans, stream, stats)
         assert stats.running == 0
         assert stats.admitted == stats.finished, stats
+        assert not svc._running_ids  # no request_id left claimed
 
     asyncio.run(main())
 

@@ -180,10 +180,13 @@ def test_estr_version_diagnostics():
 
 
 def test_estr_config_needs_exactly_one_mode():
+    cfg = LOSSES["estr"].config()
+    assert cfg.tau == 1.0 and cfg.target_mask_rate is None  # the paper's fixed threshold
+    assert LOSSES["estr"].config({"target_mask_rate": 0.02}).tau is None  # quantile mode
     with pytest.raises(ValueError):
-        LOSSES["estr"].config({"tau": 0.1})  # target_mask_rate default still set
+        LOSSES["estr"].config({"tau": 0.1, "target_mask_rate": 0.02})
     with pytest.raises(ValueError):
-        LOSSES["estr"].config({"target_mask_rate": None})
+        LOSSES["estr"].config({"tau": None})
 
 
 @pytest.mark.parametrize("n,q", [(1000, 0.9), (200_000, 0.9), (200_000, 0.98), (70_001, 0.5)])

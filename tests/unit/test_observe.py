@@ -88,3 +88,53 @@ def test_status_table_renders_a_report():
     assert ["e0", "healthy", "2", "1", "0"] in [ln.split() for ln in out.splitlines()]
     assert "10 tokens, mean lag 0.30, max 1  [lag:tokens 0:7 1:3]" in out
     assert np.isfinite(rep.unconsumed.mean_lag)
+
+
+async def test_get_status_reports_lag_or_says_why_not():
+    from rollout_gateway.errors import StoreError
+    from rollout_gateway.observe.lag import (
+        Delivered,
+        InFlight,
+        IntraTrajectory,
+        LagReport,
+        StaleHandling,
+        Unconsumed,
+    )
+    from rollout_gateway.store.memory import MemoryStore
+    from rollout_gateway.transport.control import InProcessControlPlane
+    from rollout_gateway.transport.servicer import TrajectoryServicer
+    from rollout_proto.rollout.v1 import service_pb2 as spb
+
+    svc = TrajectoryServicer(MemoryStore(), InProcessControlPlane(["e0"]))
+    st = await svc.GetStatus(spb.StatusRequest(), None)
+    assert not st.HasField("lag")  # no gateway behind this server: no lag figures
+
+    async def report():
+        return LagReport(
+            at=0, replica="r1", learner_version=2, max_engine_lag=0, engines=[],
+            in_flight=InFlight.from_counts({0: 3}, samples=1),
+            unconsumed=Unconsumed.from_counts({1: 4}, entries=1),
+            delivered=Delivered.from_counts({}, trajectories=0),
+            intra_trajectory=IntraTrajectory(trajectories=0, tokens=0, spanning_versions=0,
+                                             max_intra_lag=0, tokens_after_switch=0,
+                                             tokens_on_stale_kv=0),
+            pause_windows=[], staleness=StaleHandling(
+                tokens_reprefilled=5, at_finish_dropped=0, at_finish_masked=0,
+                at_finish_recycled=0, at_delivery_dropped=0, at_delivery_masked=0,
+                at_delivery_recycled=0, dead_lettered=0), store_backlog=1, groups=[])
+
+    svc.lag_report = report
+    st = await svc.GetStatus(spb.StatusRequest(), None)
+    assert st.lag.replica == "r1" and not st.lag.error
+    assert [(b.lag, b.tokens) for b in st.lag.in_flight.buckets] == [(0, 3)]
+    assert [(b.lag, b.tokens) for b in st.lag.unconsumed.buckets] == [(1, 4)]
+    assert st.lag.tokens_reprefilled == 5 and st.lag.in_flight_samples == 1
+
+    async def broken():
+        raise StoreError("redis lag scan failed: connection reset")
+
+    svc.lag_report = broken
+    st = await svc.GetStatus(spb.StatusRequest(), None)
+    assert st.learner_version == 0 and st.store.max_backlog > 0  # the rest stays valid
+    assert st.lag.error.startswith("UNAVAILABLE") and "connection reset" in st.lag.error
+    assert not st.lag.in_flight.buckets

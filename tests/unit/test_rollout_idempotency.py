@@ -117,3 +117,23 @@ async def test_consumed_and_trimmed_trajectories_are_reported_not_regenerated():
     with pytest.raises(AlreadyExists, match="no longer retained"):
         await svc.run_with_text(req)
     assert len(svc.runner.runs) == 1 and svc.gatekeeper.running == 0
+
+
+async def test_a_concurrent_run_elsewhere_answers_the_copy_the_store_kept():
+    store = MemoryStore()
+    a, b = service(store), service(store)  # two replicas sharing one store
+    b.runner.rng = np.random.default_rng(99)
+    req = RolloutRequest(input_ids=[1, 2], n=1, request_id="job-12")
+    first = await a.run_with_text(req)
+    b._plan = _no_lookup(b._plan)  # b started before a stored anything
+    second = await b.run_with_text(req)
+    assert b.runner.runs == ["job-12:0"]  # b generated its own...
+    assert ids(second) == ids(first)  # ...but answers the stored copy
+    assert b.counters["duplicates"] == 1
+
+
+def _no_lookup(plan):
+    async def wrapped(req):
+        group, tids, sticky, _ = await plan(req.model_copy(update={"request_id": None}))
+        return group, [f"{req.request_id}:{i}" for i in range(req.n)], sticky, {}
+    return wrapped

@@ -5,12 +5,10 @@ import pytest
 import torch
 
 from learner_client.batch import collate
-from learner_client.wire import decode_delivery
-from rollout_gateway.store.base import StoredEntry
-from rollout_gateway.transport import codec
+from learner_client.wire import parse_batch
+from rollout_gateway.core import wire
 from rollout_gateway.transport.synthetic import make_trajectory
-from rollout_gateway.transport.wire import encode_batch
-from rollout_proto.rollout.v1 import service_pb2
+from rollout_proto import codec
 
 
 def rollouts(specs, masked=()):
@@ -19,10 +17,8 @@ def rollouts(specs, masked=()):
         tr = make_trajectory(f"t{i}", prompt_len=p, num_tokens=t, versions=versions,
                              num_layers=layers, top_k=2, num_experts=16, seed=i,
                              old_logprobs=(i == 0), reward=None if i == 1 else float(i))
-        entries.append(StoredEntry(str(i + 1), tr.trajectory_id, codec.encode(tr), p + t,
-                                   tr.min_version, tr.max_version, 1, masked=i in masked))
-    msg = service_pb2.Batch.FromString(encode_batch(entries, 0, 0))
-    return [decode_delivery(d) for d in msg.deliveries]
+        entries.append((str(i + 1), 1, i in masked, wire.encode(tr)))
+    return parse_batch(codec.encode_batch(entries, 0, 0))[0]
 
 
 SPECS = [(3, 5, (4, 6), 3), (2, 0, (6,), 3), (4, 7, (2, 5, 6), 3)]
@@ -101,13 +97,13 @@ def test_loss_inputs_from_batch():
         assert li.learner_version == 6
         if layout == "packed":
             assert li.cu_seqlens.tolist() == [0, 8, 10, 21]
-            # masked positions (prompt, padding) read 0 in LossInputs (torch.where)
-            act = b.loss_mask[10:21] > 0
-            assert li.advantages[10:21][act].eq(3.0).all() and act.any()
-            assert li.advantages[8:10].eq(0.0).all()  # sequence 1: prompt only
+            assert li.advantages[8:10].eq(2.0).all()
         else:
-            act = b.loss_mask[2] > 0
-            assert li.advantages[2][act].eq(3.0).all() and li.advantages[2][~act].eq(0).all()
+            assert li.advantages[2].eq(3.0).all()
+        # NaN at masked positions (old_logprobs outside responses) never reaches a loss
+        li2 = b.loss_inputs(logp, torch.tensor([1.0, 2.0, 3.0]),
+                            old_logprobs=torch.full_like(b.rollout_logprobs, float("nan")))
+        assert not torch.isnan(li2.old_logprobs[b.loss_mask == 0]).any()
 
 
 def test_pack_samples_for_megatron():

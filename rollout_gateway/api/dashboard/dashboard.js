@@ -102,6 +102,33 @@ function lineChart(svg, series, opts) {
   svg.dataset.marks = String(marks);
 }
 
+const STATE_COLORS = { healthy: "#2ca02c", paused: "#ff7f0e", unhealthy: "#d62728",
+  failed_load: "#8b0000", deregistered: "#9aa5b1" };
+
+// one row per engine, one band per history interval, coloured by state
+function stateChart(svg, hist, ids) {
+  clear(svg);
+  const b = box(svg);
+  if (hist.length < 2 || !ids.length) { empty(svg, "no data yet"); return; }
+  const t0 = hist[0].t, t1 = hist[hist.length - 1].t;
+  const left = 60, rowH = (b.h - b.t - b.b) / ids.length;
+  const x = t => left + (b.w - left - b.r) * (t - t0) / Math.max(t1 - t0, 1e-9);
+  let marks = 0;
+  ids.forEach((id, r) => {
+    svg.appendChild(el("text", { x: left - 4, y: b.t + r * rowH + rowH / 2 + 3,
+      "text-anchor": "end", class: "tick" }, id));
+    for (let i = 1; i < hist.length; i++) {
+      const e = hist[i - 1].engines[id];
+      if (!e) continue;
+      svg.appendChild(el("rect", { x: x(hist[i - 1].t), y: b.t + r * rowH + 2,
+        width: Math.max(x(hist[i].t) - x(hist[i - 1].t) + 0.5, 0.5), height: rowH - 4,
+        fill: STATE_COLORS[e.state] || "#9aa5b1", "data-state": e.state }));
+      marks++;
+    }
+  });
+  svg.dataset.marks = String(marks);
+}
+
 function pauseChart(svg, windows) {
   clear(svg);
   const b = box(svg);
@@ -185,6 +212,7 @@ function render(rep) {
       points: hist.filter(h => h.engines[id] && h.engines[id].version !== null)
         .map(h => [h.t, h.engines[id].version]) })));
   lineChart(document.getElementById("chart-versions"), verSeries, { step: true, minMax: 1 });
+  stateChart(document.getElementById("chart-states"), hist, ids);
   barChart(document.getElementById("chart-inflight"), dist(rep.in_flight), "#1f77b4");
   barChart(document.getElementById("chart-inflight-requests"),
     rep.in_flight.requests_by_engine_lag.map(x => ({ label: String(x.lag), value: x.tokens })),
@@ -230,7 +258,8 @@ async function poll() {
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const rep = await r.json();
     render(rep);
-    status.textContent = `replica ${rep.replica} · updated ${new Date(rep.at * 1000).toLocaleTimeString()}`;
+    status.textContent = (rep.replica ? `replica ${rep.replica} · ` : "") +
+      `updated ${new Date(rep.at * 1000).toLocaleTimeString()}`;
     status.className = "status";
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   } catch (e) {

@@ -256,7 +256,7 @@ class GroupLag(_message.Message):
     def __init__(self, group: _Optional[str] = ..., backlog: _Optional[int] = ..., pending: _Optional[int] = ..., redelivered: _Optional[int] = ...) -> None: ...
 
 class LagStatus(_message.Message):
-    __slots__ = ("replica", "engines", "in_flight", "unconsumed", "delivered", "in_flight_samples", "trajectories_finished", "trajectories_spanning_versions", "max_intra_lag", "tokens_after_switch", "tokens_on_stale_kv", "pause_windows", "tokens_reprefilled", "dropped_at_finish", "masked_at_finish", "recycled_at_finish", "groups")
+    __slots__ = ("replica", "engines", "in_flight", "unconsumed", "delivered", "in_flight_samples", "trajectories_finished", "trajectories_spanning_versions", "max_intra_lag", "tokens_after_switch", "tokens_on_stale_kv", "pause_windows", "tokens_reprefilled", "dropped_at_finish", "masked_at_finish", "recycled_at_finish", "groups", "error")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class LagStatus(_message.Message):
     MASKED_AT_FINISH_FIELD_NUMBER: _ClassVar[int]
     RECYCLED_AT_FINISH_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     replica: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineLag]
     in_flight: LagDistribution
@@ -291,7 +292,8 @@ class LagStatus(_message.Message):
     masked_at_finish: int
     recycled_at_finish: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupLag]
-    def __init__(self, replica: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineLag, _Mapping]]] = ..., in_flight: _Optional[_Union[LagDistribution, _Mapping]] = ..., unconsumed: _Optional[_Union[LagDistribution, _Mapping]] = ..., delivered: _Optional[_Union[LagDistribution, _Mapping]] = ..., in_flight_samples: _Optional[int] = ..., trajectories_finished: _Optional[int] = ..., trajectories_spanning_versions: _Optional[int] = ..., max_intra_lag: _Optional[int] = ..., tokens_after_switch: _Optional[int] = ..., tokens_on_stale_kv: _Optional[int] = ..., pause_windows: _Optional[_Iterable[_Union[PauseWindow, _Mapping]]] = ..., tokens_reprefilled: _Optional[int] = ..., dropped_at_finish: _Optional[int] = ..., masked_at_finish: _Optional[int] = ..., recycled_at_finish: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLag, _Mapping]]] = ...) -> None: ...
+    error: str
+    def __init__(self, replica: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineLag, _Mapping]]] = ..., in_flight: _Optional[_Union[LagDistribution, _Mapping]] = ..., unconsumed: _Optional[_Union[LagDistribution, _Mapping]] = ..., delivered: _Optional[_Union[LagDistribution, _Mapping]] = ..., in_flight_samples: _Optional[int] = ..., trajectories_finished: _Optional[int] = ..., trajectories_spanning_versions: _Optional[int] = ..., max_intra_lag: _Optional[int] = ..., tokens_after_switch: _Optional[int] = ..., tokens_on_stale_kv: _Optional[int] = ..., pause_windows: _Optional[_Iterable[_Union[PauseWindow, _Mapping]]] = ..., tokens_reprefilled: _Optional[int] = ..., dropped_at_finish: _Optional[int] = ..., masked_at_finish: _Optional[int] = ..., recycled_at_finish: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLag, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WeightSource(_message.Message):
     __slots__ = ("kind", "uri", "options")

@@ -61,7 +61,7 @@ class RoutedExperts(_message.Message):
     def __init__(self, data: _Optional[_Union[Array, _Mapping]] = ..., num_experts: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "entropy", "entropy_kind", "entropy_error_bound", "policy_version", "kv_version", "old_logprobs", "routed_experts", "finish_reason", "segments", "metadata", "reward", "created_at", "finished_at")
+    __slots__ = ("trajectory_id", "group_id", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "entropy", "entropy_kind", "entropy_error_bound", "policy_version", "kv_version", "old_logprobs", "routed_experts", "finish_reason", "segments", "metadata", "reward", "created_at", "finished_at", "loss_mask", "turns")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class Trajectory(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     sample_index: int
@@ -107,4 +109,18 @@ class Trajectory(_message.Message):
     reward: float
     created_at: float
     finished_at: float
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[Array, _Mapping]] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., logprobs: _Optional[_Union[Array, _Mapping]] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., entropy_kind: _Optional[str] = ..., entropy_error_bound: _Optional[float] = ..., policy_version: _Optional[_Union[Array, _Mapping]] = ..., kv_version: _Optional[_Union[Array, _Mapping]] = ..., old_logprobs: _Optional[_Union[Array, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., reward: _Optional[float] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    loss_mask: Array
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Union[Array, _Mapping]] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., logprobs: _Optional[_Union[Array, _Mapping]] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., entropy_kind: _Optional[str] = ..., entropy_error_bound: _Optional[float] = ..., policy_version: _Optional[_Union[Array, _Mapping]] = ..., kv_version: _Optional[_Union[Array, _Mapping]] = ..., old_logprobs: _Optional[_Union[Array, _Mapping]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., reward: _Optional[float] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("start", "end", "kind", "index")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    kind: str
+    index: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., kind: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...

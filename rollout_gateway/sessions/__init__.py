@@ -1,0 +1,1 @@
+"""Agent sessions: OpenAI-compatible calls assembled into exact, stamped trajectories."""

@@ -1,0 +1,196 @@
+"""Chat templates: messages -> prompt text -> token ids, and model ids -> text.
+
+Two kinds, one interface (:class:`ChatTemplate`):
+
+* :class:`ReferenceTemplate` for the reference engine's byte tokenizer (documented in
+  ``docs/agents.md``)::
+
+      <|bos|>[<|tools|>\\n{tools json}<|eos|>\\n]
+      <|{role}|>\\n{content}[<tool_call>{"name": .., "arguments": ..}</tool_call>...]<|eos|>\\n
+      ...
+      <|assistant|>\\n                      (the generation prompt)
+
+  ``<|bos|>`` / ``<|eos|>`` are the special ids 256 / 257; everything else is UTF-8 bytes.
+  The model ends its turn by sampling ``<|eos|>``.
+* :class:`HFTemplate`: a real model's own tokenizer and chat template, loaded from the
+  model path with ``transformers.AutoTokenizer`` (as SGLang does).
+
+Sessions never re-tokenize what the model produced: they only tokenize the text the
+template adds *after* it (see :mod:`rollout_gateway.sessions.session`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_gateway.errors import InvalidArgument
+from rollout_gateway.reference_engine.tokenizer import BOS_ID, EOS_ID, SPECIAL_NAMES, ByteTokenizer
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class ChatTemplate:
+    """Interface: render messages to text, text <-> ids."""
+
+    name = "base"
+    #: ids that end the model's turn (stripped from the returned content)
+    end_ids: frozenset[int] = frozenset()
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool) -> str:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``; special-token strings in it become their special ids."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (OpenAI logprobs ``token``)."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.token_text(token_id).encode("utf-8"))
+
+
+def tool_call_text(call: dict[str, Any]) -> str:
+    """How a tool call appears in the reference template (Hermes style)."""
+    fn = call["function"]
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]},
+                                      ensure_ascii=False) + "</tool_call>"
+
+
+def parse_tool_calls(text: str, turn: int, limit: int | None = None
+                     ) -> tuple[str, list[dict[str, Any]]]:
+    """Hermes-style ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` blocks in the
+    model's text -> (content without them, OpenAI ``tool_calls``). Blocks that are not valid
+    JSON with a string ``name`` stay in the content (the model's text, unchanged), and so
+    do blocks past ``limit`` calls (``parallel_tool_calls: false`` -> 1)."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _TOOL_CALL.finditer(text):
+        if limit is not None and len(calls) >= limit:
+            break
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append({"id": f"call_{turn}_{len(calls)}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str)
+                                   else json.dumps(args, ensure_ascii=False)}})
+    kept.append(text[pos:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+def _args_obj(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class ReferenceTemplate(ChatTemplate):
+    """The reference model's template over its byte tokenizer (see the module docstring)."""
+
+    name = "reference"
+    end_ids = frozenset({EOS_ID})
+    _split = re.compile("(" + "|".join(re.escape(SPECIAL_NAMES[i]) for i in (BOS_ID, EOS_ID)) + ")")
+    _ids = {SPECIAL_NAMES[BOS_ID]: BOS_ID, SPECIAL_NAMES[EOS_ID]: EOS_ID}
+
+    def __init__(self) -> None:
+        self.tok = ByteTokenizer()
+
+    def render(self, messages, *, tools, add_generation_prompt):
+        out = ["<|bos|>"]
+        if tools:
+            out.append("<|tools|>\n" + json.dumps(tools, ensure_ascii=False) + "<|eos|>\n")
+        for m in messages:
+            body = m.get("content") or ""
+            for call in m.get("tool_calls") or ():
+                fn = call["function"]
+                body += tool_call_text({"function": {"name": fn["name"],
+                                                     "arguments": _args_obj(fn["arguments"])}})
+            out.append(f"<|{m['role']}|>\n{body}<|eos|>\n")
+        if add_generation_prompt:
+            out.append("<|assistant|>\n")
+        return "".join(out)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self._ids:
+                ids.append(self._ids[part])
+            elif part:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.token_text(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        t = int(token_id)
+        return [t] if 0 <= t < 256 else list(self.token_text(t).encode())
+
+
+class HFTemplate(ChatTemplate):
+    """A model's own tokenizer and chat template (``transformers.AutoTokenizer``)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - transformers ships with [hf]
+            raise InvalidArgument("chat_template from a model path needs transformers "
+                                  "(pip install 'rollout-gateway[hf]')") from exc
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+        if not getattr(self.tok, "chat_template", None):
+            raise InvalidArgument(f"the tokenizer at {path!r} has no chat template")
+        self.name = f"hf:{path}"
+        ends = {self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()
+        self.end_ids = frozenset(ends)
+
+    def render(self, messages, *, tools, add_generation_prompt):
+        msgs = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{"id": c["id"], "type": "function",
+                                    "function": {"name": c["function"]["name"],
+                                                 "arguments": _args_obj(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]]
+            msgs.append(m)
+        try:
+            return self.tok.apply_chat_template(msgs, tools=tools or None, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - a template's own raise_exception etc.
+            raise InvalidArgument(f"the chat template rejected the messages: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_template(spec: str) -> ChatTemplate:
+    """``reference`` -> :class:`ReferenceTemplate`; anything else is a model / tokenizer path."""
+    if spec == "reference":
+        return ReferenceTemplate()
+    return HFTemplate(spec)
