@@ -63,6 +63,9 @@ def test_in_place_swap_under_load(make_engine, ckpts, models, emulate):
     e = strict(make_engine, ckpts[0], emulate_version=emulate)
     if emulate == "0.5.20":
         assert httpx.post(e.url + "/begin_weight_update", json={}).status_code == 404
+        meta = httpx.post(e.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {
+            "max_new_tokens": 2}}, timeout=30).json()["meta_info"]
+        assert "weight_versions" not in meta and meta["weight_version"] == "0"
     with GatewayProcess({"e0": e.url}) as gw:
         r, trajs = swap_under_load(gw, disk(ckpts[1], 1, "in_place"))
         assert r.status_code == 200, r.text
