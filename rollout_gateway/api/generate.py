@@ -46,6 +46,8 @@ from pydantic import ValidationError
 
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway, sse
+from rollout_gateway.api.schemas import generate_openapi_body
+from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import segment_to_json
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.core.trajectory import Trajectory
@@ -108,8 +110,8 @@ def _per(body: dict[str, Any], key: str, i: int, n_items: int, batched: bool,
 def _int(v: Any, name: str, default: int) -> int:
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidArgument(f"{name} must be an integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 31) <= v < (1 << 31):
+        raise InvalidArgument(f"{name} must be a 32-bit integer, got {v!r:.40}")
     return v
 
 
@@ -263,7 +265,8 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
     return out
 
 
-@router.post("/generate")
+@router.post("/generate", dependencies=[Depends(require_client)],
+             openapi_extra=generate_openapi_body())
 async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response:
     import orjson
 

@@ -270,10 +270,18 @@ class EngineClient:
                               details={"engine_id": self.engine_id, "status": status})
         return content
 
-    async def _stream_bytes(self, body: bytes) -> AsyncIterator[bytes]:
-        """Raw body chunks of a streamed /generate (non-200 -> EngineError with status)."""
+    def abort_inflight(self, why: str) -> int:
+        """Break off every /generate in flight to this engine (they fail as dropped, and
+        the gateway resumes them elsewhere from their partial output)."""
+        return self._raw.abort_active(why) if self._raw is not None else 0
+
+    async def _stream_bytes(self, body: bytes, patience=None) -> AsyncIterator[bytes]:
+        """Raw body chunks of a streamed /generate (non-200 -> EngineError with status).
+        Deadlines: ``first_byte_s`` to the response head and to the first chunk, then
+        ``stream_idle_s`` of silence between chunks, waived while ``patience()``."""
         if self._raw is not None:
-            resp = await self._raw.post("/generate", body, read_timeout=self.t.generate_s)
+            resp = await self._raw.post("/generate", body, read_timeout=self.t.stream_idle_s,
+                                        first_timeout=self.t.first_byte_s, patience=patience)
             if resp.status != 200:
                 text = (await resp.read())[:300].decode("utf-8", "replace")
                 raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
@@ -289,7 +297,8 @@ class EngineClient:
         try:
             async with self._http.stream("POST", "/generate", content=body,
                                          headers={"Content-Type": "application/json"},
-                                         timeout=self._timeout(self.t.generate_s)) as resp:
+                                         timeout=self._timeout(max(self.t.first_byte_s,
+                                                                   self.t.stream_idle_s))) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode("utf-8", "replace")
                     raise EngineError(f"engine {self.engine_id} /generate: HTTP "
@@ -306,13 +315,15 @@ class EngineClient:
                               f"{type(exc).__name__}: {exc}",
                               details={"engine_id": self.engine_id, "dropped": True}) from exc
 
-    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def generate_stream(self, payload: dict[str, Any], *,
+                              patience=None) -> AsyncIterator[bytes]:
         """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
 
         A dropped connection raises EngineError after the payloads received so far were
         yielded, so the caller keeps the partial output of a cumulative stream.
+        ``patience()`` true: silence is expected (the engine is paused for a swap).
         """
-        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)))
+        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)), patience)
         try:
             split = SSEPayloads()
             async for chunk in source:

@@ -46,6 +46,13 @@ from rollout_gateway.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 _KIND_RANK = {EntropyKind.EXACT: 0, EntropyKind.TOPK_ESTIMATE: 1, EntropyKind.NONE: 2}
+#: what decoding an engine's garbage can raise besides GatewayError
+_GARBAGE = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def _unreadable(eng: Engine, exc: BaseException) -> EngineError:
+    return EngineError(f"engine {eng.id} sent an unreadable answer ({type(exc).__name__})",
+                       details={"engine_id": eng.id, "dropped": True})
 
 
 @dataclass(slots=True)
@@ -190,41 +197,54 @@ class SampleRunner:
 
     async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
                     on_delta=None) -> tuple[Decoded | None, GatewayError | None]:
-        """One engine request -> (decoded output so far, error). A broken stream keeps what
-        arrived: the last cumulative chunk, or the merged deltas of an incremental stream.
-        ``on_delta(d)`` (live streaming to a client) sees every chunk's new tokens."""
+        """One engine request -> (decoded output so far, error). A broken, silent or
+        unreadable stream keeps what arrived: the last cumulative chunk, or the merged
+        deltas of an incremental stream. ``on_delta(d)`` (live streaming to a client) sees
+        every chunk's new tokens."""
         if not self.settings.stream_from_engines and on_delta is None:
             try:
                 return decode_one(await eng.client.generate(payload), opts), None
             except GatewayError as exc:
                 return None, exc
+            except _GARBAGE as exc:
+                return None, _unreadable(eng, exc)
         if eng.client.info.incremental_stream or on_delta is not None:
             sd = StreamDecoder(opts, keep=True)
             err: GatewayError | None = None
             try:
-                async for data in eng.client.generate_stream(payload):
+                async for data in eng.client.generate_stream(payload, patience=eng.patience):
                     for d in sd.feed_payload(data):
                         if on_delta is not None and d.num_tokens:
                             await on_delta(d)
             except GatewayError as exc:
                 err = exc
+            except _GARBAGE as exc:
+                err = _unreadable(eng, exc)
             try:
                 return sd.result(), err
-            except (GatewayError, ValueError) as exc:
+            except (GatewayError, *_GARBAGE) as exc:
                 return None, err or EngineError(f"engine {eng.id}: {exc}")
         last: bytes | None = None
+        prev: bytes | None = None
         err = None
         try:
-            async for data in eng.client.generate_stream(payload):
-                last = data  # cumulative: the newest chunk holds everything so far
+            async for data in eng.client.generate_stream(payload, patience=eng.patience):
+                prev, last = last, data  # cumulative: the newest chunk holds everything
         except GatewayError as exc:
             err = exc
         if last is None:
             return None, err
         try:
             return decode_one(last, opts), err
-        except GatewayError as exc:
-            return None, err or exc
+        except (GatewayError, *_GARBAGE) as exc:
+            bad = exc if isinstance(exc, GatewayError) else _unreadable(eng, exc)
+        # the newest chunk is garbage: keep the output of the one before it, if it reads
+        if prev is not None:
+            try:
+                return decode_one(prev, opts), err or bad
+            except (GatewayError, *_GARBAGE):
+                pass
+        return None, err or bad
 
     async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
                   *, sticky_key: str | None, prompt_ids: np.ndarray | None,
@@ -293,6 +313,7 @@ class SampleRunner:
                 state.pieces.append(piece)
             fin = dec.finish_reason if dec is not None else None
             if err is None and fin is not None and fin.get("type") != "abort":
+                self.pool.record_success(eng)
                 finish = fin
                 break
             if err is None and dec is None:
@@ -306,7 +327,7 @@ class SampleRunner:
                     raise err
                 log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id,
                             eng.id, err.message)
-                self.pool.mark_unhealthy(eng, err.message)
+                self.pool.record_failure(eng, err.message)
                 last_error = err.message
                 exclude.add(eng.id)
                 began = Transition.FAILOVER

@@ -193,7 +193,7 @@ def test_unknowable_shape_is_a_clear_error_logged_once(make_engine, tmp_path):
         assert t["routed_experts"]["shape"] == [4, L, K]
     env["ROLLOUT_GATEWAY_MODEL__TOP_K"] = str(K + 1)  # wrong: every payload is checked
     with GatewayProcess({"e0": eng.url}, env=env) as g:
-        r = httpx.post(g.url + "/v1/rollouts", json={"input_ids": [1, 2],
+        r = httpx.post(g.url + "/v1/rollouts", timeout=180, json={"input_ids": [1, 2],
                                                      "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code >= 500 and "routed_experts" in r.text
 
