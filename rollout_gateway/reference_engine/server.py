@@ -14,8 +14,8 @@ import asyncio
 import json
 import logging
 import uuid
-from pathlib import Path
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
