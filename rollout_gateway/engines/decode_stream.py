@@ -18,7 +18,6 @@ import numpy as np
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_generate
 from rollout_gateway.errors import EngineError
 
-
 #: per-output-token lists kept verbatim (DecodeOptions.passthrough), cut like the columns
 OUTPUT_ROW_KEYS = ("output_top_logprobs", "output_token_logprobs")
 

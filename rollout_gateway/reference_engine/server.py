@@ -14,8 +14,8 @@ import asyncio
 import json
 import logging
 import uuid
-from pathlib import Path
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -191,7 +191,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         while not r.finished:
             await q.get()
         return format_output(r, len(r.output), s.weight_version, tok, final=True,
-                             spans=has_spans)
+                             with_spans=has_spans)
 
     async def _stream(s: Scheduler, reqs: list[GenRequest], incremental: bool):
         sent = [0] * len(reqs)
@@ -216,7 +216,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                     continue
                 since = sent[i] if incremental else 0
                 chunk = format_output(r, n, s.weight_version, tok, since=since, final=final,
-                                      incremental=incremental, spans=has_spans)
+                                      incremental=incremental, with_spans=has_spans)
                 if len(reqs) > 1:
                     chunk["index"] = i
                 sent[i] = n

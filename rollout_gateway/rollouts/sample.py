@@ -474,11 +474,13 @@ class SampleRunner:
         st = stamp_request(spans, offset=base, engine_id=eng.id, began=began,
                            installed_by=eng.installed_by,
                            cached_floor=eng.cache_floor if d.cached_tokens else None)
-        return {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
-                "top_logprobs": d.extra.get("output_top_logprobs"),
-                "logprobs": d.logprobs, "entropy": d.entropy,
-                "policy_version": st.policy_version[d.offset:],
-                "kv_version": st.kv_version[d.offset:]}
+        out = {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
+               "logprobs": d.logprobs, "entropy": d.entropy,
+               "policy_version": st.policy_version[d.offset:],
+               "kv_version": st.kv_version[d.offset:]}
+        if "output_top_logprobs" in d.extra:  # /generate pass-through only
+            out["top_logprobs"] = d.extra["output_top_logprobs"]
+        return out
 
     def _piece(self, eng: Engine, dec, began: Transition, offset: int, input_len: int,
                t0: float, t1: float) -> Piece:

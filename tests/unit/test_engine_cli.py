@@ -28,7 +28,6 @@ def test_weight_version_default_follows_the_mode(monkeypatch):
 
     def fake_create_app(settings):
         seen["s"] = settings
-        return None
 
     import uvicorn
 

@@ -22,7 +22,13 @@ from rollout_gateway.engines.shape import (
 )
 from rollout_gateway.errors import EngineError, FailedPrecondition
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import PassThrough, Piece, SampleRunner, SampleState, wants_routing
+from rollout_gateway.rollouts.sample import (
+    PassThrough,
+    Piece,
+    SampleRunner,
+    SampleState,
+    wants_routing,
+)
 from rollout_gateway.settings import GatewaySettings, ModelShape
 
 
