@@ -209,8 +209,9 @@ async def test_redis_watch_survives_a_killed_connection():
                     break
                 except TimeoutError:
                     continue
+            # the feed hears events again (redis-py's retry policy reconnects and resubscribes
+            # the pub/sub connection itself; the watch's own resubscribe is the fallback)
             assert got is not None and got.kind == "learner" and got.version >= 2
-            assert feed.reconnects >= 1
     finally:
         await a.close()
         await b.close()
