@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
            "gateway HTTP + gRPC, embedded store (the main job)"),
     "serve": ("rollout_gateway.service.cli", "run the gateway (HTTP API + learner gRPC service)"),
     "engine": ("rollout_gateway.reference_engine.cli", "run the reference engine (toy Qwen3-MoE, SGLang protocol)"),
+    "demo": ("rollout_demo.cli", "the main job: engines + gateway + a learner training the toy "
+             "MoE over gRPC with a chosen correction and a hot-swap every step"),
 }
 
 

@@ -1,0 +1,147 @@
+"""The demo's learner: plain PyTorch (transformers' Qwen3-MoE) on the engine's own weights.
+
+One :class:`Learner` owns the model and the optimizer. :meth:`Learner.train_step` takes
+trajectories (``Sample``: prompt, response, the gateway's per-token stamps, a reward),
+computes group-relative advantages, packs the batch (THD, ``learner_client.megatron.packing``),
+computes ``log pi`` with routing replay (R3) when asked, applies the chosen registered
+correction (``learner_client.corrections.LOSSES``) and takes one optimizer step.
+:meth:`Learner.save` writes a checkpoint in the engine's format for the hot-swap.
+
+pi_old: every batch gets exactly one optimizer step, so the proximal policy is the weights
+before that step; the learner fills ``old_logprobs`` with its own detached ``log pi`` on the
+response tokens (never NaN), which is what AReaL's decoupled objective uses as pi_prox.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner_client.corrections import LossInputs, advantages, get_loss
+from learner_client.hf import load_model, packed_logprobs, save_for_engine
+from learner_client.megatron.packing import PackSample, pack_samples
+
+#: loss metrics that count rejected (masked / gated) tokens, whichever the loss reports
+MASK_METRICS = ("mask_rate", "behav_mask_rate", "gate_rate", "mis_reject_rate")
+
+
+@dataclass
+class Sample:
+    """One trajectory as the learner trains on it (numpy columns over response tokens)."""
+
+    prompt_ids: np.ndarray  # [P]
+    response_ids: np.ndarray  # [T]
+    rollout_logprobs: np.ndarray  # [T] log mu (the engine's stamp)
+    entropy: np.ndarray  # [T]
+    versions: np.ndarray  # [T] policy_version per token
+    reward: float
+    group: str
+    routed_experts: np.ndarray | None = None  # [P+T-1, L, K] (R3), or None
+    loss_mask: np.ndarray | None = None  # [T] 0 = masked by the gateway's stale policy
+    kv_versions: np.ndarray | None = None
+
+
+@dataclass
+class StepResult:
+    loss: float
+    metrics: dict[str, float]
+    tokens: int
+    reward_mean: float
+    clip_rate: float
+    mask_rate: float
+    mismatch: float  # mean |log pi - log mu| on tokens generated (weights and KV) by the
+    # current weights: what differs between the engine and the learner, not staleness
+    policy_gap: float = float("nan")  # mean |log pi - log mu| on all active tokens:
+    # staleness and mismatch together
+    lags: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.int64))
+
+
+def _quiet_transformers() -> None:
+    """No per-checkpoint progress bars from transformers (the demo has its own)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+class Learner:
+    def __init__(self, checkpoint: str | Path, *, loss: str = "sat",
+                 loss_config: dict[str, Any] | None = None, lr: float = 3e-3,
+                 temperature: float = 1.0, replay: bool = True, version: int = 0,
+                 grad_clip: float = 1.0) -> None:
+        self.spec = get_loss(loss)
+        self.loss_name = loss
+        self.loss_config = self.spec.config(loss_config)
+        _quiet_transformers()
+        self.model = load_model(checkpoint)
+        self.model.train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.temperature = temperature
+        self.replay = replay
+        self.version = version
+        self.grad_clip = grad_clip
+
+    def _pack(self, samples: list[Sample]):
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        gids = {g: i for i, g in enumerate(dict.fromkeys(s.group for s in samples))}
+        group_ids = torch.tensor([gids[s.group] for s in samples])
+        adv = advantages.grpo_advantages(rewards, group_ids).to(torch.float32).numpy()
+        packs = []
+        for s, a in zip(samples, adv):
+            t = s.response_ids.shape[0]
+            cols = {"rollout_logprobs": s.rollout_logprobs, "entropy": s.entropy,
+                    "versions": s.versions, "advantages": np.float32(a),
+                    "loss_mask": (np.ones(t, np.float32) if s.loss_mask is None
+                                  else s.loss_mask.astype(np.float32))}
+            if s.kv_versions is not None:
+                cols["kv_versions"] = s.kv_versions
+            routed = s.routed_experts if self.replay else None
+            packs.append(PackSample(s.prompt_ids, s.response_ids, cols, routed))
+        return pack_samples(packs)
+
+    def train_step(self, samples: list[Sample]) -> StepResult:
+        """One optimizer step on ``samples`` (whole GRPO groups); ``version`` += 1."""
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        batch = self._pack(samples)
+        lp, _ = packed_logprobs(self.model, batch, temperature=self.temperature,
+                                replay=self.replay)
+        cols = batch.columns
+        mask = batch.loss_mask()
+        versions = cols["versions"].to(torch.int64)
+        inputs = LossInputs(
+            logprobs=lp, rollout_logprobs=cols["rollout_logprobs"],
+            advantages=cols["advantages"], loss_mask=mask,
+            old_logprobs=torch.where(mask > 0, lp.detach(), cols["rollout_logprobs"]),
+            entropy=cols["entropy"], versions=versions, learner_version=self.version,
+            cu_seqlens=batch.cu_response.to(torch.int64))
+        loss, metrics = self.spec.fn(inputs, self.loss_config)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.opt.step()
+        m = {k: float(v) for k, v in metrics.items() if v.numel() == 1}
+        # train-inference mismatch: tokens whose weights and KV were the learner's own
+        fresh = (versions == self.version) & (mask > 0)
+        if "kv_versions" in cols:
+            fresh &= cols["kv_versions"].to(torch.int64) == self.version
+        diff = (lp.detach() - cols["rollout_logprobs"]).abs()
+        mismatch = float(diff[fresh].mean()) if bool(fresh.any()) else float("nan")
+        active = mask > 0
+        gap = float(diff[active].mean()) if bool(active.any()) else float("nan")
+        lags = (self.version - versions[active]).numpy()
+        self.version += 1
+        return StepResult(
+            loss=float(loss.detach()), metrics=m, tokens=int(batch.num_response_tokens),
+            reward_mean=float(np.mean([s.reward for s in samples])),
+            clip_rate=m.get("clipfrac", 0.0),
+            mask_rate=sum(m.get(k, 0.0) for k in MASK_METRICS),
+            mismatch=mismatch, policy_gap=gap, lags=lags)
+
+    def save(self, directory: str | Path) -> Path:
+        """The current weights as an engine checkpoint (atomic), for the hot-swap."""
+        return save_for_engine(self.model, directory)
