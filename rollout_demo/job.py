@@ -55,7 +55,7 @@ class DemoConfig:
     max_lag: int = 2
     replay: bool = True
     seed: int = 0
-    producers: int = 0  # 0 = 2 x batch_groups
+    producers: int = 0  # 0 = batch_groups (one request in flight per group of a step)
     progress: bool = True
     host: str = "127.0.0.1"
     startup_timeout_s: float = 120.0
@@ -341,7 +341,7 @@ def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
         client.create_group()
         t0 = time.monotonic()
         if not sync:
-            producer.start(cfg.producers or 2 * cfg.batch_groups)
+            producer.start(cfg.producers or cfg.batch_groups)
         http = httpx.Client()
         for step in range(cfg.steps):
             if sync:  # generate exactly one batch with the current weights, then train

@@ -78,6 +78,12 @@ class Learner:
         _quiet_transformers()
         self.model = load_model(checkpoint)
         self.model.train()
+        # a KL-regularized loss (GRPO's k3 term) gets pi_ref = the starting weights, frozen
+        self.ref_model = None
+        if float(getattr(self.loss_config, "kl_coef", 0.0) or 0.0) > 0:
+            import copy
+
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.temperature = temperature
         self.replay = replay
@@ -102,8 +108,11 @@ class Learner:
             packs.append(PackSample(s.prompt_ids, s.response_ids, cols, routed))
         return pack_samples(packs)
 
-    def train_step(self, samples: list[Sample]) -> StepResult:
-        """One optimizer step on ``samples`` (whole GRPO groups); ``version`` += 1."""
+    def train_step(self, samples: list[Sample], prox_model: Any = None) -> StepResult:
+        """One optimizer step on ``samples`` (whole GRPO groups); ``version`` += 1.
+
+        ``prox_model``: a model whose logprobs are pi_prox (``old_logprobs``), e.g. the
+        PPO-EWMA weights; default: this learner's weights before the step."""
         if not samples:
             raise ValueError("train_step needs at least one sample")
         batch = self._pack(samples)
@@ -112,11 +121,22 @@ class Learner:
         cols = batch.columns
         mask = batch.loss_mask()
         versions = cols["versions"].to(torch.int64)
+        prox = lp.detach()
+        if prox_model is not None:
+            with torch.no_grad():
+                prox, _ = packed_logprobs(prox_model, batch, temperature=self.temperature,
+                                          replay=self.replay)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = packed_logprobs(self.ref_model, batch, temperature=self.temperature,
+                                         replay=self.replay)
         inputs = LossInputs(
             logprobs=lp, rollout_logprobs=cols["rollout_logprobs"],
             advantages=cols["advantages"], loss_mask=mask,
-            old_logprobs=torch.where(mask > 0, lp.detach(), cols["rollout_logprobs"]),
-            entropy=cols["entropy"], versions=versions, learner_version=self.version,
+            old_logprobs=torch.where(mask > 0, prox, cols["rollout_logprobs"]),
+            ref_logprobs=ref, entropy=cols["entropy"], versions=versions,
+            learner_version=self.version,
             cu_seqlens=batch.cu_response.to(torch.int64))
         loss, metrics = self.spec.fn(inputs, self.loss_config)
         self.opt.zero_grad(set_to_none=True)
