@@ -97,7 +97,7 @@ def run_one(spec: RunSpec, ckpt: Path) -> RunOut:
     from learner_client.old_logits import EwmaWeightTracker
     from rollout_demo import task
     from rollout_demo.learner import Learner
-    from rollout_demo.sampler import sample_group
+    from rollout_demo.sampler import sample_groups
 
     torch.manual_seed(spec.seed)
     rng, gen = random.Random(spec.seed), torch.Generator().manual_seed(spec.seed)
@@ -117,12 +117,11 @@ def run_one(spec: RunSpec, ckpt: Path) -> RunOut:
     for step in range(spec.steps):
         v = max(step - spec.lag, 0)
         sampler.load_state_dict(snapshots[v])
-        samples = []
-        for j in range(spec.groups):
-            _, prompt = task.make_prompt(rng)
-            samples += sample_group(sampler, prompt, spec.group_size, spec.max_new,
-                                    temperature=1.0, version=v, group=f"{step}-{j}",
-                                    reward_fn=task.reward, generator=gen)
+        prompts = [task.make_prompt(rng)[1] for _ in range(spec.groups)]
+        samples = sample_groups(sampler, prompts, spec.group_size, spec.max_new,
+                                temperature=1.0, version=v,
+                                groups=[f"{step}-{j}" for j in range(spec.groups)],
+                                reward_fn=task.reward, generator=gen)
         if prox is not None:
             prox.load_state_dict(tracker.weights)
         out = learner.train_step(samples, prox_model=prox)
