@@ -60,6 +60,55 @@ class StepResult:
     lags: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.int64))
 
 
+def pack_batch(samples: list[Sample], replay: bool):
+    """GRPO advantages per group, then the THD packing both learners consume."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    gids = {g: i for i, g in enumerate(dict.fromkeys(s.group for s in samples))}
+    group_ids = torch.tensor([gids[s.group] for s in samples])
+    adv = advantages.grpo_advantages(rewards, group_ids).to(torch.float32).numpy()
+    packs = []
+    for s, a in zip(samples, adv):
+        t = s.response_ids.shape[0]
+        cols = {"rollout_logprobs": s.rollout_logprobs, "entropy": s.entropy,
+                "versions": s.versions, "advantages": np.float32(a),
+                "loss_mask": (np.ones(t, np.float32) if s.loss_mask is None
+                              else s.loss_mask.astype(np.float32))}
+        if s.kv_versions is not None:
+            cols["kv_versions"] = s.kv_versions
+        packs.append(PackSample(s.prompt_ids, s.response_ids, cols,
+                                s.routed_experts if replay else None))
+    return pack_samples(packs)
+
+
+def step_result(samples: list[Sample], batch, lp: torch.Tensor, loss: torch.Tensor,
+                metrics: dict[str, torch.Tensor], version: int) -> StepResult:
+    """Diagnostics of one step (``lp``: log pi before the step, on the response tokens)."""
+    cols = batch.columns
+    mask = batch.loss_mask() > 0
+    versions = cols["versions"].to(torch.int64)
+    m = {k: float(v) for k, v in metrics.items() if v.numel() == 1}
+    diff = (lp.detach() - cols["rollout_logprobs"]).abs()
+    # train-inference mismatch: tokens whose weights and KV were the learner's own
+    fresh = (versions == version) & mask
+    if "kv_versions" in cols:
+        fresh &= cols["kv_versions"].to(torch.int64) == version
+    mismatch = float(diff[fresh].mean()) if bool(fresh.any()) else float("nan")
+    gap = float(diff[mask].mean()) if bool(mask.any()) else float("nan")
+    return StepResult(
+        loss=float(loss.detach()), metrics=m, tokens=int(batch.num_response_tokens),
+        reward_mean=float(np.mean([s.reward for s in samples])),
+        clip_rate=m.get("clipfrac", 0.0), mask_rate=sum(m.get(k, 0.0) for k in MASK_METRICS),
+        mismatch=mismatch, policy_gap=gap, lags=(version - versions[mask]).numpy())
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
+
+
 def _quiet_transformers() -> None:
     """No per-checkpoint progress bars from transformers (the demo has its own)."""
     from transformers.utils import logging as hf_logging
@@ -71,7 +120,7 @@ class Learner:
     def __init__(self, checkpoint: str | Path, *, loss: str = "sat",
                  loss_config: dict[str, Any] | None = None, lr: float = 3e-3,
                  temperature: float = 1.0, replay: bool = True, version: int = 0,
-                 grad_clip: float = 1.0) -> None:
+                 grad_clip: float = 1.0, optimizer: str = "adam") -> None:
         self.spec = get_loss(loss)
         self.loss_name = loss
         self.loss_config = self.spec.config(loss_config)
@@ -84,29 +133,11 @@ class Learner:
             import copy
 
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.opt = make_optimizer(optimizer, self.model.parameters(), lr)
         self.temperature = temperature
         self.replay = replay
         self.version = version
         self.grad_clip = grad_clip
-
-    def _pack(self, samples: list[Sample]):
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        gids = {g: i for i, g in enumerate(dict.fromkeys(s.group for s in samples))}
-        group_ids = torch.tensor([gids[s.group] for s in samples])
-        adv = advantages.grpo_advantages(rewards, group_ids).to(torch.float32).numpy()
-        packs = []
-        for s, a in zip(samples, adv):
-            t = s.response_ids.shape[0]
-            cols = {"rollout_logprobs": s.rollout_logprobs, "entropy": s.entropy,
-                    "versions": s.versions, "advantages": np.float32(a),
-                    "loss_mask": (np.ones(t, np.float32) if s.loss_mask is None
-                                  else s.loss_mask.astype(np.float32))}
-            if s.kv_versions is not None:
-                cols["kv_versions"] = s.kv_versions
-            routed = s.routed_experts if self.replay else None
-            packs.append(PackSample(s.prompt_ids, s.response_ids, cols, routed))
-        return pack_samples(packs)
 
     def train_step(self, samples: list[Sample], prox_model: Any = None) -> StepResult:
         """One optimizer step on ``samples`` (whole GRPO groups); ``version`` += 1.
@@ -115,7 +146,7 @@ class Learner:
         PPO-EWMA weights; default: this learner's weights before the step."""
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        batch = self._pack(samples)
+        batch = pack_batch(samples, self.replay)
         lp, _ = packed_logprobs(self.model, batch, temperature=self.temperature,
                                 replay=self.replay)
         cols = batch.columns
@@ -144,23 +175,9 @@ class Learner:
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
-        m = {k: float(v) for k, v in metrics.items() if v.numel() == 1}
-        # train-inference mismatch: tokens whose weights and KV were the learner's own
-        fresh = (versions == self.version) & (mask > 0)
-        if "kv_versions" in cols:
-            fresh &= cols["kv_versions"].to(torch.int64) == self.version
-        diff = (lp.detach() - cols["rollout_logprobs"]).abs()
-        mismatch = float(diff[fresh].mean()) if bool(fresh.any()) else float("nan")
-        active = mask > 0
-        gap = float(diff[active].mean()) if bool(active.any()) else float("nan")
-        lags = (self.version - versions[active]).numpy()
+        res = step_result(samples, batch, lp, loss, metrics, self.version)
         self.version += 1
-        return StepResult(
-            loss=float(loss.detach()), metrics=m, tokens=int(batch.num_response_tokens),
-            reward_mean=float(np.mean([s.reward for s in samples])),
-            clip_rate=m.get("clipfrac", 0.0),
-            mask_rate=sum(m.get(k, 0.0) for k in MASK_METRICS),
-            mismatch=mismatch, policy_gap=gap, lags=lags)
+        return res
 
     def save(self, directory: str | Path) -> Path:
         """The current weights as an engine checkpoint (atomic), for the hot-swap."""
