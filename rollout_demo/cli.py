@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate (default {d.lr})")
     p.add_argument("--max-lag", type=int, default=d.max_lag,
                    help="the gateway's staleness bound, in versions (default 2)")
+    p.add_argument("--learner", choices=("torch", "megatron"), default=d.learner,
+                   help="torch: transformers Qwen3-MoE (default); megatron: a megatron-core "
+                        "GPTModel of the same weights (rollout_demo.megatron_learner)")
     p.add_argument("--no-replay", action="store_true", help="no routing replay (R3)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -57,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
                      swap_mode=args.swap_mode, engines=args.engines, redis_url=args.redis_url,
                      batch_groups=args.batch_groups, group_size=args.group_size,
                      max_new_tokens=args.max_new_tokens, lr=args.lr, max_lag=args.max_lag,
-                     replay=not args.no_replay, seed=args.seed, progress=not args.no_progress)
+                     replay=not args.no_replay, learner=args.learner, seed=args.seed, progress=not args.no_progress)
     print(f"rollout-gateway demo: {cfg.engines} reference engine(s) + gateway "
           f"({'redis' if cfg.redis_url else 'embedded store'}), learner over gRPC; "
-          f"loss={cfg.loss} swap={cfg.swap_mode} steps={cfg.steps}", flush=True)
+          f"learner={cfg.learner} loss={cfg.loss} swap={cfg.swap_mode} steps={cfg.steps}", flush=True)
     report = run_demo(cfg, compare_sync=args.compare_sync)
     print(f"reward: first fifth {report['reward_first_fifth']:.3f} -> last fifth "
           f"{report['reward_last_fifth']:.3f}; {report['tokens_per_s']:.0f} trained tok/s; "

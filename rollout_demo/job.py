@@ -14,6 +14,7 @@ repeat (no overlap, lag 0). ``--compare-sync`` runs both and reports the through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ class DemoConfig:
     temperature: float = 1.0
     max_lag: int = 2
     replay: bool = True
+    learner: str = "torch"  # "torch" (transformers) or "megatron" (megatron-core GPTModel)
     seed: int = 0
     producers: int = 0  # 0 = batch_groups (one request in flight per group of a step)
     progress: bool = True
@@ -311,7 +313,6 @@ def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
     """One training run (async or the synchronous baseline) on fresh services."""
     import torch
 
-    from learner_client import TrajectoryClient
     from rollout_demo.learner import Learner
     from rollout_gateway.reference_engine.checkpoint import init_checkpoint
 
@@ -319,8 +320,23 @@ def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
     torch.set_num_threads(1)
     work.mkdir(parents=True, exist_ok=True)
     ckpt0 = init_checkpoint(work / "ckpt" / "v0", seed=cfg.seed)
-    learner = Learner(ckpt0, loss=cfg.loss, lr=cfg.lr, temperature=cfg.temperature,
-                      replay=cfg.replay)
+    with contextlib.ExitStack() as stack:
+        if cfg.learner == "megatron":
+            from rollout_demo.megatron_learner import (MegatronLearner,
+                                                       single_process_parallel_state)
+
+            stack.enter_context(single_process_parallel_state())
+            learner = MegatronLearner(ckpt0, loss=cfg.loss, lr=cfg.lr,
+                                      temperature=cfg.temperature, replay=cfg.replay)
+        else:
+            learner = Learner(ckpt0, loss=cfg.loss, lr=cfg.lr, temperature=cfg.temperature,
+                              replay=cfg.replay)
+        return _train(cfg, sync, work, ckpt0, learner)
+
+
+def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> RunResult:
+    from learner_client import TrajectoryClient
+
     engines, gw = _services(cfg, work, ckpt0)
     producer = Producer(gw.url, cfg, random.Random(cfg.seed))
     groups = _Groups(cfg.group_size)

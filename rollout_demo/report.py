@@ -27,7 +27,7 @@ def write_report(cfg, runs: dict, out: Path) -> dict:
     head = float(np.mean(rewards[: max(1, len(rewards) // 5)]))
     tail = float(np.mean(rewards[-max(1, len(rewards) // 5):]))
     report = {
-        "loss": cfg.loss, "steps": main.steps, "swap_mode": cfg.swap_mode,
+        "loss": cfg.loss, "learner": cfg.learner, "steps": main.steps, "swap_mode": cfg.swap_mode,
         "store": "redis" if cfg.redis_url else "embedded", "engines": cfg.engines,
         "batch": {"groups": cfg.batch_groups, "group_size": cfg.group_size,
                   "max_new_tokens": cfg.max_new_tokens},
