@@ -56,16 +56,21 @@ def test_demo_trains_hot_swaps_and_writes_the_report(tmp_path):
         assert data[:8] == PNG_MAGIC and len(data) > 5000, name
 
 
-def test_demo_on_redis_with_decoupled_ppo(tmp_path):
+def test_demo_megatron_learner_on_redis_with_decoupled_ppo(tmp_path):
+    """The megatron-core learner's checkpoints are what the engines hot-swap (accepted,
+    every step), with Redis as store and registry."""
+    pytest.importorskip("megatron.core")
     import redis
 
     out = tmp_path / "demo"
     p = _demo(out, "--steps", "2", "--loss", "decoupled_ppo", "--swap-mode", "abort_resume",
-              "--redis-url", "redis://127.0.0.1:6379/0")
+              "--redis-url", "redis://127.0.0.1:6379/0", "--learner", "megatron")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     assert rep["store"] == "redis" and rep["loss"] == "decoupled_ppo"
+    assert rep["learner"] == "megatron"
     assert len(rep["reward_curve"]) == 2 and rep["swap_failures"] == 0
+    assert [w["version"] for w in rep["pause_windows"]] == [1, 2]
     prefix = rep["redis_prefix"]
     assert prefix.startswith("demo-")
     r = redis.Redis()
