@@ -43,7 +43,7 @@ SWAP_MODES = ("in_place", "retract", "abort_resume", "drain")
 @dataclass
 class DemoConfig:
     loss: str = "sat"
-    steps: int = 40
+    steps: int = 60
     out: Path = Path("demo-out")
     engines: int = 1
     swap_mode: str = "in_place"
