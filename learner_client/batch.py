@@ -61,10 +61,19 @@ class TrajectoryBatch:
     def num_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
 
-    def loss_inputs(self, logprobs: torch.Tensor, advantages: torch.Tensor, **extra: Any):
+    def loss_inputs(self, logprobs: torch.Tensor, advantages: torch.Tensor, *,
+                    fill_old: Any = None, **extra: Any):
         """learner_client.corrections.LossInputs on this batch's grid. ``logprobs`` (log pi,
         aligned like every column) has the grid shape; ``advantages`` has the grid shape or
-        is [B] (one per sequence, broadcast over its tokens)."""
+        is [B] (one per sequence, broadcast over its tokens).
+
+        Masked positions (prompt, padding, stale tokens) may hold NaN (old_logprobs) or any
+        value: every loss ignores them. ``fill_old``: a strategy of
+        ``learner_client.old_logits.fill_old_logprobs`` ("behavior", "current",
+        "loglinear", ``snapshot_strategy(...)``, ...) that fills old_logprobs on the active
+        tokens whose rollout carried none (the column is built when no rollout had it);
+        None leaves the column as delivered (losses that need pi_old then refuse NaN on an
+        active token with a clear error)."""
         from learner_client.corrections import LossInputs
 
         dev = logprobs.device
@@ -81,6 +90,15 @@ class TrajectoryBatch:
             learner_version=self.learner_version)
         if self.layout == "packed":
             kw["cu_seqlens"] = self.cu_seqlens.to(device=dev, dtype=torch.int64)
+        if fill_old is not None:
+            from learner_client.old_logits import FillContext, fill_old_logprobs
+
+            ctx = FillContext(rollout_logprobs=self.rollout_logprobs,
+                              logprobs=logprobs.detach().cpu(), versions=self.versions,
+                              learner_version=self.learner_version, loss_mask=self.loss_mask)
+            old, _ = fill_old_logprobs(self.old_logprobs, fill_old, ctx,
+                                       shape=self.rollout_logprobs.shape)
+            kw["old_logprobs"] = old.to(dev)
         kw.update(extra)
         return LossInputs(**kw)
 

@@ -5,7 +5,10 @@ driven on a private event-loop thread). One long-lived bidi Pull stream per clie
 ``pull(n)`` grants just enough credit to bring n trajectories (and at most max_tokens
 prompt+output tokens), then waits. Deliveries are leased to this consumer until
 ``ack`` (call it after the optimizer step) or ``nack``; a lease that expires (learner
-died) is redelivered to another consumer with ``delivery_count > 1``. Broken streams and
+died) is redelivered to another consumer with ``delivery_count > 1``. While deliveries
+are held un-acked, the client renews their leases in the background (every third of the
+server's ``lease_seconds``; ``auto_extend=False`` turns it off, ``extend()`` does it by
+hand), so an optimizer step longer than the lease does not get its batch redelivered. Broken streams and
 unreachable servers are retried with exponential backoff; NOT_FOUND, INVALID_ARGUMENT,
 UNAUTHENTICATED and PERMISSION_DENIED are raised at once.
 """
@@ -52,7 +55,7 @@ class AsyncTrajectoryClient:
                  stale_policy: str | None = None, token: str | None = None,
                  tls: TlsOptions | None = None, max_message_bytes: int = 256 << 20,
                  backoff_initial: float = 0.1, backoff_max: float = 5.0,
-                 call_timeout: float = 30.0, prefetch: int = 0):
+                 call_timeout: float = 30.0, prefetch: int = 0, auto_extend: bool = True):
         if stale_policy not in _POLICY:
             raise ValueError(f"stale_policy must be one of drop/mask/recycle/None, "
                              f"got {stale_policy!r}")
@@ -82,6 +85,11 @@ class AsyncTrajectoryClient:
         self._receiver: asyncio.Task | None = None
         self._credit = [0, 0]  # outstanding (trajectories, tokens) granted, not yet received
         self._buffer: list[Rollout] = []
+        self.auto_extend = auto_extend
+        self._held: dict[str, None] = {}  # entry ids handed out by pull(), not acked/nacked
+        self._extender: asyncio.Task | None = None
+        self.lease_seconds: float | None = None  # the server's, learned on first use
+        self.leases_lost: list[str] = []  # held entries a renewal found no longer ours
 
     # ---- connection ----
 
@@ -213,7 +221,58 @@ class AsyncTrajectoryClient:
                 break
             out.append(self._buffer.pop(0))
             used += r.seq_len
+        for r in out:
+            self._held[r.entry_id] = None
+        if out and self.auto_extend and (self._extender is None or self._extender.done()):
+            self._extender = asyncio.create_task(self._extend_loop())
         return out
+
+    # ---- leases ----
+
+    async def _learn_lease(self) -> float:
+        if self.lease_seconds is None:
+            st = await self.status()
+            self.lease_seconds = st.store.lease_seconds or 0.0
+        return self.lease_seconds
+
+    async def _extend_loop(self) -> None:
+        """Renew held deliveries every third of the lease while any are held."""
+        try:
+            lease = await self._learn_lease()
+        except TrajectoryClientError:
+            lease = 0.0
+        if lease <= 0:  # a server without lease renewal: nothing to do
+            return
+        period = max(lease / 3, 0.05)
+        while self._held:
+            await asyncio.sleep(period)
+            if not self._held:
+                return
+            try:
+                await self.extend(list(self._held))
+            except TrajectoryClientError:
+                continue  # retried next period; the lease still has two thirds left
+
+    async def extend(self, items: Iterable[Rollout | str]) -> int:
+        """Renew the leases of held deliveries for another ``lease_seconds``; returns how
+        many were renewed. Entries no longer ours (already acked, nacked, or expired and
+        redelivered) are dropped from the held set and listed in ``leases_lost``."""
+        ids = self._entry_ids(items)
+        if not ids:
+            return 0
+        res = await self._unary("ExtendLease", spb.ExtendLeaseRequest(
+            group=self.group, consumer=self.consumer, entry_ids=ids))
+        if res.lease_seconds:
+            self.lease_seconds = res.lease_seconds
+        for eid in res.lost:
+            if eid in self._held:
+                del self._held[eid]
+                self.leases_lost.append(eid)
+        return res.extended
+
+    def _release(self, ids: list[str]) -> None:
+        for eid in ids:
+            self._held.pop(eid, None)
 
     async def _pull_once(self, n: int, max_tokens: int, deadline: float) -> list[Rollout]:
         if self._call is None:
@@ -262,6 +321,7 @@ class AsyncTrajectoryClient:
         if not ids:
             return 0
         res = await self._unary("Ack", spb.AckRequest(group=self.group, entry_ids=ids))
+        self._release(ids)
         return res.acked
 
     async def nack(self, items: Iterable[Rollout | str], reason: str = "") -> tuple[int, int]:
@@ -271,6 +331,7 @@ class AsyncTrajectoryClient:
             return 0, 0
         res = await self._unary("Nack", spb.NackRequest(group=self.group, entry_ids=ids,
                                                         reason=reason))
+        self._release(ids)
         return res.requeued, res.dead_lettered
 
     async def create_group(self, from_latest: bool = False) -> bool:
@@ -302,6 +363,13 @@ class AsyncTrajectoryClient:
             call.cancel()
 
     async def close(self) -> None:
+        if self._extender is not None:
+            self._extender.cancel()
+            try:
+                await self._extender
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._extender = None
         await self._close_stream()
         if self._channel is not None:
             await self._channel.close()
@@ -347,6 +415,13 @@ class TrajectoryClient:
 
     def nack(self, items: Iterable[Rollout | str], reason: str = "") -> tuple[int, int]:
         return self._run(self._client.nack(list(items), reason))
+
+    def extend(self, items: Iterable[Rollout | str]) -> int:
+        return self._run(self._client.extend(list(items)))
+
+    @property
+    def leases_lost(self) -> list[str]:
+        return self._client.leases_lost
 
     def create_group(self, from_latest: bool = False) -> bool:
         return self._run(self._client.create_group(from_latest))

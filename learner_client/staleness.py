@@ -56,11 +56,14 @@ class StalenessReport:
 
 def batch_lags(versions: Tensor, learner_version: int, mask: Tensor | None = None
                ) -> tuple[int, float]:
-    """(max lag S, mean lag) over active tokens; (0, 0.0) when none is active."""
+    """(max lag S, mean lag) over active tokens; (0, 0.0) when none is active. Without a
+    mask the tokens with a version >= 0 count (collate's -1 marks prompt and padding)."""
     v = torch.as_tensor(versions).reshape(-1).to(torch.int64)
     lag = int(learner_version) - v
     if mask is not None:
-        lag = lag[torch.as_tensor(mask).reshape(-1).to(torch.bool)]
+        lag = lag[torch.as_tensor(mask).reshape(-1) > 0]
+    else:
+        lag = lag[v >= 0]
     if lag.numel() == 0:
         return 0, 0.0
     return int(lag.max()), float(lag.to(torch.float64).mean())

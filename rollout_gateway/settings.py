@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rollout_gateway.core.admission import AdmissionConfig
@@ -41,12 +41,42 @@ class EngineSpec(BaseModel):
         return v.rstrip("/")
 
 
+class LearnerJob(BaseModel):
+    """A learner token limited to some consumer groups (one training job)."""
+
+    model_config = {"extra": "forbid"}
+
+    token: SecretStr = Field(min_length=16, max_length=4096, description="The bearer token.")
+    groups: list[str] = Field(min_length=1, max_length=1000,
+                              description="Consumer groups it may use: exact names, or "
+                              "prefixes written 'name*'.")
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[str]) -> list[str]:
+        import re
+
+        for g in v:
+            if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}\*?", g) or g == "*":
+                raise ValueError(f"group {g!r}: 1-128 characters of [A-Za-z0-9_.:@-], "
+                                 "optionally ending in '*' (a prefix)")
+        return v
+
+
 class Timeouts(BaseModel):
     """Per-phase deadlines for engine calls, in seconds."""
 
     connect_s: float = Field(default=5.0, gt=0, le=300, description="TCP connect to an engine.")
     generate_s: float = Field(default=600.0, gt=0, le=86400,
-                              description="Max silence while reading a /generate response.")
+                              description="Max wait for a non-streamed /generate answer.")
+    first_byte_s: float = Field(
+        default=300.0, gt=0, le=86400, description="Streamed /generate: max wait for the "
+        "response head and for the first chunk (queueing + prefill). Waived while the engine "
+        "is paused for a swap.")
+    stream_idle_s: float = Field(
+        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence between "
+        "two chunks; past it the request moves to another engine from its partial output. "
+        "Waived while the engine is paused for a swap.")
     control_s: float = Field(default=30.0, gt=0, le=3600,
                              description="pause / continue / abort / info calls.")
     weight_load_s: float = Field(default=600.0, gt=0, le=86400,
@@ -60,11 +90,43 @@ class Timeouts(BaseModel):
                                "(back) into rotation before failing with 503.")
 
 
-class ModelShape(BaseModel):
-    """MoE shape of the served model, needed to reshape routed experts.
+class CircuitBreaker(BaseModel):
+    """Per-engine circuit breaker: ``failures`` engine requests failing in a row open it;
+    the engine then stays out of rotation for ``cooldown_s`` (doubling on each trip in a
+    row, up to ``max_cooldown_s``) even if its health probe answers. After the cooldown one
+    more failure opens it again; a success closes it. An engine that fails its health
+    probes has its in-flight requests broken off at once (they resume elsewhere)."""
 
-    Left unset, the gateway asks each engine (``/model_info`` fields ``num_hidden_layers``,
-    ``num_experts_per_tok``, ``num_experts``) and skips routed experts if it cannot tell."""
+    failures: int = Field(default=3, ge=1, le=1000,
+                          description="Consecutive failed engine requests that open it.")
+    cooldown_s: float = Field(default=5.0, gt=0, le=3600,
+                              description="Out of rotation after the first trip.")
+    max_cooldown_s: float = Field(default=300.0, gt=0, le=86400,
+                                  description="Cap of the doubling cooldown.")
+
+
+class RedisPool(BaseModel):
+    """Redis connections of the store and the registry (each has its own pool)."""
+
+    max_connections: int = Field(default=256, ge=4, le=100_000,
+                                 description="Connections per pool at most.")
+    wait_s: float = Field(default=20.0, gt=0, le=3600, description="How long a call waits "
+                          "for a free connection when all are busy before failing (503).")
+    version_cache_s: float = Field(default=0.25, ge=0, le=60, description="How long the "
+                                   "learner version read from the registry is reused "
+                                   "(this replica's own swaps update it at once).")
+
+
+class ModelShape(BaseModel):
+    """MoE shape of the served model, needed to reshape and check routed experts.
+
+    Each field left unset comes from the engine: the Hugging Face ``config.json`` under the
+    ``model_path`` its ``/model_info`` reports (when readable from the gateway, e.g. a
+    shared mount), or the reference engine's ``model_config``. Set fields win. When the
+    shape stays unknown, a request that asks for routing fails with 409 naming these
+    settings (logged once per engine at registration); every ``routed_experts`` payload is
+    checked against the shape (rows x layers x top_k ids), a mismatch is an engine error.
+    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``."""
 
     num_layers: int | None = Field(default=None, ge=1, le=1024, description="Model layers.")
     top_k: int | None = Field(default=None, ge=1, le=256, description="Experts per token.")
@@ -83,13 +145,50 @@ class GatewaySettings(BaseSettings):
                            description="Trajectory store: memory:// or redis://host:port/db.")
     registry_url: str = Field(default="memory://",
                               description="Version registry: memory:// or redis://host:port/db.")
-    http_host: str = Field(default="0.0.0.0", description="HTTP API bind address.")
+    http_host: str = Field(default="127.0.0.1", description="HTTP API bind address (a "
+                           "non-loopback one needs the admin and learner keys, or insecure).")
     http_port: int = Field(default=8000, ge=0, le=65535, description="HTTP API port (0 = any).")
-    grpc_host: str = Field(default="0.0.0.0", description="Learner gRPC bind address.")
+    grpc_host: str = Field(default="127.0.0.1", description="Learner gRPC bind address (as "
+                           "http_host).")
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="Learner gRPC port (0 = any).")
-    admin_api_key: str | None = Field(
-        default=None, description="If set, admin routes (/v1/weights, /v1/engines writes) need "
-        "'Authorization: Bearer <key>'.")
+    admin_api_key: SecretStr | None = Field(
+        default=None, min_length=16, max_length=4096,
+        description="Admin token: /v1/weights, /v1/engines writes and gRPC AnnounceVersion "
+        "need 'Authorization: Bearer <key>' (accepted for every other role too). Unset: open.")
+    learner_api_key: SecretStr | None = Field(
+        default=None, min_length=16, max_length=4096,
+        description="Learner token for the gRPC service (Pull, Ack, Nack, CreateGroup, "
+        "GetStatus, WatchVersions), every consumer group; metadata 'authorization: Bearer "
+        "<key>'. Unset (and no learner_jobs): open.")
+    learner_jobs: list[LearnerJob] = Field(
+        default_factory=list, max_length=10_000,
+        description="Learner tokens bound to consumer groups, one per training job: JSON "
+        "'[{\"token\": \"...\", \"groups\": [\"job-a\", \"job-a-*\"]}]'.")
+    client_api_key: SecretStr | None = Field(
+        default=None, min_length=16, max_length=4096,
+        description="Client token for /v1/rollouts and /generate. Unset: those are open.")
+    insecure: bool = Field(
+        default=False, description="Allow binding a non-loopback address without the admin "
+        "and learner keys (serve/up refuse otherwise; flag --insecure).")
+    tls_cert_file: str | None = Field(
+        default=None, description="PEM certificate chain: serve HTTPS and gRPC over TLS "
+        "(needs tls_key_file).")
+    tls_key_file: str | None = Field(default=None, description="PEM private key of tls_cert_file.")
+    grpc_client_ca_file: str | None = Field(
+        default=None, description="PEM CA bundle: the learner gRPC service requires client "
+        "certificates signed by it (mutual TLS; needs tls_cert_file).")
+    max_body_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 31,
+                                description="Largest HTTP request body (413 beyond).")
+    max_prompt_chars: int = Field(default=1 << 20, ge=1, le=1 << 28,
+                                  description="Largest text prompt, in characters.")
+    max_metadata_bytes: int = Field(default=64 << 10, ge=0, le=1 << 24,
+                                    description="Largest rollout metadata (keys + values, UTF-8).")
+    max_pending_requests: int = Field(
+        default=2048, ge=1, le=1_000_000,
+        description="Rollout and /generate requests handled at once by this replica; more "
+        "are answered 429 with Retry-After at once (bounded memory under overload).")
+    retry_after_s: int = Field(default=1, ge=0, le=3600,
+                               description="Retry-After (seconds) sent with 429 answers.")
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Staleness bound (max_staleness), "
         "admission control (batch_size, max_concurrent) and the stale policy "
@@ -114,10 +213,23 @@ class GatewaySettings(BaseSettings):
     sticky_imbalance: int = Field(
         default=8, ge=0, le=1_000_000, description="Sticky routing yields to least-load when the "
         "sticky engine has this many more outstanding requests than the least loaded one.")
-    model: ModelShape = Field(default_factory=ModelShape, description="MoE shape (optional).")
+    model: ModelShape = Field(default_factory=ModelShape, description="MoE shape; overrides "
+                              "what engines' config.json says (ROLLOUT_GATEWAY_MODEL__*).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
+    redis: RedisPool = Field(default_factory=RedisPool,
+                             description="Redis connection pools (store and registry).")
+    breaker: CircuitBreaker = Field(default_factory=CircuitBreaker,
+                                    description="Per-engine circuit breaker.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
                                  description="On SIGTERM: seconds to let in-flight rollouts finish.")
+
+    @model_validator(mode="after")
+    def _tls(self) -> GatewaySettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.grpc_client_ca_file and not self.tls_cert_file:
+            raise ValueError("grpc_client_ca_file (mutual TLS) needs tls_cert_file/tls_key_file")
+        return self
 
     @field_validator("engines", mode="before")
     @classmethod

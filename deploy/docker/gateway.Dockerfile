@@ -8,4 +8,6 @@ COPY learner_client ./learner_client
 COPY rollout_proto ./rollout_proto
 RUN pip install --no-cache-dir .
 EXPOSE 8000 50051
-ENTRYPOINT ["rollout-gateway", "serve"]
+# listening beyond loopback needs ROLLOUT_GATEWAY_ADMIN_API_KEY and ROLLOUT_GATEWAY_LEARNER_API_KEY
+# (docker run -e ...); serve refuses to start without them (docs/gateway.md, "Security")
+ENTRYPOINT ["rollout-gateway", "serve", "--host", "0.0.0.0", "--grpc-host", "0.0.0.0"]

@@ -99,8 +99,7 @@ def proximal_logprobs(inputs: LossInputs, cfg: DecoupledPPOConfig
     mu = inputs.flat("rollout_logprobs").detach()
     extra: dict[str, Tensor] = {}
     if mode in ("decoupled", "ppo"):
-        inputs.require("old_logprobs")
-        return inputs.flat("old_logprobs").detach(), mode == "decoupled", extra
+        return inputs.require_old(), mode == "decoupled", extra
     if mode == "bypass":
         return mu, False, extra
     need_versions = mode == "loglinear" or cfg.prox_mix is None
@@ -257,20 +256,24 @@ class PPOEWMAConfig(LossConfig):
     eps_high: float = Field(0.2, ge=0.0, description="Clip of pi/pi_prox above.")
     imp_samp_max: float | None = Field(
         100.0, gt=1.0, description="Cap of the total ratio pi/mu; None disables it.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
 
 
 def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig) -> TokenLoss:
-    inputs.require("old_logprobs")
+    prox = inputs.require_old()
     m = inputs.mask
     logp = inputs.flat("logprobs")
-    prox = inputs.flat("old_logprobs").detach()
     mu = inputs.flat("rollout_logprobs").detach()
     mu_adj = mu
     if cfg.imp_samp_max is not None:
         mu_adj = torch.maximum(mu, logp.detach() - math.log(cfg.imp_samp_max))
     w = safe_exp(prox - mu_adj)  # pi_prox / mu_adj, detached, > 0
     pg, s = fused_ppo(logp, prox, inputs.flat("advantages"), m, inputs.mask_count,
-                      cfg.eps_low, cfg.eps_high, weight=w * m)
+                      cfg.eps_low, cfg.eps_high, weight=w * m, dual_clip=cfg.dual_clip)
     metrics = ppo_metrics(s, inputs.mask_count)
     metrics["behav_weight_mean"] = masked_mean(w, m, inputs.mask_count)
     if cfg.imp_samp_max is not None:

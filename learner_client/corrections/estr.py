@@ -31,6 +31,11 @@ class ESTRConfig(LossConfig):
 
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
     eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
     eps_h: float = Field(0.01, gt=0.0, description="Added to H in the score's denominator.")
     tau: float | None = Field(None, ge=0.0, description="Fixed threshold on delta^2/(H+eps_h).")
     target_mask_rate: float | None = Field(
@@ -144,9 +149,10 @@ def estr_reference(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     else:
         tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, inputs.active,
                               int(n_act))
-    drop = score > tau  # NaN > tau is False: missing entropy is never masked
+    drop = (score > tau) | torch.isposinf(score)  # NaN > tau is False: missing entropy is
+    # never masked; an infinite score (a -inf behavior logprob) always is, whatever tau
     pg, _, metrics = ppo_token_loss_ex(d, inputs.flat("advantages"), m, cfg.eps_low,
-                                       cfg.eps_high, count=n_act)
+                                       cfg.eps_high, cfg.dual_clip, count=n_act)
     metrics["mask_rate"] = masked_mean(drop.to(m.dtype), m, n_act)
     metrics["tau"] = tau.detach().to(torch.float32)
     metrics["entropy_missing_rate"] = (masked_mean(missing_b.to(m.dtype), m, n_act)
@@ -193,8 +199,13 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
             valid = inputs.active & ~missing_b
             tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
             drop = indices_above(score, float(tau))
+        if not bool(torch.isfinite(tau)) or bool(torch.isposinf(score).any()):
+            # an infinite score (e.g. a -inf behavior logprob) is always masked: with a
+            # target rate tau itself may be inf, and score > inf lets it through
+            drop = torch.unique(torch.cat([drop, torch.nonzero(torch.isposinf(score))
+                                           .reshape(-1).to(drop.device)]))
         s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
-                          own_d=True, kl_sum=kl_sum)
+                          own_d=True, kl_sum=kl_sum, dual_clip=cfg.dual_clip)
         s.pg.index_fill_(0, drop, 0.0)
         s.grad.index_fill_(0, drop, 0.0)
         box["s"], box["tau"], box["drop"] = s, tau, drop  # type: ignore[assignment]

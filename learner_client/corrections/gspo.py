@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputs
-from .ops import broadcast, clipped_surrogate, masked_mean, safe_exp
+from .ops import broadcast, clipped_surrogate, dual_clip_cap, masked_mean, safe_exp
 
 
 class GSPOConfig(LossConfig):
@@ -25,6 +25,11 @@ class GSPOConfig(LossConfig):
         "aggregation"].description)
     eps_low: float = Field(3e-4, ge=0.0, lt=1.0, description="Lower clip of the sequence ratio.")
     eps_high: float = Field(4e-4, ge=0.0, description="Upper clip of the sequence ratio.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
 
 
 def sequence_mean(x: Tensor, inputs: LossInputs) -> tuple[Tensor, Tensor]:
@@ -64,7 +69,8 @@ def gspo(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
         "seq_ratio_mean": masked_mean(r, live, n_seq),
         "approx_kl": -masked_mean(log_s.detach(), live, n_seq),
     }
-    return TokenLoss(broadcast(-s_i, idx) * m, m, metrics)
+    pg_i = dual_clip_cap(-s_i, adv_i, cfg.dual_clip)
+    return TokenLoss(broadcast(pg_i, idx) * m, m, metrics)
 
 
 def gspo_token(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
@@ -75,4 +81,5 @@ def gspo_token(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
     log_s_it = log_s + logp - logp.detach()
     s, clipped, _ = clipped_surrogate(log_s_it, inputs.flat("advantages"),
                                       cfg.eps_low, cfg.eps_high)
-    return TokenLoss(-s * m, m, _seq_metrics(log_s, clipped, m))
+    pg = dual_clip_cap(-s, inputs.flat("advantages"), cfg.dual_clip)
+    return TokenLoss(pg * m, m, _seq_metrics(log_s, clipped, m))

@@ -33,6 +33,8 @@ class LossInputError(ValueError):
     """Inputs that a loss cannot use (shape mismatch, missing column, bad dtype)."""
 
 
+_FLOAT_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs",
+                 "entropy")
 _TOKEN_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "loss_mask",
                  "old_logprobs", "ref_logprobs", "entropy", "versions", "seq_ids")
 
@@ -79,6 +81,24 @@ class LossInputs:
                     f"cu_seqlens must be 1-D, start at 0 and end at N={shape[0]}")
             if bool((cu[1:] < cu[:-1]).any()):
                 raise LossInputError("cu_seqlens must be non-decreasing")
+        self._sanitize_inactive()
+
+    def _sanitize_inactive(self) -> None:
+        """Tokens with loss_mask 0 never change a loss or its gradient: every float field is
+        replaced by ``torch.where(active, x, 0)`` (NaN/+-inf at masked positions, e.g.
+        collate's NaN old_logprobs outside responses or an engine's -inf logprob, would
+        otherwise survive masking by multiplication: NaN * 0 = NaN). ``logprobs`` keeps its
+        graph: the gradient at inactive positions is exactly 0. Skipped when every token is
+        active (one count, cached as ``mask_count``)."""
+        if int(self.mask_count) == self.num_tokens:
+            return
+        act = self.active.reshape(self.logprobs.shape)
+        for name in _FLOAT_FIELDS:
+            t = getattr(self, name)
+            if t is None or not torch.is_floating_point(t):
+                continue
+            setattr(self, name, torch.where(act, t, torch.zeros((), dtype=t.dtype,
+                                                                            device=t.device)))
 
     # ---- flat views (cheap: reshape, no copies for contiguous inputs) -------------------
 
@@ -93,8 +113,16 @@ class LossInputs:
 
     @cached_property
     def mask(self) -> Tensor:
-        """Active-token mask as float [N] in logprobs' dtype (detached)."""
-        return self.loss_mask.reshape(-1).to(dtype=self.logprobs.dtype).detach()
+        """Active-token mask as float [N] in logprobs' dtype (detached); a token is active
+        where loss_mask > 0 (a NaN loss_mask entry counts as inactive)."""
+        m = self.loss_mask.reshape(-1).detach()
+        if m.dtype == torch.bool:
+            return m.to(self.logprobs.dtype)
+        m = m.to(self.logprobs.dtype)
+        if torch.is_floating_point(self.loss_mask) and not bool(torch.isfinite(m.sum())):
+            m = torch.where(m > 0, m, torch.zeros((), dtype=m.dtype))
+            m = torch.where(torch.isfinite(m), m, torch.ones((), dtype=m.dtype))
+        return m
 
     @cached_property
     def active(self) -> Tensor:
@@ -170,9 +198,31 @@ class LossInputs:
             "this loss needs sequence boundaries: pass [B, T] tensors, seq_ids or cu_seqlens")
 
     def behavior_or_old(self) -> Tensor:
-        """log pi_old as [N] (detached); the behavior logprobs when old_logprobs is None."""
-        old = self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
-        return old.reshape(-1).detach()
+        """log pi_old as [N] (detached): old_logprobs where present, the behavior logprobs
+        where old_logprobs is None or NaN (a rollout that carried no old logits; the
+        on-policy assumption of the PPO family, per token)."""
+        mu = self.rollout_logprobs.reshape(-1).detach()
+        if self.old_logprobs is None:
+            return mu
+        old = self.old_logprobs.reshape(-1).detach()
+        if bool(torch.isnan(old.sum())):
+            old = torch.where(torch.isnan(old), mu, old)
+        return old
+
+    def require_old(self) -> Tensor:
+        """log pi_old [N] (detached) for losses that need real old logprobs: raises
+        LossInputError when the column is absent or NaN on an active token (fill it first
+        with ``learner_client.old_logits.fill_old_logprobs`` or ``batch.loss_inputs(...,
+        fill_old=...)``)."""
+        self.require("old_logprobs")
+        old = self.old_logprobs.reshape(-1).detach()
+        if bool(torch.isnan(old.sum())):
+            n = int(torch.isnan(old).sum())
+            raise LossInputError(
+                f"old_logprobs is NaN on {n} active token(s) (rollouts without old logits): "
+                "fill them with learner_client.old_logits.fill_old_logprobs or "
+                "TrajectoryBatch.loss_inputs(..., fill_old=strategy)")
+        return old
 
     def require(self, *names: str) -> None:
         """Raise LossInputError naming the first absent optional field."""

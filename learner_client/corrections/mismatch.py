@@ -23,8 +23,7 @@ from .ppo import fused_ppo, ppo_token_loss
 
 
 def _rho_log(inputs: LossInputs) -> Tensor:
-    inputs.require("old_logprobs")
-    return (inputs.flat("old_logprobs") - inputs.flat("rollout_logprobs")).detach()
+    return inputs.require_old() - inputs.flat("rollout_logprobs").detach()
 
 
 class TISConfig(LossConfig):
@@ -35,6 +34,11 @@ class TISConfig(LossConfig):
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
     eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
     cap: float = Field(2.0, gt=0.0, description="C: the importance weight is min(rho, C).")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
 
 
 def tis(inputs: LossInputs, cfg: TISConfig) -> TokenLoss:
@@ -42,9 +46,9 @@ def tis(inputs: LossInputs, cfg: TISConfig) -> TokenLoss:
     rho = safe_exp(_rho_log(inputs))
     w = torch.clamp(rho, max=cfg.cap)
     wm = w * m  # > 0 on active tokens: folded into the fused surrogate's weight
-    pg, s = fused_ppo(inputs.flat("logprobs"), inputs.flat("old_logprobs").detach(),
+    pg, s = fused_ppo(inputs.flat("logprobs"), inputs.require_old(),
                       inputs.flat("advantages"), m, inputs.mask_count, cfg.eps_low,
-                      cfg.eps_high, weight=wm)
+                      cfg.eps_high, weight=wm, dual_clip=cfg.dual_clip)
     metrics = ppo_metrics(s, inputs.mask_count)
     metrics["tis_weight_mean"] = masked_mean(w, m)
     metrics["tis_capped_frac"] = masked_mean((rho > cfg.cap).to(m.dtype), m)
@@ -63,6 +67,11 @@ class MISConfig(LossConfig):
     eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="Where rho is measured: per token, sequence product, geometric mean.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
     upper: float = Field(2.0, gt=0.0, description="C: reject when rho > upper.")
     lower: float | None = Field(
         None, ge=0.0, description="Two-sided mode: also reject when rho < lower (e.g. 1/C).")
@@ -100,8 +109,9 @@ def mis(inputs: LossInputs, cfg: MISConfig) -> TokenLoss:
             vetoed = bad
     accept = keep.to(m.dtype) * (1.0 - vetoed) * m
     w = rho * accept
-    lr = inputs.flat("logprobs") - inputs.flat("old_logprobs").detach()
-    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high)
+    lr = inputs.flat("logprobs") - inputs.require_old()
+    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
+                                 cfg.dual_clip)
     metrics["mis_reject_rate"] = masked_mean(1.0 - accept, m)
     metrics["mis_veto_rate"] = masked_mean(vetoed, m)
     metrics["mis_weight_mean"] = masked_mean(rho, accept)
@@ -120,6 +130,11 @@ class IcePopConfig(LossConfig):
     hi: float = Field(5.0, gt=0.0, description="Upper edge of the kept band of k.")
     rejected_leave_denominator: bool = Field(
         False, description="True: tokens with M(k)=0 are also removed from the normalizer.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
 
 
 def icepop(inputs: LossInputs, cfg: IcePopConfig) -> TokenLoss:
@@ -127,8 +142,9 @@ def icepop(inputs: LossInputs, cfg: IcePopConfig) -> TokenLoss:
     k = safe_exp(_rho_log(inputs))
     keep = ((k >= cfg.lo) & (k <= cfg.hi)).to(m.dtype)
     w = k * keep
-    lr = inputs.flat("logprobs") - inputs.flat("old_logprobs").detach()
-    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high)
+    lr = inputs.flat("logprobs") - inputs.require_old()
+    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
+                                 cfg.dual_clip)
     metrics["mask_rate"] = masked_mean(1.0 - keep, m)
     metrics["k_mean"] = masked_mean(k, m)
     denom = m * keep if cfg.rejected_leave_denominator else m

@@ -82,6 +82,16 @@ def clipped_surrogate_bounds(ratio_log: Tensor, adv: Tensor, lo: Tensor | float,
     return s, clipped.to(ratio_log.dtype), r
 
 
+def dual_clip_cap(pg: Tensor, adv: Tensor, c: float | None) -> Tensor:
+    """Dual clip on a loss -S (Ye et al. 2020): where A < 0, min(-S, -c*A); torch.where, so
+    capped entries get exactly zero gradient. Identity when c is None."""
+    if c is None:
+        return pg
+    adv = adv.detach().to(pg.dtype)
+    cap = adv * (-c)
+    return torch.where((adv < 0) & (pg > cap), cap, pg)
+
+
 def seg_sum(x: Tensor, index: Tensor, num: int) -> Tensor:
     """Per-segment sums: out[s] = sum_{i: index[i]=s} x[i] (differentiable)."""
     return torch.zeros(num, dtype=x.dtype, device=x.device).index_add(0, index, x)

@@ -23,7 +23,7 @@ from .base import Aggregation, LossConfig, TokenLoss
 from .gspo import sequence_stats
 from .inputs import LossInputs
 from .fused import fused_token_loss, ppo_metrics, ppo_surrogate
-from .ops import (broadcast, clipped_surrogate, masked_mean, masked_quantile,
+from .ops import (LOG_RATIO_CLAMP, broadcast, clipped_surrogate, dual_clip_cap, masked_mean, masked_quantile,
                   quantile_and_tail, weighted_run_quantile)
 from .ppo import ppo_token_loss_ex
 
@@ -36,6 +36,11 @@ class SATConfig(LossConfig):
     quantile: float = Field(0.9, gt=0.0, lt=1.0,
                             description="Tail threshold q = this quantile of |d| (active tokens).")
     kernel_power: float = Field(2.0, gt=0.0, description="p in psi(u; q) = 1/(1 + (u/q)^p).")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
 
 
 class SATGSPOConfig(SATConfig):
@@ -75,7 +80,7 @@ def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> Tok
     m = inputs.mask
     n_act = inputs.mask_count
     den = n_act.clamp_min(1.0)
-    d_sg = d.detach()
+    d_sg = d.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     a = d_sg.abs()
     q = masked_quantile(a, None, cfg.quantile, inputs.active, int(n_act))
     qf = float(q)
@@ -98,8 +103,8 @@ def _sat_core(d: Tensor, inputs: LossInputs, adv: Tensor, cfg: SATConfig) -> Tok
         eps_lo_mean = torch.tensor(cfg.eps_low, dtype=d.dtype, device=d.device)
         c_min = torch.ones((), dtype=d.dtype, device=d.device)
         bounds = None
-    pg, _, metrics = ppo_token_loss_ex(d, adv, m, cfg.eps_low, cfg.eps_high, count=n_act,
-                                       bounds=bounds)
+    pg, _, metrics = ppo_token_loss_ex(d, adv, m, cfg.eps_low, cfg.eps_high, cfg.dual_clip,
+                                       count=n_act, bounds=bounds)
     metrics.update({
         "sat_q": q.detach(),
         "eps_low_mean": eps_lo_mean,
@@ -140,12 +145,15 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
         d = x - mu
         am = torch.mul(d, m)
         kl_sum = am.sum()
-        q, gate = quantile_and_tail(am.abs_(), n_int, cfg.quantile)
+        # |d| capped at the ratio clamp (r = exp(clamp(d)) anyway): an infinite log-ratio
+        # on an active token cannot make q infinite (psi = inf/inf)
+        q, gate = quantile_and_tail(am.abs_().clamp_(max=LOG_RATIO_CLAMP), n_int,
+                                    cfg.quantile)
         box["q"] = q
         qf = float(q)
         fix = None
         if qf > 0.0:
-            d_g = d.index_select(0, gate)
+            d_g = d.index_select(0, gate).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
             psi = (d_g.abs() / qf).pow_(p).add_(1.0).reciprocal_()
             box["psi"], box["pos"] = psi, d_g > 0
 
@@ -155,7 +163,7 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
                 rc.index_copy_(0, gate, torch.clamp(r.index_select(0, gate), lo_g, hi_g))
 
         s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - el, 1.0 + eh, fix_clamp=fix,
-                          own_d=True, kl_sum=kl_sum)
+                          own_d=True, kl_sum=kl_sum, dual_clip=cfg.dual_clip)
         box["s"] = s  # type: ignore[assignment]
         return s.pg, s.grad
 
@@ -197,7 +205,7 @@ def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
     n_act = inputs.mask_count
     d = inputs.flat("logprobs") - inputs.flat("rollout_logprobs").detach()
     log_s, adv_i, cnt, idx = sequence_stats(inputs, d)
-    d_sg = log_s.detach()
+    d_sg = log_s.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     q = weighted_run_quantile(d_sg.abs(), cnt, cfg.quantile)
     c_minus, c_plus = _factors(d_sg, q, cfg)
     eps_lo = cfg.eps_low * c_minus
@@ -219,4 +227,5 @@ def sat_gspo(inputs: LossInputs, cfg: SATGSPOConfig) -> TokenLoss:
         "c_min": (c_min_all[gated].min() if bool(gated.any())
                   else torch.ones((), dtype=d.dtype, device=d.device)),
     }
-    return TokenLoss(broadcast(-s_i, idx) * m, m, metrics)
+    pg_i = dual_clip_cap(-s_i, adv_i, cfg.dual_clip)
+    return TokenLoss(broadcast(pg_i, idx) * m, m, metrics)

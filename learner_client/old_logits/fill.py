@@ -37,6 +37,17 @@ class FillContext:
     logprobs: Tensor | None = None  # current policy log pi (detached inside)
     versions: Tensor | None = None  # policy_version per token
     learner_version: int | None = None
+    loss_mask: Tensor | None = None  # only active tokens (> 0) are filled
+
+    def active(self, n: int) -> Tensor:
+        """bool [N]: the tokens a strategy fills. loss_mask > 0 when given; otherwise the
+        tokens with a version >= 0 (collate writes -1 on prompt and padding positions);
+        otherwise every token."""
+        if self.loss_mask is not None:
+            return self.loss_mask.reshape(-1) > 0
+        if self.versions is not None:
+            return self.versions.reshape(-1) >= 0
+        return torch.ones(n, dtype=torch.bool)
 
     def need(self, name: str) -> Tensor:
         t = getattr(self, name)
@@ -96,8 +107,12 @@ def fill_old_logprobs(old_logprobs: Tensor | None, strategy: str | Strategy,
                       ) -> tuple[Tensor, dict[str, int]]:
     """(filled old logprobs, counts) keeping present values, filling NaN with ``strategy``.
 
-    ``old_logprobs`` None means the column is absent everywhere (``shape`` or the context's
-    rollout_logprobs give the shape). The result is detached. counts: ``present``, ``filled``.
+    Only active tokens are filled (``FillContext.active``: loss_mask > 0, else version >= 0):
+    NaN at prompt and padding positions of a collated batch stays NaN (the losses ignore
+    masked positions) and is never handed to a strategy (a snapshot strategy has no
+    version -1). ``old_logprobs`` None means the column is absent everywhere (``shape`` or the context's
+    rollout_logprobs give the shape). The result is detached. counts: ``present`` (values kept), ``filled``,
+    ``left_inactive`` (NaN left at masked positions).
     """
     if old_logprobs is None:
         ref = ctx.rollout_logprobs if ctx.rollout_logprobs is not None else ctx.logprobs
@@ -110,7 +125,9 @@ def fill_old_logprobs(old_logprobs: Tensor | None, strategy: str | Strategy,
     if strat is None:
         raise ValueError(f"unknown fill strategy {strategy!r}; known: {sorted(STRATEGIES)}")
     flat = old_logprobs.detach().reshape(-1).clone()
-    missing = torch.isnan(flat)
+    nan = torch.isnan(flat)
+    n_nan = int(nan.sum())
+    missing = nan & ctx.active(flat.numel()).to(flat.device)
     idx = missing.nonzero().reshape(-1)
     if idx.numel():
         vals = strat(idx, ctx)
@@ -119,5 +136,6 @@ def fill_old_logprobs(old_logprobs: Tensor | None, strategy: str | Strategy,
         flat[idx] = vals.detach().to(flat.dtype)
         if bool(torch.isnan(flat[idx]).any()):
             raise ValueError("fill strategy produced NaN old logprobs")
-    counts = {"present": int(flat.numel() - idx.numel()), "filled": int(idx.numel())}
+    counts = {"present": flat.numel() - n_nan, "filled": int(idx.numel()),
+              "left_inactive": n_nan - int(idx.numel())}
     return flat.reshape(old_logprobs.shape), counts

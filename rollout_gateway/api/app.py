@@ -34,9 +34,18 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     app = FastAPI(title="rollout-gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
+    from rollout_gateway.api.security import RequestGuard
+
+    s = gateway.settings
+    app.add_middleware(RequestGuard, max_body_bytes=s.max_body_bytes,
+                       max_pending=s.max_pending_requests, retry_after_s=s.retry_after_s)
     from rollout_gateway.api import routes
     from rollout_gateway.api.generate import router as generate_router
 
     for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router):
         app.include_router(r)
+    from rollout_gateway.api.schemas import apply_limits
+
+    make_schema = app.openapi
+    app.openapi = lambda: apply_limits(make_schema(), s)  # the schema states the limits
     return app

@@ -39,7 +39,8 @@ async def render(gw: Gateway) -> str:
                        ("failovers", "Segments resumed on another engine after a failure"),
                        ("abort_resumes", "Segments resumed after an abort_resume swap"),
                        ("tokens_reprefilled", "Prompt + output tokens re-prefilled by retract, "
-                        "abort_resume and failover")):
+                        "abort_resume and failover"),
+                       ("replayed", "Samples of a retried request_id answered from the store")):
         o.metric(f"rollout_gateway_{key}_total", "counter", help_, [({}, c[key])])
     o.metric("rollout_gateway_inflight_samples", "gauge", "Samples generating now",
              [({}, gw.rollouts.inflight_samples)])

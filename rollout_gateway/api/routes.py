@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+import logging
 from typing import Any
 
 import orjson
@@ -11,38 +12,42 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_gateway.api.errors import ORJSONResponse
+from rollout_gateway.api.security import clean, is_admin, public_view, require_admin, require_client
 from rollout_gateway.api.serialize import trajectory_to_json
 from rollout_gateway.api.state import Gateway
-from rollout_gateway.errors import EngineError, GatewayError, Unauthenticated
+from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.settings import EngineSpec
 from rollout_gateway.swap.models import SwapRequest
+
+
+log = logging.getLogger(__name__)
 
 
 def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def require_admin(request: Request) -> None:
-    key = request.app.state.gateway.settings.admin_api_key
-    if key and request.headers.get("authorization") != f"Bearer {key}":
-        raise Unauthenticated("admin route: send 'Authorization: Bearer <admin key>'")
-
-
 def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for ev in events:
+                if "error" in ev:  # a failed sample: shown as a client may see it
+                    ev = {**ev, "error": clean(ev["error"])}
                 yield b"data: " + orjson.dumps(ev, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
         except GatewayError as exc:
-            yield b"data: " + orjson.dumps({"type": "error", "error": exc.to_dict()}) + b"\n\n"
+            yield b"data: " + orjson.dumps({"type": "error", "error": clean(exc.to_dict())}) + b"\n\n"
+        except Exception:  # noqa: BLE001 - headers are sent: end the stream with an error event
+            log.exception("unexpected error in an event stream")
+            yield b"data: " + orjson.dumps({"type": "error", "error": {
+                "code": "INTERNAL", "message": "internal error"}}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-rollouts = APIRouter(tags=["rollouts"])
+rollouts = APIRouter(tags=["rollouts"], dependencies=[Depends(require_client)])
 
 
 @rollouts.post("/v1/rollouts")
@@ -81,12 +86,14 @@ async def swap_weights(req: SwapRequest, gw: Gateway = Depends(gateway)) -> Resp
 
 
 @weights.get("/v1/versions")
-async def versions(gw: Gateway = Depends(gateway)) -> Response:
+async def versions(request: Request, gw: Gateway = Depends(gateway)) -> Response:
+    """Learner and engine versions, recent swaps. Weight sources (checkpoint paths), the
+    swap leader's host and engine URLs are shown to the admin only."""
     snap = await gw.registry.snapshot()
     snap = dict(snap)
     snap["engines_live"] = {e.id: {"weight_version": e.version, "state": e.state.value}
                             for e in gw.pool.list()}
-    return ORJSONResponse(snap)
+    return ORJSONResponse(snap if is_admin(request) else public_view(snap))
 
 
 engines = APIRouter(tags=["engines"])
@@ -95,13 +102,20 @@ engines = APIRouter(tags=["engines"])
 class RegisterEngine(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    url: str
-    api_key: str | None = None
+    url: str = Field(min_length=8, max_length=2048, pattern=r"^https?://[^\s]+$",
+                     description="Base URL of the engine (http:// or https://).")
+    api_key: str | None = Field(default=None, max_length=4096)
+
+
+def _engine_view(request: Request, eng) -> dict[str, Any]:
+    d = eng.to_dict()
+    return d if is_admin(request) else public_view(d)
 
 
 @engines.get("/v1/engines")
-async def list_engines(gw: Gateway = Depends(gateway)) -> Response:
-    return ORJSONResponse({"engines": [e.to_dict() for e in gw.pool.list()]})
+async def list_engines(request: Request, gw: Gateway = Depends(gateway)) -> Response:
+    """Engines and their state (URLs and raw errors: admin only)."""
+    return ORJSONResponse({"engines": [_engine_view(request, e) for e in gw.pool.list()]})
 
 
 @engines.post("/v1/engines", dependencies=[Depends(require_admin)], status_code=201)
@@ -118,8 +132,8 @@ async def register_engine(body: RegisterEngine, gw: Gateway = Depends(gateway)) 
 
 
 @engines.get("/v1/engines/{engine_id}")
-async def get_engine(engine_id: str, gw: Gateway = Depends(gateway)) -> Response:
-    return ORJSONResponse(gw.pool.get(engine_id).to_dict())
+async def get_engine(engine_id: str, request: Request, gw: Gateway = Depends(gateway)) -> Response:
+    return ORJSONResponse(_engine_view(request, gw.pool.get(engine_id)))
 
 
 @engines.delete("/v1/engines/{engine_id}", dependencies=[Depends(require_admin)])

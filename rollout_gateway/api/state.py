@@ -10,6 +10,7 @@ import socket
 import time
 from typing import Any
 
+from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
@@ -27,16 +28,22 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, *, store: TrajectoryStore | None = None,
                  registry: Any = None) -> None:
         self.settings = settings
+        self.auth = Authenticator.from_settings(settings)
         self._own_store = store is None
         self._own_registry = registry is None
         if store is None:
             from rollout_gateway.store.factory import store_from_url
 
-            store = store_from_url(settings.store_url)
+            store = store_from_url(settings.store_url,
+                                   max_connections=settings.redis.max_connections,
+                                   pool_wait_s=settings.redis.wait_s)
         if registry is None:
             from rollout_gateway.registry import create_registry
 
-            registry = create_registry(settings.registry_url)
+            registry = create_registry(settings.registry_url,
+                                       max_connections=settings.redis.max_connections,
+                                       pool_wait_s=settings.redis.wait_s,
+                                       version_cache_s=settings.redis.version_cache_s)
         self.store = store
         self.registry = registry
         self.pool = EnginePool(settings)

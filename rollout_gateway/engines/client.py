@@ -6,6 +6,7 @@ Every transport failure or unusable answer becomes :class:`EngineError` (or
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import httpx
 import orjson
 
 from rollout_gateway.engines.rawhttp import RawHttpPool
+from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
 from rollout_gateway.errors import EngineError, Timeout
 from rollout_gateway.settings import Timeouts
 
@@ -33,14 +35,25 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(int(g or 0) for g in m.groups())
 
 
-def parse_weight_version(value: Any) -> int | None:
-    """SGLang keeps weight_version as a string; ours are integers. None/'default' -> None."""
-    if value is None or value == "default" or value == "":
+def parse_weight_version(value: Any, engine_id: str = "?") -> int | None:
+    """SGLang keeps weight_version as a string, "default" unless the server was started
+    with ``--weight-version``; the gateway stamps integers. None (not reported) -> None;
+    anything that is not an integer, "default" included, is refused here, at
+    registration, with the fix in the message (never a failure mid-rollout)."""
+    if value is None:
         return None
     try:
-        return int(str(value))
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return int(str(value).strip())
     except ValueError as exc:
-        raise EngineError(f"engine weight_version {value!r} is not an integer") from exc
+        hint = ("SGLang's default when started without --weight-version"
+                if value == "default" else "not an integer")
+        raise EngineError(
+            f"engine {engine_id} reports weight_version {value!r} ({hint}): the gateway stamps "
+            f"integer policy versions; start the engine with --weight-version <int> (the "
+            f"learner's current version, e.g. 0)",
+            details={"engine_id": engine_id, "weight_version": str(value)}) from exc
 
 
 class Health(StrEnum):
@@ -60,6 +73,11 @@ class EngineInfo:
     top_k: int | None = None
     num_experts: int | None = None
     incremental_stream: bool = False  # --incremental-streaming-output: chunks are deltas
+    #: /server_info's enable_return_routed_experts (None: the engine does not say)
+    routing_enabled: bool | None = None
+    model_path: str | None = None
+    #: where num_layers / top_k / num_experts came from, or why they could not be read
+    shape_source: str | None = None
     exact_entropy: bool = False  # its last answer carried output_token_entropy
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -197,21 +215,29 @@ class EngineClient:
             raise EngineError(f"engine {self.engine_id}: /server_info has no 'version'")
         model = await self._get_json("/model_info")
         info = EngineInfo(version=parse_version(vtext), version_text=str(vtext),
-                          weight_version=parse_weight_version(model.get("weight_version")),
+                          weight_version=parse_weight_version(model.get("weight_version"),
+                                                              self.engine_id),
                           incremental_stream=bool(server.get("incremental_streaming_output")))
-        cfg = model.get("model_config") or model.get("hf_config") or {}
-        cfg = cfg if isinstance(cfg, dict) else {}
-        for key, attr in (("num_hidden_layers", "num_layers"), ("num_experts_per_tok", "top_k"),
-                          ("num_experts", "num_experts")):
-            v = cfg.get(key, model.get(key, server.get(key)))
-            if isinstance(v, int) and v > 0:
-                setattr(info, attr, v)
+        flag = server.get("enable_return_routed_experts")
+        info.routing_enabled = flag if isinstance(flag, bool) else None
+        mp = model.get("model_path") or server.get("model_path")
+        info.model_path = mp if isinstance(mp, str) and mp else None
+        cfg = model.get("model_config") or model.get("hf_config")
+        if isinstance(cfg, dict):  # the engine reports its config (reference engine)
+            found, info.shape_source = shape_from_hf_config(cfg), "/model_info model_config"
+        elif info.model_path is not None:
+            hf, where = await asyncio.to_thread(read_hf_config, info.model_path)
+            found = shape_from_hf_config(hf) if hf is not None else (None, None, None)
+            info.shape_source = where
+        else:
+            found = (None, None, None)
+        info.num_layers, info.top_k, info.num_experts = found
         self.info = info
         return info
 
     async def weight_version(self) -> int | None:
         model = await self._get_json("/model_info")
-        v = parse_weight_version(model.get("weight_version"))
+        v = parse_weight_version(model.get("weight_version"), self.engine_id)
         self.info.weight_version = v
         return v
 
@@ -244,10 +270,18 @@ class EngineClient:
                               details={"engine_id": self.engine_id, "status": status})
         return content
 
-    async def _stream_bytes(self, body: bytes) -> AsyncIterator[bytes]:
-        """Raw body chunks of a streamed /generate (non-200 -> EngineError with status)."""
+    def abort_inflight(self, why: str) -> int:
+        """Break off every /generate in flight to this engine (they fail as dropped, and
+        the gateway resumes them elsewhere from their partial output)."""
+        return self._raw.abort_active(why) if self._raw is not None else 0
+
+    async def _stream_bytes(self, body: bytes, patience=None) -> AsyncIterator[bytes]:
+        """Raw body chunks of a streamed /generate (non-200 -> EngineError with status).
+        Deadlines: ``first_byte_s`` to the response head and to the first chunk, then
+        ``stream_idle_s`` of silence between chunks, waived while ``patience()``."""
         if self._raw is not None:
-            resp = await self._raw.post("/generate", body, read_timeout=self.t.generate_s)
+            resp = await self._raw.post("/generate", body, read_timeout=self.t.stream_idle_s,
+                                        first_timeout=self.t.first_byte_s, patience=patience)
             if resp.status != 200:
                 text = (await resp.read())[:300].decode("utf-8", "replace")
                 raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
@@ -263,7 +297,8 @@ class EngineClient:
         try:
             async with self._http.stream("POST", "/generate", content=body,
                                          headers={"Content-Type": "application/json"},
-                                         timeout=self._timeout(self.t.generate_s)) as resp:
+                                         timeout=self._timeout(max(self.t.first_byte_s,
+                                                                   self.t.stream_idle_s))) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode("utf-8", "replace")
                     raise EngineError(f"engine {self.engine_id} /generate: HTTP "
@@ -280,13 +315,15 @@ class EngineClient:
                               f"{type(exc).__name__}: {exc}",
                               details={"engine_id": self.engine_id, "dropped": True}) from exc
 
-    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def generate_stream(self, payload: dict[str, Any], *,
+                              patience=None) -> AsyncIterator[bytes]:
         """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
 
         A dropped connection raises EngineError after the payloads received so far were
         yielded, so the caller keeps the partial output of a cumulative stream.
+        ``patience()`` true: silence is expected (the engine is paused for a swap).
         """
-        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)))
+        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)), patience)
         try:
             split = SSEPayloads()
             async for chunk in source:
@@ -331,6 +368,14 @@ class EngineClient:
             "flush_cache": flush_cache, "abort_all_requests": False,
         }, read=self.t.weight_load_s)
         return self._check_success(data, "update_weights_from_disk", self.engine_id)
+
+    async def update_weight_version(self, version: int, *,
+                                    abort_all_requests: bool = False) -> dict[str, Any]:
+        """Relabel the engine's weights. SGLang's ``abort_all_requests`` defaults to TRUE
+        (every in-flight request would end): the flag is always sent explicitly."""
+        data = await self._post_json("/update_weight_version", {
+            "new_version": str(version), "abort_all_requests": abort_all_requests})
+        return self._check_success(data, "update_weight_version", self.engine_id)
 
     async def begin_weight_update(self) -> None:
         if self.info.has_spans:

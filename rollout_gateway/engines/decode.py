@@ -66,6 +66,11 @@ class DecodeOptions:
 
     routing: RoutingSpec | None = None
     routed_experts_start_len: int = 0
+    #: routing was asked for: a finished (not aborted) output without it is an engine error
+    require_routing: bool = False
+    #: meta_info lists kept verbatim in ``Decoded.extra`` for a caller that asked for them
+    #: (``/generate`` pass-through: output_top_logprobs, input_token_logprobs, ...)
+    passthrough: frozenset[str] = frozenset()
     vocab_size: int = DEFAULT_VOCAB_UPPER  # an upper bound keeps the entropy bound valid
     check_logprob_ids: bool = True
 
@@ -94,6 +99,7 @@ class Decoded:
     routed_experts: np.ndarray | None  # flat ids: uint8 if num_experts <= 256 else int32
     routed: RoutedExperts | None  # validated [R, L, K] when DecodeOptions.routing is set
     meta: dict[str, Any] = field(default_factory=dict)  # the rest of meta_info
+    extra: dict[str, Any] = field(default_factory=dict)  # DecodeOptions.passthrough values
     offset: int = 0  # index of output_ids[0] in the whole output (streaming deltas)
 
     @property
@@ -158,7 +164,9 @@ def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Deco
     """
     opts = opts or DecodeOptions()
     spliced, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
-    spliced, tops = splice_top(spliced)
+    # rows forwarded verbatim are parsed as JSON (the fast path keeps only the logprobs)
+    spliced, tops = (spliced, []) if "output_top_logprobs" in opts.passthrough \
+        else splice_top(spliced)
     obj = _loads(spliced)
     items = obj if isinstance(obj, list) else [obj]
     return [decode_output(item, opts, regions=regions, tops=tops) for item in items]
@@ -202,6 +210,11 @@ def decode_output(item: Any, opts: DecodeOptions, *,
     completion = _opt_int(meta, "completion_tokens")
     prompt = _opt_int(meta, "prompt_tokens")
     flat = _routed(meta.get("routed_experts"), regions or [], opts)
+    if flat is None and opts.require_routing and meta.get("finish_reason") is not None \
+            and _finish(meta).get("type") != "abort":
+        raise EngineError("the engine finished without routed_experts although they were "
+                          "requested (SGLang omits them silently when started without "
+                          "--enable-return-routed-experts)")
     routed = None
     if flat is not None and opts.routing is not None:
         routed = _shape_routed(flat, opts, prompt, completion)
@@ -223,6 +236,7 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         text=text if isinstance(text, str) else None, input_token_ids=input_ids,
         routed_experts=flat, routed=routed,
         meta={k: v for k, v in meta.items() if k not in _COLUMN_KEYS},
+        extra={k: meta[k] for k in opts.passthrough if meta.get(k) is not None},
     )
 
 

@@ -19,6 +19,10 @@ from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_genera
 from rollout_gateway.errors import EngineError
 
 
+#: per-output-token lists kept verbatim (DecodeOptions.passthrough), cut like the columns
+OUTPUT_ROW_KEYS = ("output_top_logprobs", "output_token_logprobs")
+
+
 @dataclass(slots=True)
 class _State:
     seen: int = 0  # output tokens already emitted
@@ -103,6 +107,10 @@ class StreamDecoder:
         if d.logprobs is not None:
             d.logprobs = _tail(d.logprobs, st.seen, new, total, "output_token_logprobs")
         d.entropy = _tail(d.entropy, st.seen, new, total, "entropy")
+        for k in OUTPUT_ROW_KEYS:
+            rows = d.extra.get(k)
+            if rows is not None:  # forwarded verbatim: a list, cut like the columns
+                d.extra[k] = _tail(rows, st.seen, new, total, k)
         if d.entropy_error is not None:
             d.entropy_error = _tail(d.entropy_error, st.seen, new, total, "entropy")
             d.entropy_error_bound = float(d.entropy_error.max()) if new else 0.0
@@ -131,8 +139,8 @@ class StreamDecoder:
         return replace(merge(st.parts), text=st.text)
 
 
-def _tail(col: np.ndarray, seen: int, new: int, total: int, name: str) -> np.ndarray:
-    n = col.shape[0]
+def _tail(col, seen: int, new: int, total: int, name: str):
+    n = len(col)
     if n == new:
         return col
     if n == total:
@@ -194,7 +202,15 @@ def merge(parts: list[Decoded]) -> Decoded:
     err = cat("entropy_error")
     bound = max(p.entropy_error_bound for p in parts if p.num_tokens) if kinds else \
         last.entropy_error_bound
-    return replace(last, output_ids=cat("output_ids"), logprobs=cat("logprobs"),
+    extra = dict(last.extra)
+    for k in OUTPUT_ROW_KEYS:
+        if any(k in p.extra for p in parts):
+            extra[k] = [r for p in parts for r in p.extra.get(k, ())]
+    for k in ("input_token_logprobs", "input_top_logprobs"):  # sent with the first chunk
+        first = next((p.extra[k] for p in parts if k in p.extra), None)
+        if first is not None:
+            extra[k] = first
+    return replace(last, output_ids=cat("output_ids"), logprobs=cat("logprobs"), extra=extra,
                    entropy=cat("entropy"), entropy_error=err, entropy_error_bound=bound,
                    entropy_kind=next(iter(kinds)) if kinds else last.entropy_kind,
                    offset=parts[0].offset)

@@ -1,8 +1,16 @@
-"""The engine pool: registration, health, gates (swap fences), load-aware sticky routing.
+"""The engine pool: registration, health, gates (swap fences), load-aware sticky routing,
+and a circuit breaker per engine.
 
 Each engine has a *gate*: closed while a swap fences it, so new engine requests wait
 (or go to another engine whose gate is open, in rolling swaps). Outstanding requests and
 tokens are counted per engine for routing and for drain.
+
+Failure handling: a failed engine request takes the engine out of rotation until its next
+health probe passes; ``breaker.failures`` failures in a row open its circuit for a
+cooldown (doubling per trip) that a passing probe does not shorten. An engine that stops
+answering its health probes (hung: SIGSTOP, a wedged GPU) has every request in flight to
+it broken off at once, so they resume on other engines from their partial output instead
+of waiting out a read timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any
 
 from rollout_gateway.core.trajectory import Transition
 from rollout_gateway.engines.client import EngineClient, Health
+from rollout_gateway.engines.shape import routing_problem
 from rollout_gateway.errors import AlreadyExists, GatewayError, NotFound, Unavailable
 from rollout_gateway.settings import GatewaySettings
 
@@ -53,6 +62,10 @@ class Engine:
     cache_floor: int | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     registered_at: float = field(default_factory=time.time)
+    #: circuit breaker: failed requests in a row, trips in a row, open until (monotonic)
+    failures: int = 0
+    trips: int = 0
+    open_until: float = 0.0
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -72,7 +85,18 @@ class Engine:
                 "weight_version": self.version, "sglang_version": info.version_text,
                 "outstanding_requests": self.outstanding_requests,
                 "outstanding_tokens": self.outstanding_tokens,
-                "fenced": not self.gate.is_set(), "last_error": self.last_error}
+                "fenced": not self.gate.is_set(), "last_error": self.last_error,
+                "breaker": {"open": self.breaker_open, "failures_in_a_row": self.failures,
+                            "trips": self.trips,
+                            "open_for_s": round(max(self.open_until - time.monotonic(), 0), 3)}}
+
+    @property
+    def breaker_open(self) -> bool:
+        return time.monotonic() < self.open_until
+
+    def patience(self) -> bool:
+        """Silence from this engine is expected now (paused or fenced for a swap)."""
+        return not self.gate.is_set() or self.state is EngineState.PAUSED
 
 
 class EnginePool:
@@ -102,6 +126,9 @@ class EnginePool:
         await self._notify()
         log.info("registered engine %s at %s (sglang %s, weights v%s)", engine_id, url,
                  info.version_text, info.weight_version)
+        problem = routing_problem(engine_id, info, self.settings.model)
+        if problem:  # once per registration; each request asking for routing gets it too
+            log.warning("%s. Requests that ask for routed experts will fail.", problem)
         return eng
 
     async def register_offline(self, engine_id: str, url: str, api_key: str | None,
@@ -152,6 +179,9 @@ class EnginePool:
             eng.probe_failures += 1
             if eng.probe_failures >= self.settings.unhealthy_after:
                 self.mark_unhealthy(eng, "health probe failed")
+                self.evict(eng, "it stopped answering health probes")
+        elif eng.state is EngineState.UNHEALTHY and eng.breaker_open:
+            eng.probe_failures = 0  # alive, but its circuit is open: it stays out until then
         else:
             was = eng.state
             eng.probe_failures = 0
@@ -172,6 +202,33 @@ class EnginePool:
                                     exc.message)
                 await self._notify()
         return eng.state
+
+    def evict(self, eng: Engine, why: str) -> int:
+        """Break off every request in flight to ``eng``; they fail over from their
+        partial output. Returns how many."""
+        n = eng.client.abort_inflight(f"engine {eng.id} evicted: {why}")
+        if n:
+            log.warning("engine %s: broke off %d request(s) in flight: %s", eng.id, n, why)
+        return n
+
+    def record_success(self, eng: Engine) -> None:
+        """An engine request finished: its circuit closes."""
+        eng.failures = eng.trips = 0
+
+    def record_failure(self, eng: Engine, why: str) -> None:
+        """An engine request failed (broken, silent, garbage): out of rotation until a probe
+        passes; ``breaker.failures`` in a row open its circuit for the cooldown."""
+        cfg = self.settings.breaker
+        eng.failures += 1
+        self.mark_unhealthy(eng, why)
+        if eng.failures >= cfg.failures and not eng.breaker_open:
+            eng.trips += 1
+            cool = min(cfg.cooldown_s * 2 ** (eng.trips - 1), cfg.max_cooldown_s)
+            eng.open_until = time.monotonic() + cool
+            eng.failures = cfg.failures - 1  # after the cooldown one more failure re-opens it
+            eng.last_error = f"circuit open for {cool:g}s after failed requests in a row: {why}"
+            log.error("engine %s: %s", eng.id, eng.last_error)
+            self.evict(eng, "its circuit opened")
 
     def mark_unhealthy(self, eng: Engine, why: str) -> None:
         if eng.state not in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):

@@ -7,15 +7,18 @@ Everything else the gateway sends (control, weights, health) stays on httpx.
 
 Errors: connection problems and malformed framing raise :class:`EngineError` with
 ``details["dropped"] = True`` once any response byte arrived; a read stalled longer than
-``read_timeout`` raises :class:`Timeout`. A connection that failed, was cancelled mid-way
-or was told ``Connection: close`` is never reused.
+``read_timeout`` (``first_timeout`` for the first body read) raises :class:`Timeout`,
+unless ``patience()`` says the silence is expected (the engine is paused for a swap). A
+connection that failed, was cancelled mid-way or was told ``Connection: close`` is never
+reused. :meth:`RawHttpPool.abort_active` breaks off every request in flight (an engine
+that stopped answering health probes): their reads fail at once as dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from rollout_gateway.errors import EngineError, Timeout
@@ -24,11 +27,12 @@ _HEAD_LIMIT = 1 << 16  # status line + headers
 _STREAM_LIMIT = 1 << 22  # asyncio StreamReader buffer
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     reused: bool = False
+    aborted: str | None = None  # why abort_active broke it off
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -39,24 +43,38 @@ class RawResponse:
     """Status, lower-cased headers and a body iterator bound to one connection."""
 
     def __init__(self, pool: RawHttpPool, conn: _Conn, status: int, headers: dict[bytes, bytes],
-                 read_timeout: float) -> None:
+                 read_timeout: float, first_timeout: float | None = None,
+                 patience: Callable[[], bool] | None = None) -> None:
         self._pool = pool
         self._conn = conn
         self.status = status
         self.headers = headers
         self._timeout = read_timeout
+        self._first = first_timeout if first_timeout is not None else read_timeout
+        self._patience = patience
         self._done = False
 
-    async def _read(self, coro):
-        try:
-            return await asyncio.wait_for(coro, self._timeout)
-        except asyncio.TimeoutError as exc:
-            raise Timeout(f"engine {self._pool.name}: no data for {self._timeout}s") from exc
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                OSError, ValueError) as exc:
-            raise EngineError(f"engine {self._pool.name}: connection broke mid-response "
-                              f"({type(exc).__name__})",
-                              details={"engine_id": self._pool.name, "dropped": True}) from exc
+    async def _read(self, fn, *args):
+        """``fn(*args)`` (a StreamReader read: cancel-safe, so it can be retried)."""
+        conn = self._conn
+        while True:
+            limit = self._first
+            try:
+                data = await asyncio.wait_for(fn(*args), limit)
+                self._first = self._timeout  # silence between chunks from now on
+                return data
+            except asyncio.TimeoutError as exc:
+                if self._patience is not None and self._patience():
+                    continue  # paused for a swap: silence is expected
+                raise Timeout(f"engine {self._pool.name}: no data for {limit:g}s",
+                              details={"engine_id": self._pool.name, "dropped": True,
+                                       "silent_s": limit}) from exc
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                    OSError, ValueError) as exc:
+                why = f"broken off: {conn.aborted}" if conn.aborted else \
+                    f"connection broke mid-response ({type(exc).__name__})"
+                raise EngineError(f"engine {self._pool.name}: {why}",
+                                  details={"engine_id": self._pool.name, "dropped": True}) from exc
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked framing removed)."""
@@ -65,26 +83,26 @@ class RawResponse:
             te = self.headers.get(b"transfer-encoding", b"").lower()
             if b"chunked" in te:
                 while True:
-                    line = await self._read(r.readuntil(b"\r\n"))
+                    line = await self._read(r.readuntil, b"\r\n")
                     size = int(line.split(b";", 1)[0].strip(), 16)
                     if size == 0:
-                        while (await self._read(r.readuntil(b"\r\n"))) != b"\r\n":
+                        while (await self._read(r.readuntil, b"\r\n")) != b"\r\n":
                             pass  # trailers
                         break
-                    data = await self._read(r.readexactly(size))
-                    await self._read(r.readexactly(2))
+                    data = await self._read(r.readexactly, size)
+                    await self._read(r.readexactly, 2)
                     yield data
             elif b"content-length" in self.headers:
                 left = int(self.headers[b"content-length"])
                 while left > 0:
-                    data = await self._read(r.read(min(left, _STREAM_LIMIT)))
+                    data = await self._read(r.read, min(left, _STREAM_LIMIT))
                     if not data:
                         raise EngineError(f"engine {self._pool.name}: body cut short",
                                           details={"engine_id": self._pool.name, "dropped": True})
                     left -= len(data)
                     yield data
             else:  # delimited by close
-                while data := await self._read(r.read(_STREAM_LIMIT)):
+                while data := await self._read(r.read, _STREAM_LIMIT):
                     yield data
                 self.headers[b"connection"] = b"close"
             self._done = True
@@ -114,6 +132,7 @@ class RawHttpPool:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()  # connections with a request in flight
 
     async def _connect(self) -> _Conn:
         try:
@@ -128,49 +147,85 @@ class RawHttpPool:
         return _Conn(reader, writer)
 
     def _give_back(self, conn: _Conn, keep: bool) -> None:
-        if keep and len(self._idle) < self.max_idle and not conn.writer.is_closing():
+        self._busy.discard(conn)
+        if keep and not conn.aborted and len(self._idle) < self.max_idle \
+                and not conn.writer.is_closing():
             conn.reused = True
             self._idle.append(conn)
         else:
             conn.close()
 
-    async def post(self, path: str, body: bytes, *, read_timeout: float) -> RawResponse:
-        """Send a JSON POST; returns once the status line and headers arrived."""
+    def abort_active(self, why: str) -> int:
+        """Break off every request in flight (their reads fail at once, as dropped);
+        returns how many."""
+        busy, self._busy = list(self._busy), set()
+        for c in busy:
+            c.aborted = why
+            with contextlib.suppress(Exception):
+                c.writer.transport.abort()
+        return len(busy)
+
+    async def post(self, path: str, body: bytes, *, read_timeout: float,
+                   first_timeout: float | None = None,
+                   patience: Callable[[], bool] | None = None) -> RawResponse:
+        """Send a JSON POST; returns once the status line and headers arrived (within
+        ``first_timeout``, default ``read_timeout``)."""
+        head_timeout = first_timeout if first_timeout is not None else read_timeout
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 f"Accept: */*\r\n{self._extra}\r\n").encode()
         for attempt in (0, 1):
             conn = self._idle.pop() if self._idle else await self._connect()
+            self._busy.add(conn)
             try:
                 conn.writer.write(head + body)
                 await conn.writer.drain()
-                raw = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), read_timeout)
+                raw = await self._head(conn, head_timeout, patience)
             except asyncio.IncompleteReadError as exc:
-                conn.close()
+                self._drop(conn)
+                if conn.aborted:
+                    raise EngineError(f"engine {self.name}: broken off: {conn.aborted}",
+                                      details={"engine_id": self.name}) from exc
                 if conn.reused and not exc.partial and attempt == 0:
                     continue  # the server closed an idle keep-alive connection: retry fresh
                 raise EngineError(f"engine {self.name}: connection closed before a response",
                                   details={"engine_id": self.name}) from exc
             except asyncio.TimeoutError as exc:
-                conn.close()
-                raise Timeout(f"engine {self.name}: no response for {read_timeout}s") from exc
+                self._drop(conn)
+                raise Timeout(f"engine {self.name}: no response for {head_timeout:g}s",
+                              details={"engine_id": self.name}) from exc
             except (ConnectionError, OSError, asyncio.LimitOverrunError) as exc:
-                conn.close()
-                if conn.reused and attempt == 0:
+                self._drop(conn)
+                if conn.reused and attempt == 0 and not conn.aborted:
                     continue
                 raise EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}",
                                   details={"engine_id": self.name}) from exc
             except BaseException:
-                conn.close()
+                self._drop(conn)
                 raise
-            return self._parse_head(conn, raw, read_timeout)
+            return self._parse_head(conn, raw, read_timeout, first_timeout, patience)
         raise EngineError(f"engine {self.name}: could not send the request")  # pragma: no cover
 
-    def _parse_head(self, conn: _Conn, raw: bytes, read_timeout: float) -> RawResponse:
+    @staticmethod
+    async def _head(conn: _Conn, timeout: float, patience: Callable[[], bool] | None) -> bytes:
+        while True:
+            try:  # readuntil is cancel-safe: a timed-out wait can be resumed
+                return await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), timeout)
+            except asyncio.TimeoutError:
+                if patience is None or not patience():
+                    raise
+
+    def _drop(self, conn: _Conn) -> None:
+        self._busy.discard(conn)
+        conn.close()
+
+    def _parse_head(self, conn: _Conn, raw: bytes, read_timeout: float,
+                    first_timeout: float | None = None,
+                    patience: Callable[[], bool] | None = None) -> RawResponse:
         lines = raw.split(b"\r\n")
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            conn.close()
+            self._drop(conn)
             raise EngineError(f"engine {self.name}: not an HTTP/1.1 response: {lines[0][:80]!r}",
                               details={"engine_id": self.name})
         headers: dict[bytes, bytes] = {}
@@ -178,9 +233,12 @@ class RawHttpPool:
             if b":" in line:
                 k, v = line.split(b":", 1)
                 headers[k.strip().lower()] = v.strip()
-        return RawResponse(self, conn, int(parts[1]), headers, read_timeout)
+        return RawResponse(self, conn, int(parts[1]), headers, read_timeout, first_timeout,
+                           patience)
 
     def close(self) -> None:
         for c in self._idle:
             c.close()
         self._idle.clear()
+        for c in list(self._busy):
+            c.close()

@@ -40,18 +40,29 @@ class EngineProcess:
     """
 
     def __init__(self, *, seed: int = 0, checkpoint: str | os.PathLike | None = None,
-                 model_config: str | None = None, weight_version: str = "0",
+                 model_config: str | None = None, weight_version: str | None = "0",
                  incremental_streaming_output: bool = False, max_running_requests: int = 64,
-                 step_delay_ms: float = 0.0,
+                 step_delay_ms: float = 0.0, sglang_strict: bool = False,
+                 enable_return_routed_experts: bool = False, emulate_version: str | None = None,
+                 model_path: str | os.PathLike | None = None,
                  port: int | None = None, host: str = "127.0.0.1", startup_timeout: float = 60.0,
                  extra_args: list[str] | None = None) -> None:
         self.host = host
         self.port = port or free_port()
         self.startup_timeout = startup_timeout
         self.args = ["--host", host, "--port", str(self.port), "--seed", str(seed),
-                     "--weight-version", str(weight_version),
                      "--max-running-requests", str(max_running_requests),
                      "--step-delay-ms", str(step_delay_ms)]
+        if weight_version is not None:  # None: the engine's default ("default" if strict)
+            self.args += ["--weight-version", str(weight_version)]
+        if sglang_strict:
+            self.args.append("--sglang-strict")
+        if enable_return_routed_experts:
+            self.args.append("--enable-return-routed-experts")
+        if emulate_version:
+            self.args += ["--emulate-version", emulate_version]
+        if model_path:
+            self.args += ["--model-path", str(model_path)]
         if checkpoint:
             self.args += ["--checkpoint", str(checkpoint)]
         if model_config:

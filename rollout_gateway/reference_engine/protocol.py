@@ -231,9 +231,12 @@ def _top(entries: list, tok: ByteTokenizer, with_text: bool) -> list:
 
 
 def format_output(req: Request, n_out: int, current_version: str, tok: ByteTokenizer, *,
-                  since: int = 0, final: bool, incremental: bool = False) -> dict[str, Any]:
+                  since: int = 0, final: bool, incremental: bool = False,
+                  spans: bool = True) -> dict[str, Any]:
     """One response object (or streaming chunk) for ``req`` with ``n_out`` output tokens.
 
+    ``spans=False`` (SGLang before 0.5.21): no ``weight_versions``, and weight_version is
+    the engine's current one.
     ``incremental``: output_ids, text and per-token lists are deltas from index ``since``
     (incremental streaming); text is cut at whole UTF-8 characters until the final chunk,
     so the concatenated deltas equal the final text."""
@@ -277,8 +280,9 @@ def format_output(req: Request, n_out: int, current_version: str, tok: ByteToken
     if final and finish is not None:
         spans = req.final_spans or weight_version_spans(req.version_events, current_version, n_out)
         visible = [s for s in spans if s["start"] < n_out or s["start"] == 0]
-        meta["weight_versions"] = [{**s, "end": min(s["end"], n_out)} for s in visible]
-        meta["weight_version"] = visible[-1]["version"]
+        if spans:
+            meta["weight_versions"] = [{**s, "end": min(s["end"], n_out)} for s in visible]
+            meta["weight_version"] = visible[-1]["version"]
         if p.return_routed_experts and req.admitted:
             total = len(req.prompt) + n_out - 1
             rows = req.routed[p.routed_experts_start_len:max(total, p.routed_experts_start_len)]

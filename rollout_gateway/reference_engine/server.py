@@ -11,8 +11,10 @@ import). Endpoints: /generate, /pause_generation, /continue_generation, /abort_r
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,6 +47,21 @@ class EngineSettings(BaseModel):
     seed: int = Field(0, ge=0, description="Seed of the initial weights when no checkpoint.")
     checkpoint: str | None = Field(None, description="Checkpoint dir to load at start.")
     weight_version: str = Field("0", min_length=1, description="Initial weight version.")
+    sglang_strict: bool = Field(
+        False, description="Answer exactly as SGLang does: no entropy extension, /model_info "
+        "and /server_info with SGLang's keys only, routed experts only with "
+        "enable_return_routed_experts, config.json under model_path.")
+    enable_return_routed_experts: bool = Field(
+        False, description="Strict mode: SGLang's --enable-return-routed-experts (without it "
+        "return_routed_experts is silently ignored, as in SGLang). Always on otherwise.")
+    emulate_version: str = Field(
+        SGLANG_VERSION, pattern=r"^\d+\.\d+\.\d+$",
+        description="SGLang version to report and emulate: below 0.5.21 no weight_versions "
+        "spans and no begin/end_weight_update; below 0.5.6 /pause_generation takes no mode "
+        "(it aborts in-flight requests).")
+    model_path: str | None = Field(
+        None, description="Directory reported as model_path (strict mode writes the HF "
+        "config.json there when it has none); default: the checkpoint dir, or a temp dir.")
     incremental_streaming_output: bool = Field(
         False, description="SSE chunks carry deltas instead of the cumulative output.")
     max_running_requests: int = Field(64, ge=1, le=4096,
@@ -75,10 +92,36 @@ async def _body(request: Request) -> dict[str, Any]:
     return data
 
 
+def _vt(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _model_path(settings: EngineSettings, cfg: ModelConfig) -> str:
+    """What /model_info reports as model_path; strict mode makes it a real HF directory
+    (config.json readable there), as an SGLang deployment's model directory is."""
+    path = settings.model_path or settings.checkpoint
+    if not settings.sglang_strict:
+        return path or f"reference-seed-{settings.seed}"
+    if path is None:
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix=f"reference-seed-{settings.seed}-")
+    cfg_file = Path(path) / ckpt.CONFIG_FILE
+    if not cfg_file.exists():
+        Path(path).mkdir(parents=True, exist_ok=True)
+        cfg_file.write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    return str(Path(path).resolve())
+
+
 def create_app(settings: EngineSettings | None = None) -> FastAPI:
     settings = settings or EngineSettings()
     tok = ByteTokenizer()
     state: dict[str, Any] = {}
+    strict = settings.sglang_strict
+    emulated = _vt(settings.emulate_version)
+    has_spans = emulated >= (0, 5, 21)
+    has_pause_modes = emulated >= (0, 5, 6)
+    routing_on = settings.enable_return_routed_experts or not strict
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,7 +134,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                           settings.step_delay_ms / 1000.0)
         sched.start()
         state["sched"] = sched
-        state["model_path"] = settings.checkpoint or f"reference-seed-{settings.seed}"
+        state["model_path"] = _model_path(settings, model.config)
         yield
         await sched.stop()
         dist_update.destroy(sched)
@@ -117,6 +160,11 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         cfg = s.cfg
         parsed = parse_generate(await _body(request), tok, cfg.vocab_size,
                                 cfg.max_position_embeddings)
+        for _, _, params in parsed.items:
+            if strict:  # SGLang: return_entropy is a stub, never returned
+                params.return_entropy = False
+            if not routing_on:  # SGLang without the flag: silently no routing
+                params.return_routed_experts = False
         await s.wait_admissible()
         for rid, _, _ in parsed.items:
             if rid in s.requests:
@@ -142,7 +190,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         q = r.listeners[0]
         while not r.finished:
             await q.get()
-        return format_output(r, len(r.output), s.weight_version, tok, final=True)
+        return format_output(r, len(r.output), s.weight_version, tok, final=True,
+                             spans=has_spans)
 
     async def _stream(s: Scheduler, reqs: list[GenRequest], incremental: bool):
         sent = [0] * len(reqs)
@@ -167,7 +216,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                     continue
                 since = sent[i] if incremental else 0
                 chunk = format_output(r, n, s.weight_version, tok, since=since, final=final,
-                                      incremental=incremental)
+                                      incremental=incremental, spans=has_spans)
                 if len(reqs) > 1:
                     chunk["index"] = i
                 sent[i] = n
@@ -185,7 +234,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body = await _body(request)
-        mode = body.get("mode", "abort")
+        mode = body.get("mode", "abort") if has_pause_modes else "abort"  # old: no modes
         if mode not in ("abort", "retract", "in_place"):
             raise ProtocolError(f"mode must be one of abort, retract, in_place; got {mode!r}")
         await sched().pause(mode)
@@ -251,6 +300,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request):
+        if not has_spans:  # routes added in 0.5.21
+            return _json({"detail": "Not Found"}, 404)
         await _body(request)
         s = sched()
         if s.update_session_open:
@@ -261,6 +312,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request):
+        if not has_spans:
+            return _json({"detail": "Not Found"}, 404)
         await _body(request)
         s = sched()
         if not s.update_session_open:
@@ -290,6 +343,12 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     # ------------------------------------------------------------------ info / health
     def _model_info() -> dict[str, Any]:
         s = sched()
+        if strict:  # SGLang 0.5.23's keys, nothing else (no layer or expert counts)
+            return {"model_path": state["model_path"], "tokenizer_path": state["model_path"],
+                    "is_generation": True, "preferred_sampling_params": None,
+                    "weight_version": s.weight_version, "has_image_understanding": False,
+                    "has_audio_understanding": False, "model_type": "qwen3_moe",
+                    "architectures": ["Qwen3MoeForCausalLM"]}
         return {"model_path": state["model_path"], "tokenizer_path": "byte-level",
                 "is_generation": True, "weight_version": s.weight_version,
                 "served_model_name": "reference-qwen3-moe", "load_format": "safetensors",
@@ -309,6 +368,16 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     def _server_info() -> dict[str, Any]:
         s = sched()
+        if strict:  # SGLang: the server args, "version" and "internal_states"
+            return {"model_path": state["model_path"], "tokenizer_path": state["model_path"],
+                    "served_model_name": state["model_path"], "weight_version":
+                    settings.weight_version, "tp_size": 1, "dp_size": 1,
+                    "incremental_streaming_output": settings.incremental_streaming_output,
+                    "enable_return_routed_experts": settings.enable_return_routed_experts,
+                    "max_running_requests": settings.max_running_requests,
+                    "version": settings.emulate_version,
+                    "internal_states": [{"num_running_reqs": len(s.running),
+                                         "num_waiting_reqs": len(s.waiting)}]}
         return {"version": SGLANG_VERSION, "reference_engine": True,
                 "engine": "rollout-gateway-reference", "weight_version": s.weight_version,
                 "incremental_streaming_output": settings.incremental_streaming_output,

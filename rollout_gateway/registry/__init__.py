@@ -21,12 +21,16 @@ __all__ = ["SWAP_MODES", "EngineSwapOutcome", "InMemoryRegistry", "Lease", "Swap
 
 
 def create_registry(url: str | None = None, *, prefix: str = "rollout",
-                    max_history: int = 1000) -> VersionRegistry:
+                    max_history: int = 1000, max_connections: int | None = None,
+                    pool_wait_s: float | None = None,
+                    version_cache_s: float = 0.25) -> VersionRegistry:
     """Build a registry from a URL, in the trajectory store's URL style.
 
     ``None``/``""``/``memory://`` -> in-process. ``redis://host:port/db?prefix=rollout``
     (also ``rediss://``, ``unix://``) -> Redis, keys under ``{prefix}:reg:``; a
     ``prefix`` query parameter overrides the argument, so the store's URL can be reused.
+    Redis: a bounded connection pool that waits for a free connection (``max_connections``,
+    ``pool_wait_s``), and the learner version cached for ``version_cache_s``.
     """
     if not url or url.startswith("memory://"):
         return InMemoryRegistry(max_history=max_history)
@@ -39,7 +43,9 @@ def create_registry(url: str | None = None, *, prefix: str = "rollout",
         for k in [k for k in query if k not in _REDIS_URL_OPTIONS]:
             query.pop(k)  # store options (max_backlog, ...) do not concern the registry
         rest = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
-        return RedisRegistry.from_url(rest, prefix=prefix, max_history=max_history)
+        return RedisRegistry.from_url(rest, prefix=prefix, max_history=max_history,
+                                      max_connections=max_connections,
+                                      pool_wait_s=pool_wait_s, version_cache_s=version_cache_s)
     raise InvalidArgument(f"registry URL must be memory:// or redis://..., got {url!r}")
 
 

@@ -35,7 +35,9 @@ class EngineSwapOutcome:
     paused_at: float | None = None  # this engine's pause window (rolling swaps differ per engine)
     resumed_at: float | None = None
     tokens_reprefilled: int = 0
-    error: str | None = None  # why it failed (then it is out of rotation)
+    error: str | None = None  # why it failed
+    #: it failed but still runs version_before: it stays in rotation at that version
+    kept_version: bool = False
 
 
 @dataclass(slots=True)
@@ -91,7 +93,9 @@ class SwapRecord:
         d = dict(d)
         d.pop("tokens_reprefilled", None)
         d.pop("pause_windows", None)
-        engines = {k: EngineSwapOutcome(**v) for k, v in (d.pop("engines", None) or {}).items()}
+        known = set(EngineSwapOutcome.__dataclass_fields__)
+        engines = {k: EngineSwapOutcome(**{f: x for f, x in v.items() if f in known})
+                   for k, v in (d.pop("engines", None) or {}).items()}
         return cls(**d, engines=engines)
 
 

@@ -90,8 +90,13 @@ def _event(kind: str, version: int | None, engine_id: str | None = None) -> byte
 
 class RedisRegistry(VersionRegistry):
     def __init__(self, client: aioredis.Redis, *, prefix: str = "rg",
-                 max_history: int = 1000) -> None:
+                 max_history: int = 1000, version_cache_s: float = 0.0) -> None:
         self._r = client
+        #: the learner version is read on every admission and judgement: cache it briefly
+        #: (this replica's own writes update it at once) and share one read among callers
+        self._cache_s = version_cache_s
+        self._cached: tuple[float, int] | None = None  # (monotonic read time, version)
+        self._reading: asyncio.Task[int] | None = None
         p = f"{prefix}:reg:"
         self._k_learner, self._k_engines = p + "learner", p + "engines"
         self._k_swaps, self._k_order, self._k_lease = p + "swaps", p + "swap_order", p + "lease"
@@ -106,8 +111,12 @@ class RedisRegistry(VersionRegistry):
         self._running_sum = client.register_script(_RUNNING_SUM)
 
     @classmethod
-    def from_url(cls, url: str, **kw: Any) -> RedisRegistry:
-        return cls(aioredis.Redis.from_url(url), **kw)
+    def from_url(cls, url: str, *, max_connections: int | None = None,
+                 pool_wait_s: float | None = None, **kw: Any) -> RedisRegistry:
+        from rollout_gateway.store.redis_client import blocking_client
+
+        return cls(blocking_client(url, max_connections=max_connections, wait_s=pool_wait_s),
+                   **kw)
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -116,8 +125,27 @@ class RedisRegistry(VersionRegistry):
             raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
 
     async def learner_version(self) -> int:
+        loop = asyncio.get_running_loop()
+        c = self._cached
+        if c is not None and loop.time() - c[0] < self._cache_s:
+            return c[1]
+        # one read at a time, shared by every caller; a caller cancelled meanwhile does
+        # not cancel the others' read
+        if self._reading is None or self._reading.done():
+            self._reading = loop.create_task(self._read_learner())
+            self._reading.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(self._reading)
+
+    async def _read_learner(self) -> int:
+        at = asyncio.get_running_loop().time()
         v = await self._call("read the learner version", lambda: self._r.get(self._k_learner))
-        return int(v) if v is not None else 0
+        version = int(v) if v is not None else 0
+        self._remember(version, at)
+        return version
+
+    def _remember(self, version: int, at: float) -> None:
+        if self._cache_s > 0 and (self._cached is None or at >= self._cached[0]):
+            self._cached = (at, version)
 
     async def set_learner_version(self, version: int) -> int:
         check_version(version, "learner version")
@@ -125,7 +153,9 @@ class RedisRegistry(VersionRegistry):
             keys=[self._k_learner, self.channel],
             args=[version, _event("learner", version)]))
         if not ok:
+            self._cached = None
             refuse_backwards(int(cur), version)
+        self._remember(version, asyncio.get_running_loop().time())
         return int(cur)
 
     async def engine_versions(self) -> dict[str, int]:

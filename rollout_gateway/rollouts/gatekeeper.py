@@ -121,7 +121,11 @@ class Gatekeeper:
         """All n samples or ResourceExhausted (429)."""
         lv, backlog, others = await self._live()
         self.ctl.admit(n, learner_version=lv, backlog=backlog, others_running=others)
-        await self._admitted()
+        try:
+            await self._admitted()
+        except BaseException:  # cancelled while reporting: the caller never got the slots
+            self.release_failed(n)
+            raise
 
     async def readmit_recycled(self, trajectory_id: str) -> None:
         """A slot for one recycled sample: waits (bounded backoff, up to
@@ -158,7 +162,11 @@ class Gatekeeper:
                 delay = min(delay * 2, cap)
         finally:
             stats.recycle_waiting -= 1
-        await self._admitted()
+        try:
+            await self._admitted()
+        except BaseException:
+            self.release_failed(1)
+            raise
 
     async def judge(self, traj: Trajectory, recycles: int) -> Judgement:
         """Release one finished sample; record the verdict on the trajectory's metadata.

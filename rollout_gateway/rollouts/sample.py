@@ -27,11 +27,13 @@ from rollout_gateway.core.trajectory import (
     Trajectory,
     Transition,
 )
-from rollout_gateway.engines.decode import Decoded, DecodeOptions, RoutingSpec, decode_one
+from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.pool import Engine, EnginePool
+from rollout_gateway.engines.shape import resolve_spec, routing_problem
 from rollout_gateway.errors import (
     EngineError,
+    FailedPrecondition,
     GatewayError,
     InvalidArgument,
     Timeout,
@@ -44,6 +46,39 @@ from rollout_gateway.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 _KIND_RANK = {EntropyKind.EXACT: 0, EntropyKind.TOPK_ESTIMATE: 1, EntropyKind.NONE: 2}
+#: what decoding an engine's garbage can raise besides GatewayError
+_GARBAGE = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def _unreadable(eng: Engine, exc: BaseException) -> EngineError:
+    return EngineError(f"engine {eng.id} sent an unreadable answer ({type(exc).__name__})",
+                       details={"engine_id": eng.id, "dropped": True})
+
+
+@dataclass(slots=True)
+class PassThrough:
+    """SGLang ``/generate`` logprob fields a caller asked for, forwarded with SGLang's
+    meaning (``rollout_gateway.api.generate``); the runner fills ``out[sample_index]``
+    with ``output_top_logprobs`` (rows of every engine request, in order),
+    ``input_token_logprobs`` and ``input_top_logprobs`` (from ``logprob_start_len``, of
+    the first request, the only one whose input is the original prompt)."""
+
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    out: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def keys(self) -> frozenset[str]:
+        k: set[str] = set()
+        if self.return_text_in_logprobs:
+            k.add("output_token_logprobs")
+        if self.top_logprobs_num > 0:
+            k.add("output_top_logprobs")
+        if self.logprob_start_len >= 0:
+            k.add("input_token_logprobs")
+            if self.top_logprobs_num > 0:
+                k.add("input_top_logprobs")
+        return frozenset(k)
 
 
 @dataclass(slots=True)
@@ -60,6 +95,8 @@ class Piece:
     routing: np.ndarray | None  # [R, L, K] (narrow uint) with R = input_len + n - 1
     num_experts: int = 0
     text: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # PassThrough rows of this request
+    input_start: int = -1  # logprob_start_len this request was sent with
 
 
 @dataclass(slots=True)
@@ -80,14 +117,27 @@ class SampleState:
         return np.concatenate([p.cols.token_ids for p in self.pieces])
 
 
-def decode_options(eng: Engine, settings: GatewaySettings) -> DecodeOptions:
-    """Routing shape from settings, else from what the engine reported."""
+def decode_options(eng: Engine, settings: GatewaySettings, *, routing: bool = False,
+                   passthrough: frozenset[str] = frozenset()) -> DecodeOptions:
+    """Routing shape from settings, else from what the engine reported (engines.shape)."""
     info = eng.client.info
-    layers = settings.model.num_layers or info.num_layers
-    top_k = settings.model.top_k or info.top_k
-    n_exp = settings.model.num_experts or info.num_experts
-    spec = RoutingSpec(layers, top_k, n_exp) if layers and top_k and n_exp else None
-    return DecodeOptions(routing=spec, routed_experts_start_len=0)
+    spec = resolve_spec(settings.model, (info.num_layers, info.top_k, info.num_experts))
+    return DecodeOptions(routing=spec, routed_experts_start_len=0,
+                         require_routing=routing and spec is not None, passthrough=passthrough)
+
+
+def wants_routing(eng: Engine, req: RolloutRequest, settings: GatewaySettings) -> bool:
+    """Whether to ask ``eng`` for routed experts; refuses a request that requires them
+    from an engine that cannot give them (never silently absent)."""
+    if req.return_routed_experts is False:
+        return False
+    problem = routing_problem(eng.id, eng.client.info, settings.model)
+    if problem is None:
+        return True
+    if req.return_routed_experts:
+        raise FailedPrecondition(f"routed experts were requested but {problem}",
+                                 details={"engine_id": eng.id})
+    return False
 
 
 class SampleRunner:
@@ -116,19 +166,27 @@ class SampleRunner:
                 eng.installed_by[r.version] = modes[r.mode]
 
     def _payload(self, eng: Engine, req: RolloutRequest, state: SampleState, rid: str,
-                 remaining: int, *, want_prompt_ids: bool) -> dict[str, Any]:
+                 remaining: int, *, want_prompt_ids: bool,
+                 passthrough: PassThrough | None = None) -> dict[str, Any]:
         # top-k rows only feed the entropy estimate: skip them once the engine has shown it
         # returns exact entropy (they are most of the response bytes)
         top = 0 if eng.client.info.exact_entropy else self.settings.top_logprobs_num
+        start = 0 if want_prompt_ids else -1
+        if passthrough is not None:
+            top = max(top, passthrough.top_logprobs_num)
+            if passthrough.logprob_start_len >= 0 and state.generated == 0:
+                start = 0 if want_prompt_ids else passthrough.logprob_start_len
         p: dict[str, Any] = {
             "rid": rid,
             "sampling_params": req.sampling_params.to_engine(remaining),
             "return_logprob": True,
-            "logprob_start_len": 0 if want_prompt_ids else -1,
+            "logprob_start_len": start,
             "top_logprobs_num": top,
             "return_entropy": True,
         }
-        if req.return_routed_experts:
+        if passthrough is not None and passthrough.return_text_in_logprobs:
+            p["return_text_in_logprobs"] = True
+        if wants_routing(eng, req, self.settings):
             p["return_routed_experts"] = True
             p["routed_experts_start_len"] = 0
         if state.prompt_ids is None:
@@ -139,45 +197,59 @@ class SampleRunner:
 
     async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
                     on_delta=None) -> tuple[Decoded | None, GatewayError | None]:
-        """One engine request -> (decoded output so far, error). A broken stream keeps what
-        arrived: the last cumulative chunk, or the merged deltas of an incremental stream.
-        ``on_delta(d)`` (live streaming to a client) sees every chunk's new tokens."""
+        """One engine request -> (decoded output so far, error). A broken, silent or
+        unreadable stream keeps what arrived: the last cumulative chunk, or the merged
+        deltas of an incremental stream. ``on_delta(d)`` (live streaming to a client) sees
+        every chunk's new tokens."""
         if not self.settings.stream_from_engines and on_delta is None:
             try:
                 return decode_one(await eng.client.generate(payload), opts), None
             except GatewayError as exc:
                 return None, exc
+            except _GARBAGE as exc:
+                return None, _unreadable(eng, exc)
         if eng.client.info.incremental_stream or on_delta is not None:
             sd = StreamDecoder(opts, keep=True)
             err: GatewayError | None = None
             try:
-                async for data in eng.client.generate_stream(payload):
+                async for data in eng.client.generate_stream(payload, patience=eng.patience):
                     for d in sd.feed_payload(data):
                         if on_delta is not None and d.num_tokens:
                             await on_delta(d)
             except GatewayError as exc:
                 err = exc
+            except _GARBAGE as exc:
+                err = _unreadable(eng, exc)
             try:
                 return sd.result(), err
-            except (GatewayError, ValueError) as exc:
+            except (GatewayError, *_GARBAGE) as exc:
                 return None, err or EngineError(f"engine {eng.id}: {exc}")
         last: bytes | None = None
+        prev: bytes | None = None
         err = None
         try:
-            async for data in eng.client.generate_stream(payload):
-                last = data  # cumulative: the newest chunk holds everything so far
+            async for data in eng.client.generate_stream(payload, patience=eng.patience):
+                prev, last = last, data  # cumulative: the newest chunk holds everything
         except GatewayError as exc:
             err = exc
         if last is None:
             return None, err
         try:
             return decode_one(last, opts), err
-        except GatewayError as exc:
-            return None, err or exc
+        except (GatewayError, *_GARBAGE) as exc:
+            bad = exc if isinstance(exc, GatewayError) else _unreadable(eng, exc)
+        # the newest chunk is garbage: keep the output of the one before it, if it reads
+        if prev is not None:
+            try:
+                return decode_one(prev, opts), err or bad
+            except (GatewayError, *_GARBAGE):
+                pass
+        return None, err or bad
 
     async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
                   *, sticky_key: str | None, prompt_ids: np.ndarray | None,
-                  on_chunk=None) -> tuple[Trajectory, str]:
+                  on_chunk=None, passthrough: PassThrough | None = None
+                  ) -> tuple[Trajectory, str]:
         """Run to completion; returns the trajectory and its output text (as the engines
         detokenized it, concatenated over requests)."""
         state = SampleState(trajectory_id, prompt_ids)
@@ -197,7 +269,8 @@ class SampleRunner:
             attempts += 1
             if attempts > self.settings.max_attempts:
                 raise Unavailable(f"sample {trajectory_id}: gave up after "
-                                  f"{self.settings.max_attempts} engine attempts",
+                                  f"{self.settings.max_attempts} engine attempts"
+                                  + (f"; last error: {last_error}" if last_error else ""),
                                   details={"trajectory_id": trajectory_id,
                                            "tokens_so_far": state.generated})
             eng = await self.pool.acquire(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
@@ -205,7 +278,8 @@ class SampleRunner:
             prefer = None
             rid = f"{trajectory_id}.{attempts}"
             want_ids = state.prompt_ids is None
-            payload = self._payload(eng, req, state, rid, remaining, want_prompt_ids=want_ids)
+            payload = self._payload(eng, req, state, rid, remaining, want_prompt_ids=want_ids,
+                                    passthrough=passthrough)
             input_len = len(payload.get("input_ids", ()))
             t0 = time.time()
             on_delta = None
@@ -215,8 +289,11 @@ class SampleRunner:
                 async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
                     await on_chunk(self._stamp_delta(eng, d, how, base))
             async with self.pool.lease(eng, remaining):
-                dec, err = await self._call(eng, payload, decode_options(eng, self.settings),
-                                            on_delta)
+                opts = decode_options(eng, self.settings,
+                                      routing=bool(payload.get("return_routed_experts")),
+                                      passthrough=passthrough.keys() if passthrough else
+                                      frozenset())
+                dec, err = await self._call(eng, payload, opts, on_delta)
             t1 = time.time()
             if dec is not None and dec.num_tokens:
                 eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT
@@ -232,9 +309,11 @@ class SampleRunner:
                 if len(dec.spans) > 1 and self.registry is not None:
                     await self._learn_install_modes(eng, {v for v, _, _ in dec.spans[1:]})
                 piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
+                piece.input_start = payload["logprob_start_len"]
                 state.pieces.append(piece)
             fin = dec.finish_reason if dec is not None else None
             if err is None and fin is not None and fin.get("type") != "abort":
+                self.pool.record_success(eng)
                 finish = fin
                 break
             if err is None and dec is None:
@@ -248,7 +327,7 @@ class SampleRunner:
                     raise err
                 log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id,
                             eng.id, err.message)
-                self.pool.mark_unhealthy(eng, err.message)
+                self.pool.record_failure(eng, err.message)
                 last_error = err.message
                 exclude.add(eng.id)
                 began = Transition.FAILOVER
@@ -262,7 +341,55 @@ class SampleRunner:
                 began = Transition.FAILOVER
                 exclude.add(eng.id)
         text = "".join(p.text for p in state.pieces)
-        return self._assemble(req, state, group_id, index, finish, created), text
+        traj = self._assemble(req, state, group_id, index, finish, created)
+        if passthrough is not None:
+            passthrough.out[index] = self._passed(passthrough, state, trajectory_id)
+        return traj, text
+
+    @staticmethod
+    def _passed(pt: PassThrough, state: SampleState, tid: str) -> dict[str, Any]:
+        """The forwarded rows of a finished sample; anything asked for and missing is an
+        engine error (never silently absent)."""
+        out: dict[str, Any] = {}
+        pieces = state.pieces
+        if pt.return_text_in_logprobs:
+            rows = []
+            for p in pieces:
+                got = p.extra.get("output_token_logprobs")
+                if got is None or len(got) != len(p.cols):
+                    raise EngineError(f"sample {tid}: engine {p.engine_id} returned no "
+                                      f"output_token_logprobs rows for {len(p.cols)} tokens")
+                rows.extend(got)
+            out["output_token_logprobs"] = rows
+        if pt.top_logprobs_num > 0:
+            rows: list = []
+            for p in pieces:
+                got = p.extra.get("output_top_logprobs")
+                if got is None or len(got) != len(p.cols):
+                    raise EngineError(f"sample {tid}: engine {p.engine_id} returned no "
+                                      f"output_top_logprobs for {len(p.cols)} tokens although "
+                                      f"top_logprobs_num was sent")
+                rows.extend(r[:pt.top_logprobs_num] if r is not None else None for r in got)
+            out["output_top_logprobs"] = rows
+        if pt.logprob_start_len >= 0:
+            first = pieces[0] if pieces else None
+            for key in ("input_token_logprobs", "input_top_logprobs"):
+                if key == "input_top_logprobs" and pt.top_logprobs_num <= 0:
+                    continue
+                got = first.extra.get(key) if first is not None else None
+                if got is None or first.input_start < 0:
+                    if first is None:  # no output at all (max_new_tokens reached at once)
+                        continue
+                    raise EngineError(f"sample {tid}: engine {first.engine_id} returned no "
+                                      f"{key} although logprob_start_len was sent")
+                cut = max(pt.logprob_start_len - first.input_start, 0)
+                rows = list(got[cut:])
+                if cut and rows and rows[0] is not None:  # SGLang: the start token gets None
+                    rows[0] = None if key == "input_top_logprobs" else [None, *rows[0][1:]]
+                if key == "input_top_logprobs":
+                    rows = [r[:pt.top_logprobs_num] if r is not None else None for r in rows]
+                out[key] = rows
+        return out
 
     @staticmethod
     def _engine_rejected(err: GatewayError) -> bool:
@@ -281,6 +408,7 @@ class SampleRunner:
                            installed_by=eng.installed_by,
                            cached_floor=eng.cache_floor if d.cached_tokens else None)
         return {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
+                "top_logprobs": d.extra.get("output_top_logprobs"),
                 "logprobs": d.logprobs, "entropy": d.entropy,
                 "policy_version": st.policy_version[d.offset:],
                 "kv_version": st.kv_version[d.offset:]}
@@ -304,7 +432,7 @@ class SampleRunner:
                      entropy_bound=float(dec.entropy_error_bound), finish=dec.finish_reason,
                      routing=dec.routed.data if dec.routed is not None else None,
                      num_experts=dec.routed.num_experts if dec.routed is not None else 0,
-                     text=dec.text or "")
+                     text=dec.text or "", extra=dec.extra)
 
     def _assemble(self, req: RolloutRequest, state: SampleState, group_id: str, index: int,
                   finish: dict[str, Any], created: float) -> Trajectory:

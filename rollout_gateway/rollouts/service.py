@@ -13,12 +13,13 @@ import numpy as np
 from rollout_gateway.core.admission import Verdict
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.pool import EnginePool
-from rollout_gateway.errors import GatewayError, InvalidArgument
+from rollout_gateway.errors import AlreadyExists, GatewayError, InvalidArgument
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import SampleRunner
+from rollout_gateway.rollouts.sample import PassThrough, SampleRunner
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
+from rollout_gateway.transport import codec
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,10 @@ class RolloutService:
         self.runner = SampleRunner(pool, settings, gatekeeper.registry)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
-                         "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0}
+                         "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
+                         "replayed": 0}
+        self._background: set[asyncio.Task[None]] = set()
+        self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
 
     @property
     def inflight_samples(self) -> int:
@@ -54,6 +58,14 @@ class RolloutService:
         if req.input_ids is not None and len(req.input_ids) > s.max_prompt_tokens:
             raise InvalidArgument(f"prompt has {len(req.input_ids)} tokens; the limit is "
                                   f"{s.max_prompt_tokens}")
+        if req.prompt is not None and len(req.prompt) > s.max_prompt_chars:
+            raise InvalidArgument(f"prompt has {len(req.prompt)} characters; the limit is "
+                                  f"{s.max_prompt_chars}")
+        if req.metadata:
+            size = sum(len(k.encode()) + len(v.encode()) for k, v in req.metadata.items())
+            if size > s.max_metadata_bytes:
+                raise InvalidArgument(f"metadata has {size} bytes; the limit is "
+                                      f"{s.max_metadata_bytes}")
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""
@@ -97,28 +109,34 @@ class RolloutService:
 
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
-                            on_chunk=None) -> tuple[Trajectory, str]:
+                            on_chunk=None, slot: Slot | None = None,
+                            passthrough: PassThrough | None = None) -> tuple[Trajectory, str]:
         """One admitted sample: run, judge against the staleness bound, publish.
 
-        Releases its admission slot exactly once. A recycled sample is generated again
-        (re-admitted, waiting up to ``admission.recycle_wait_s`` for a slot) up to
-        ``admission.max_recycles`` times; with no slot in time its request fails with 429
-        (counted as ``recycle_refused``)."""
+        Releases its admission slot exactly once (``slot.held`` says whether it still
+        holds one; whoever admitted releases a slot still held when the sample ends). A
+        recycled sample is generated again (re-admitted, waiting up to
+        ``admission.recycle_wait_s`` for a slot) up to ``admission.max_recycles`` times;
+        with no slot in time its request fails with 429 (counted as ``recycle_refused``)."""
+        slot = slot or Slot()
         recycles = 0
         while True:
             try:
                 traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
-                                                   prompt_ids=prompt, on_chunk=on_chunk)
+                                                   prompt_ids=prompt, on_chunk=on_chunk,
+                                                   passthrough=passthrough)
+                self._count(traj)
             except BaseException:
-                self.gatekeeper.release_failed(1)
+                slot.release(self.gatekeeper)
                 self.counters["failed_samples"] += 1
                 raise
-            self._count(traj)
-            try:
+            try:  # judging releases the slot, whatever happens inside
                 verdict = (await self.gatekeeper.judge(traj, recycles)).verdict
             except BaseException:
                 self.counters["failed_samples"] += 1
                 raise
+            finally:
+                slot.held = False
             if verdict is Verdict.RECYCLE:
                 recycles += 1
                 try:  # waits for a slot (bounded); never drops the prompt silently
@@ -126,6 +144,7 @@ class RolloutService:
                 except BaseException:
                     self.counters["failed_samples"] += 1
                     raise
+                slot.held = True
                 continue
             if verdict is not Verdict.DROP:
                 await self._publish(traj, req)
@@ -136,15 +155,69 @@ class RolloutService:
         published even when a sibling fails (then the first error is raised)."""
         return [t for t, _ in await self.run_with_text(req)]
 
-    async def run_with_text(self, req: RolloutRequest) -> list[tuple[Trajectory, str]]:
-        self.validate(req)
-        await self.gatekeeper.admit(req.n)
-        self.counters["rollouts"] += 1
+    async def _claim(self, req: RolloutRequest) -> asyncio.Event | None:
+        """One run per request_id at a time on this replica: a retry that arrives while
+        the original still runs waits for it, then answers what it stored."""
+        rid = req.request_id
+        if rid is None:
+            return None
+        while (other := self._running_ids.get(rid)) is not None:
+            await other.wait()
+        done = self._running_ids[rid] = asyncio.Event()
+        return done
+
+    def _unclaim(self, req: RolloutRequest, done: asyncio.Event | None) -> None:
+        if done is not None:
+            self._running_ids.pop(req.request_id, None)
+            done.set()
+
+    async def _plan(self, req: RolloutRequest) -> tuple[str, list[str], str | None,
+                                                         dict[int, Trajectory]]:
+        """Ids of the samples, and those a previous run with this request_id stored
+        (answered from the store, not generated again)."""
         group, ids, sticky = self._ids(req)
-        prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
-        results = await asyncio.gather(
-            *(self.one_with_text(req, tid, group, i, sticky, prompt) for i, tid in enumerate(ids)),
-            return_exceptions=True)
+        if req.request_id is None or not req.publish:
+            return group, ids, sticky, {}
+        found = await self.store.lookup(ids)
+        gone = sorted(t for t, d in found.items() if d is None)
+        if gone:
+            raise AlreadyExists(
+                f"request {req.request_id} finished earlier and its trajectories were "
+                f"consumed and are no longer retained ({', '.join(gone[:8])}); use a new "
+                "request_id to generate again", details={"trajectory_ids": gone})
+        stored = {i: codec.decode(found[t]) for i, t in enumerate(ids) if t in found}
+        if stored:
+            self.counters["replayed"] += len(stored)
+            group = next(iter(stored.values())).group_id or group
+        return group, ids, sticky, stored
+
+    async def run_with_text(self, req: RolloutRequest, passthrough: PassThrough | None = None
+                            ) -> list[tuple[Trajectory, str]]:
+        """Samples a previous run with the same ``request_id`` stored are answered from the
+        store (their text is not stored: ""); only the others are generated."""
+        self.validate(req)
+        claim = await self._claim(req)
+        try:
+            group, ids, sticky, stored = await self._plan(req)
+            todo = [i for i in range(req.n) if i not in stored]
+            results: list[Any] = [(stored[i], "") if i in stored else None
+                                  for i in range(req.n)]
+            if todo:
+                await self.gatekeeper.admit(len(todo))
+                slots = [Slot() for _ in todo]
+                try:  # every exit path below returns the slots no sample released
+                    self.counters["rollouts"] += 1
+                    prompt = _prompt_array(req)
+                    ran = await asyncio.gather(
+                        *(self.one_with_text(req, ids[i], group, i, sticky, prompt, slot=slot,
+                                            passthrough=passthrough)
+                          for i, slot in zip(todo, slots)), return_exceptions=True)
+                finally:
+                    self._release_held(slots)
+                for i, r in zip(todo, ran):
+                    results[i] = r
+        finally:
+            self._unclaim(req, claim)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             first = errors[0]
@@ -153,43 +226,101 @@ class RolloutService:
                 first.details.setdefault("finished_ids", [r[0].trajectory_id for r in results
                                                           if isinstance(r, tuple)])
             raise first
-        return list(results)  # type: ignore[arg-type]
+        return results
 
-    async def open_stream(self, req: RolloutRequest) -> AsyncIterator[dict[str, Any]]:
-        """Validate and admit now (errors raise here); then stream events:
-        {"type": "chunk", ...} per finished engine request (stamped tokens),
-        {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one."""
+    def _release_held(self, slots: list[Slot]) -> None:
+        for s in slots:
+            s.release(self.gatekeeper)
+
+    async def open_stream(self, req: RolloutRequest, passthrough: PassThrough | None = None
+                          ) -> AsyncIterator[dict[str, Any]]:
+        """Validate and admit now (errors raise here), start the samples; then stream
+        events: {"type": "chunk", ...} per finished engine request (stamped tokens),
+        {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one.
+        The samples run (judge, publish, release their slots) whether or not the stream
+        is read to the end, or at all. Samples stored by an earlier run with the same
+        ``request_id`` come first, from the store."""
         self.validate(req)
-        await self.gatekeeper.admit(req.n)
-        self.counters["rollouts"] += 1
-        return self._stream(req)
+        claim = await self._claim(req)
+        slots: list[Slot] = []
+        try:
+            group, ids, sticky, stored = await self._plan(req)
+            todo = [i for i in range(req.n) if i not in stored]
+            queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+            for i, t in stored.items():
+                queue.put_nowait({"type": "trajectory", "sample_index": i, "trajectory": t,
+                                  "text": ""})
+            if todo:
+                await self.gatekeeper.admit(len(todo))
+                slots = [Slot() for _ in todo]
+                self.counters["rollouts"] += 1
+            prompt = _prompt_array(req) if todo else None
 
-    async def _stream(self, req: RolloutRequest) -> AsyncIterator[dict[str, Any]]:
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        group, ids, sticky = self._ids(req)
-        prompt = np.asarray(req.input_ids, np.int32) if req.input_ids is not None else None
+            async def one(i: int, tid: str, slot: Slot) -> None:
+                async def on_chunk(chunk: dict[str, Any]) -> None:
+                    await queue.put({"type": "chunk", "sample_index": i, "trajectory_id": tid,
+                                     **chunk})
+                try:
+                    traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
+                                                          on_chunk=on_chunk, slot=slot,
+                                                          passthrough=passthrough)
+                    # objects, not JSON: each HTTP route renders them its own way
+                    await queue.put({"type": "trajectory", "sample_index": i,
+                                     "trajectory": traj, "text": text})
+                except GatewayError as exc:
+                    await queue.put({"type": "error", "sample_index": i,
+                                     "error": exc.to_dict()})
+                except Exception:  # noqa: BLE001 - reported, never silently absent
+                    log.exception("sample %s failed", tid)
+                    await queue.put({"type": "error", "sample_index": i, "error": GatewayError(
+                        f"sample {tid} failed with an internal error").to_dict()})
 
-        async def one(i: int, tid: str) -> None:
-            async def on_chunk(chunk: dict[str, Any]) -> None:
-                await queue.put({"type": "chunk", "sample_index": i, "trajectory_id": tid,
-                                 **chunk})
-            try:
-                traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
-                                                      on_chunk=on_chunk)
-                # objects, not JSON: each HTTP route renders them its own way
-                await queue.put({"type": "trajectory", "sample_index": i, "trajectory": traj,
-                                 "text": text})
-            except GatewayError as exc:
-                await queue.put({"type": "error", "sample_index": i, "error": exc.to_dict()})
-
-        tasks = [asyncio.create_task(one(i, tid)) for i, tid in enumerate(ids)]
+            tasks = [asyncio.create_task(one(i, ids[i], slot)) for i, slot in zip(todo, slots)]
+        except BaseException:
+            self._release_held(slots)
+            self._unclaim(req, claim)
+            raise
 
         async def closer() -> None:
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await queue.put(None)
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                self._release_held(slots)
+                self._unclaim(req, claim)
+                await queue.put(None)
 
         closing = asyncio.create_task(closer())
+        self._background.add(closing)
+        closing.add_done_callback(self._background.discard)
+        return self._drain_queue(queue)
+
+    @staticmethod
+    async def _drain_queue(queue: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
         # if the client goes away, the sample tasks still finish, judge and publish
         while (ev := await queue.get()) is not None:
             yield ev
-        await closing
+
+
+class Slot:
+    """One sample's admission slot: ``held`` until the sample releases it (judged or
+    failed); :meth:`release` is idempotent."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = True
+
+    def release(self, gatekeeper: Gatekeeper) -> None:
+        if self.held:
+            self.held = False
+            gatekeeper.release_failed(1)
+
+
+def _prompt_array(req: RolloutRequest) -> np.ndarray | None:
+    """The prompt's token ids as int32; ids that do not fit are a client error."""
+    if req.input_ids is None:
+        return None
+    try:
+        return np.asarray(req.input_ids, np.int32)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidArgument("input_ids must be token ids below 2**31") from exc

@@ -19,14 +19,19 @@ log = logging.getLogger("rollout_gateway.serve")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file (.toml/.json/.yaml); env ROLLOUT_GATEWAY_* wins")
-    p.add_argument("--host", help="HTTP bind address (default 0.0.0.0)")
+    p.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    p.add_argument("--grpc-host", help="gRPC bind address (default 0.0.0.0)")
+    p.add_argument("--grpc-host", help="gRPC bind address (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
     p.add_argument("--engine", action="append", default=[], metavar="[ID=]URL",
                    help="an engine to register (repeatable)")
     p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
     p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow a non-loopback bind without the admin and learner keys")
+    p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--grpc-client-ca", help="PEM CA: require learner client certificates (mTLS)")
     p.add_argument("--log-level", default="info")
 
 
@@ -36,7 +41,9 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
     over: dict[str, Any] = dict(extra)
     for attr, key in (("host", "http_host"), ("port", "http_port"), ("grpc_host", "grpc_host"),
                       ("grpc_port", "grpc_port"), ("store", "store_url"),
-                      ("registry", "registry_url")):
+                      ("registry", "registry_url"), ("insecure", "insecure"),
+                      ("tls_cert", "tls_cert_file"), ("tls_key", "tls_key_file"),
+                      ("grpc_client_ca", "grpc_client_ca_file")):
         v = getattr(args, attr, None)
         if v is not None:
             over[key] = v
@@ -50,6 +57,42 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
     return load_settings(getattr(args, "config", None), **over)
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``."""
+    import ipaddress
+
+    if host.strip().lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve anywhere
+
+
+def check_bind(settings) -> None:
+    """Refuse (InvalidArgument) to listen on a non-loopback address while the admin or the
+    learner key is unset, unless ``settings.insecure``."""
+    from rollout_gateway.errors import InvalidArgument
+
+    exposed = [h for h in (settings.http_host, settings.grpc_host) if not is_loopback(h)]
+    missing = [name for name, v in (("ROLLOUT_GATEWAY_ADMIN_API_KEY", settings.admin_api_key),
+                                    ("ROLLOUT_GATEWAY_LEARNER_API_KEY",
+                                     settings.learner_api_key or settings.learner_jobs))
+               if not v]
+    if exposed and missing and not settings.insecure:
+        raise InvalidArgument(
+            f"refusing to listen on {', '.join(sorted(set(exposed)))} (not loopback) without "
+            f"{' and '.join(missing)}: anyone who reaches the port could swap weights or read "
+            "trajectories. Set the keys, bind 127.0.0.1, or pass --insecure "
+            "(ROLLOUT_GATEWAY_INSECURE=true) to accept that.")
+
+
+def uvicorn_tls(settings) -> dict[str, Any]:
+    if not settings.tls_cert_file:
+        return {}
+    return {"ssl_certfile": settings.tls_cert_file, "ssl_keyfile": settings.tls_key_file}
+
+
 async def serve_async(settings, *, ready: Callable[[int, int], None] | None = None,
                       stop_event: asyncio.Event | None = None) -> None:
     """Run until ``stop_event`` (or SIGTERM/SIGINT); then shut down gracefully."""
@@ -59,14 +102,18 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     from rollout_gateway.api.state import Gateway
     from rollout_gateway.transport.server import GrpcServer
 
+    check_bind(settings)
     gw = Gateway(settings)
     await gw.start()
     app = create_app(gateway=gw, manage_gateway=False)
     grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
-                             default_policy=settings.admission.stale_policy)
+                             default_policy=settings.admission.stale_policy, auth=gw.auth,
+                             tls_cert=settings.tls_cert_file, tls_key=settings.tls_key_file,
+                             tls_client_ca=settings.grpc_client_ca_file)
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
-                            log_level="warning", lifespan="on", access_log=False)
+                            log_level="warning", lifespan="on", access_log=False,
+                            **uvicorn_tls(settings))
     server = uvicorn.Server(config)
     # we handle SIGTERM/SIGINT ourselves (health off, drain, then stop uvicorn)
     server.capture_signals = contextlib.nullcontext  # uvicorn >= 0.29
@@ -116,12 +163,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_from_args(args)
+        check_bind(settings)
     except GatewayError as exc:
         print(f"rollout-gateway serve: {exc.message}")
         return 2
+    scheme = "https" if settings.tls_cert_file else "http"
 
     def ready(http_port: int, grpc_port: int) -> None:
-        print(f"gateway: http://{settings.http_host}:{http_port}  learner gRPC: "
+        print(f"gateway: {scheme}://{settings.http_host}:{http_port}  learner gRPC"
+              f"{' (TLS)' if settings.tls_cert_file else ''}: "
               f"{settings.grpc_host}:{grpc_port}", flush=True)
 
     asyncio.run(serve_async(settings, ready=ready))

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="memory://", help="trajectory store URL (default memory://)")
     p.add_argument("--registry", default="memory://", help="version registry URL")
     p.add_argument("--workdir", help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow a non-loopback --host without the admin and learner keys")
     p.add_argument("--log-level", default="warning")
 
 
@@ -46,9 +48,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from rollout_gateway.reference_engine.checkpoint import init_checkpoint
     from rollout_gateway.reference_engine.launch import EngineProcess
-    from rollout_gateway.service.cli import serve_async
+    from rollout_gateway.errors import GatewayError
+    from rollout_gateway.service.cli import check_bind, serve_async
     from rollout_gateway.settings import load_settings
 
+    over = {"http_host": args.host, "grpc_host": args.host}
+    if args.insecure:
+        over["insecure"] = True
+    try:  # keys come from ROLLOUT_GATEWAY_* env vars; refuse before starting engines
+        check_bind(load_settings(**over))
+    except GatewayError as exc:
+        print(f"rollout-gateway up: {exc.message}")
+        return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rollout-gateway-"))
     work.mkdir(parents=True, exist_ok=True)
     ckpt0 = init_checkpoint(work / "v0", seed=0)
@@ -60,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(
             engines=[{"id": f"engine-{i}", "url": e.url} for i, e in enumerate(engines)],
             http_host=args.host, http_port=args.port, grpc_host=args.host,
-            grpc_port=args.grpc_port, store_url=args.store, registry_url=args.registry)
+            grpc_port=args.grpc_port, store_url=args.store, registry_url=args.registry,
+            **({"insecure": True} if args.insecure else {}))
 
         def ready(http_port: int, grpc_port: int) -> None:
             http = f"http://{args.host}:{http_port}"

@@ -82,6 +82,13 @@ class TrajectoryStore(abc.ABC):
         backlog bound is reached and StoreError when the backend fails."""
 
     @abc.abstractmethod
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        """What was stored under these ids (idempotent retries): the serialized trajectory
+        while it is retained, None when it was stored but has since been trimmed (consumed
+        and past retention); ids never stored (or forgotten after dedup_seconds) are
+        absent."""
+
+    @abc.abstractmethod
     async def backlog(self) -> int:
         """Finished-but-unconsumed trajectories (for admission control)."""
 
@@ -114,6 +121,12 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     async def ack(self, group: str, entry_ids: list[str]) -> int:
         """Acknowledge; returns how many were pending (re-acks count 0)."""
+
+    @abc.abstractmethod
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """Renew the leases ``consumer`` holds on these entries for another
+        ``lease_seconds`` from now (delivery counts unchanged). Returns the ids extended;
+        entries acked, nacked or re-claimed by another consumer are not."""
 
     @abc.abstractmethod
     async def nack(self, group: str, entry_ids: list[str], *,

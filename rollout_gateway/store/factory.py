@@ -19,7 +19,11 @@ from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.store.base import StoreConfig, TrajectoryStore
 
 
-def store_from_url(url: str, config: StoreConfig | None = None) -> TrajectoryStore:
+def store_from_url(url: str, config: StoreConfig | None = None, *,
+                   max_connections: int | None = None,
+                   pool_wait_s: float | None = None) -> TrajectoryStore:
+    """``max_connections`` / ``pool_wait_s``: the Redis connection pool's bound and how
+    long a call waits for a free connection (Redis URLs only)."""
     parts = urlsplit(url)
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     known = set(StoreConfig.model_fields)
@@ -42,7 +46,8 @@ def store_from_url(url: str, config: StoreConfig | None = None) -> TrajectorySto
 
         prefix = query.pop("prefix", "rollout")
         rest = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
-        return RedisStore(rest, prefix=prefix, config=cfg)
+        return RedisStore(rest, prefix=prefix, config=cfg, max_connections=max_connections,
+                          pool_wait_s=pool_wait_s)
     raise InvalidArgument(f"unknown store URL scheme {parts.scheme!r} in {url!r} "
                           "(use memory:// or redis://)")
 

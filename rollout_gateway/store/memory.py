@@ -162,6 +162,17 @@ class MemoryStore(TrajectoryStore):
             self._cond.notify_all()
         return True
 
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        self._check_open()
+        now = time.time()
+        want = {t for t in trajectory_ids if self._dedup.get(t, 0.0) > now}
+        out: dict[str, bytes | None] = dict.fromkeys(want)
+        if want:
+            for e in self._entries.values():
+                if e.tid in want:
+                    out[e.tid] = e.data
+        return out
+
     async def backlog(self) -> int:
         return self._backlog()
 
@@ -274,6 +285,19 @@ class MemoryStore(TrajectoryStore):
         self._write("DELETE FROM pending WHERE grp=? AND seq=?", [(group, s) for s in done])
         self._trim()
         return len(done)
+
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        self._check_open()
+        check_name("consumer", consumer)
+        g = self._group(group)
+        until = time.monotonic() + self.config.lease_seconds
+        out = []
+        for eid, seq in zip(entry_ids, self._seqs(entry_ids)):
+            lease = g.pending.get(seq)
+            if lease is not None and lease.consumer == consumer and lease.until > 0:
+                lease.until = until
+                out.append(eid)
+        return out
 
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Keys under ``prefix``: ``{p}:stream`` (entries: tid, d = serialized rollout.v1.Trajectory,
 n = prompt+output tokens, lo/hi = min/max policy_version), ``{p}:id:<tid>`` (idempotency
-marker, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
+marker holding the entry id, TTL dedup_seconds), ``{p}:groups`` (group -> offset for backlog accounting),
 ``{p}:acked`` (group -> acked count), ``{p}:counters``, ``{p}:recycled`` (list).
 Consumer groups are Redis consumer groups: XREADGROUP for new entries, XAUTOCLAIM for
 entries whose lease (idle time) expired, XACK on ack. A nack re-marks the entry as idle
@@ -26,6 +26,8 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio as aioredis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry as SyncRetry
 from redis.exceptions import RedisError, ResponseError
 
 from rollout_gateway.core.trajectory import Trajectory
@@ -38,6 +40,7 @@ from rollout_gateway.store.base import (
     check_name,
     entry_facts,
 )
+from rollout_gateway.store.redis_client import blocking_client
 from rollout_gateway.transport import codec
 
 _PUBLISH = """
@@ -57,8 +60,8 @@ else
   end
 end
 if backlog >= tonumber(ARGV[2]) then return -1 end
-redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7])
+redis.call('SET', KEYS[1], eid, 'PX', ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'published', 1)
 return 1
 """
@@ -79,6 +82,18 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], n) end
 return n
 """
 
+_EXTEND = """
+local out = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out
+"""
+
 _CHUNK = 1000
 _BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
 
@@ -95,10 +110,13 @@ def _parse_id(eid: str) -> tuple[int, int]:
 
 class RedisStore(TrajectoryStore):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "rollout",
-                 config: StoreConfig | None = None, client: aioredis.Redis | None = None):
+                 config: StoreConfig | None = None, client: aioredis.Redis | None = None, *,
+                 max_connections: int | None = None, pool_wait_s: float | None = None):
         self.config = config or StoreConfig()
         self.prefix = prefix
-        self._r = client or aioredis.Redis.from_url(url, decode_responses=False)
+        # a bounded pool that waits for a free connection (see redis_client)
+        self._r = client or blocking_client(url, max_connections=max_connections,
+                                            wait_s=pool_wait_s)
         p = prefix
         self._k_stream, self._k_groups = f"{p}:stream", f"{p}:groups"
         self._k_acked, self._k_counters = f"{p}:acked", f"{p}:counters"
@@ -106,12 +124,14 @@ class RedisStore(TrajectoryStore):
         self._publish = self._r.register_script(_PUBLISH)
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
+        self._extend = self._r.register_script(_EXTEND)
         self._claim_cursor: dict[str, str] = {}
         self._last_trim = 0.0
         self._closed = False
         # blocking client for bulk reads (None when the caller supplied its own client)
         self._bulk = None if client is not None else redis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0)
+            url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0,
+            retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
         self._pool = ThreadPoolExecutor(_BULK_THREADS, thread_name_prefix="redis-bulk")
 
     @asynccontextmanager
@@ -143,6 +163,27 @@ class RedisStore(TrajectoryStore):
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
         return res == 1
+
+    async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
+        if not trajectory_ids:
+            return {}
+        out: dict[str, bytes | None] = {}
+        async with self._io("lookup"):
+            marks = await self._r.mget([f"{self.prefix}:id:{t}" for t in trajectory_ids])
+            want = []
+            pipe = self._r.pipeline(transaction=False)
+            for tid, mark in zip(trajectory_ids, marks):
+                if mark is None:
+                    continue
+                out[tid] = None
+                if mark != b"1":  # "1": a marker written before markers held the entry id
+                    want.append(tid)
+                    pipe.xrange(self._k_stream, mark, mark, count=1)
+            if want:
+                for tid, res in zip(want, await pipe.execute()):
+                    if res and res[0][1]:
+                        out[tid] = res[0][1][b"d"]
+        return out
 
     async def _backlogs(self) -> dict[str, int]:
         async with self._io("backlog"):
@@ -273,6 +314,23 @@ class RedisStore(TrajectoryStore):
                                          args=[group, *entry_ids[i:i + _CHUNK]]))
         await self._maybe_trim()
         return n
+
+    async def extend(self, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+        """XCLAIM to the same consumer with JUSTID resets the idle time (the lease) and
+        leaves the delivery count alone; only entries still pending on ``consumer``."""
+        check_name("group", group)
+        check_name("consumer", consumer)
+        for e in entry_ids:
+            _parse_id(e)
+        if not await self.has_group(group):
+            raise NotFound(f"consumer group {group!r} does not exist; create it first")
+        out: list[str] = []
+        async with self._io("extend"):
+            for i in range(0, len(entry_ids), _CHUNK):
+                got = await self._extend(keys=[self._k_stream],
+                                         args=[group, consumer, *entry_ids[i:i + _CHUNK]])
+                out += [g.decode() if isinstance(g, bytes) else str(g) for g in got]
+        return out
 
     async def nack(self, group: str, entry_ids: list[str], *,
                    delivered: bool = True) -> tuple[int, int]:

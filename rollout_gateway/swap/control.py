@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 
 import orjson
+from pydantic import ValidationError
 
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import InvalidArgument
@@ -30,7 +31,7 @@ def swap_request_from(version: int, source: WeightSource, mode: str, rolling: bo
                                                           load_format=source.options.get("load_format"))
     elif source.kind == "distributed":
         o = source.options
-        try:
+        try:  # ValidationError is a ValueError
             host, _, port = source.uri.rpartition(":")
             src = DistributedSource(
                 master_address=o.get("master_address", host), master_port=int(o.get("master_port", port)),
@@ -46,7 +47,11 @@ def swap_request_from(version: int, source: WeightSource, mode: str, rolling: bo
     else:
         raise InvalidArgument(f"weight source kind {source.kind!r} is not supported by this "
                               "gateway; use 'path' (shared storage) or 'distributed'")
-    return SwapRequest(version=version, source=src, mode=SwapMode(mode), rolling=rolling)
+    try:
+        return SwapRequest(version=version, source=src, mode=SwapMode(mode), rolling=rolling)
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise InvalidArgument(f"invalid announce: {msgs}") from None
 
 
 class GatewayControlPlane:

@@ -3,9 +3,15 @@
 Guarantees:
 * an engine is resumed only after it reports the new version (``/model_info``); until
   then its gate stays closed, so no new request reaches it;
-* an engine whose load fails (error, ``success: false``, wrong version reported) leaves
-  rotation: its requests are aborted and fail over to engines that did load, so no token
-  is stamped with a version the engine did not run;
+* an engine whose load fails but that still reports its old version afterwards (SGLang
+  and the reference engine keep the served weights when a load fails) stays in rotation at
+  that version: nothing is aborted, its paused requests continue, ``kept_version`` is
+  recorded and ``last_error`` says why it lags;
+* an engine whose state cannot be confirmed (no answer, another version reported) leaves
+  rotation (``failed_load``): its requests are aborted and fail over to engines that did
+  load, so no token is stamped with a version the engine did not run;
+* the learner version advances only when at least one engine took the new version (or
+  the announce has no source); a swap no engine took changes nothing and can be retried;
 * kv stamping learns how each version was installed (``Engine.installed_by``).
 """
 
@@ -160,12 +166,18 @@ class SwapOrchestrator:
                                     default=None)
                 rec.resumed_at = max((o.resumed_at for o in rec.engines.values()
                                       if o.resumed_at), default=None)
-        await self.registry.set_learner_version(req.version)
         oks = [o.ok for o in rec.engines.values()]
+        if req.source is None or any(oks):
+            await self.registry.set_learner_version(req.version)
         rec.status = ("succeeded" if all(oks) else "failed" if not any(oks) else "partial")
-        failed = [o.engine_id for o in rec.engines.values() if not o.ok]
+        kept = [f"{o.engine_id} (still v{o.version_after})" for o in rec.engines.values()
+                if not o.ok and o.kept_version]
+        out = [o.engine_id for o in rec.engines.values() if not o.ok and not o.kept_version]
         rec.message = (f"{sum(oks)}/{len(oks)} engine(s) now run version {req.version}"
-                       + (f"; out of rotation: {', '.join(failed)}" if failed else ""))
+                       + (f"; kept their weights and serve: {', '.join(kept)}" if kept else "")
+                       + (f"; out of rotation: {', '.join(out)}" if out else "")
+                       + ("" if any(oks) or req.source is None else
+                          f"; learner version stays {current}"))
         rec.finished_at = time.time()
         await self.registry.record_swap(rec)
         return rec
@@ -246,6 +258,7 @@ class SwapOrchestrator:
 
     async def _verify(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.error:
+            await self._check_kept(e, r)
             return
         try:
             got = await e.client.weight_version()
@@ -258,6 +271,16 @@ class SwapOrchestrator:
         else:
             r.ok = True
 
+    async def _check_kept(self, e: Engine, r: EngineSwapOutcome) -> None:
+        """After a failed step: does the engine still run the weights it ran before?"""
+        try:
+            got = await e.client.weight_version()
+        except GatewayError as exc:
+            r.error += f"; its version could not be read afterwards: {exc.message}"
+            return
+        r.version_after = got
+        r.kept_version = got == r.version_before
+
     async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.ok:
             if effective_mode(e, req.mode) is SwapMode.IN_PLACE:
@@ -269,6 +292,13 @@ class SwapOrchestrator:
             e.version = req.version
             with contextlib.suppress(GatewayError):
                 await self.registry.set_engine_version(e.id, req.version)
+        elif r.kept_version:
+            # it answered that it kept its weights: it goes on serving them; its paused
+            # requests continue (resume below) and are stamped with the old version
+            e.installed_by.pop(req.version, None)
+            e.last_error = f"swap to version {req.version} failed, serving version " \
+                           f"{r.version_after}: {r.error}"
+            log.error("engine %s kept version %s: %s", e.id, r.version_after, r.error)
         else:
             # out of rotation first, so rollouts that see their request end fail over
             e.state = EngineState.FAILED_LOAD

@@ -81,8 +81,8 @@ class ControlPlane(Protocol):
 
 
 def validate_announce(version: int, source: WeightSource, mode: str) -> None:
-    if version < 0:
-        raise InvalidArgument(f"version must be >= 0, got {version}")
+    if not 0 <= version <= 2**31 - 1:  # token stamps are int32
+        raise InvalidArgument(f"version must be in [0, 2**31 - 1], got {version}")
     if source.kind not in WEIGHT_SOURCE_KINDS:
         raise InvalidArgument(f"weight source kind must be one of {WEIGHT_SOURCE_KINDS}, "
                               f"got {source.kind!r}")

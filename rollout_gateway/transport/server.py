@@ -18,7 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.errors import GatewayError
 from rollout_gateway.store.base import TrajectoryStore
 from rollout_gateway.transport.control import ControlPlane, InProcessControlPlane
 from rollout_gateway.transport.servicer import SERVICE_NAME, TrajectoryServicer, generic_handler
@@ -28,23 +30,44 @@ log = logging.getLogger(__name__)
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-class _TokenAuth(grpc.aio.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every call but health and reflection."""
+#: the role each TrajectoryService method needs (rollout_gateway.auth)
+METHOD_ROLES = {"AnnounceVersion": Role.ADMIN, "Pull": Role.LEARNER, "Ack": Role.LEARNER,
+                "Nack": Role.LEARNER, "CreateGroup": Role.LEARNER, "GetStatus": Role.LEARNER,
+                "WatchVersions": Role.LEARNER}
 
-    def __init__(self, token: str):
-        self._want = f"Bearer {token}"
+
+def _metadata_value(md, key: str) -> str | None:
+    for k, v in md or ():
+        if k == key:
+            return v if isinstance(v, str) else None
+    return None
+
+
+class _RoleAuth(grpc.aio.ServerInterceptor):
+    """Checks the ``authorization`` metadata against the role each method needs (health
+    and reflection are open); consumer-group limits are checked by the servicer."""
+
+    def __init__(self, auth: Authenticator):
+        self._auth = auth
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(_OPEN_METHODS):
             return await continuation(details)
-        if dict(details.invocation_metadata or ()).get("authorization") == self._want:
+        prefix = f"/{SERVICE_NAME}/"
+        role = (METHOD_ROLES.get(details.method[len(prefix):])
+                if details.method.startswith(prefix) else None)
+        try:
+            self._auth.require(_metadata_value(details.invocation_metadata, "authorization"),
+                               role or Role.ADMIN)
             return await continuation(details)
+        except GatewayError as exc:
+            code, message = grpc.StatusCode[exc.code.value], exc.message
         handler = await continuation(details)
         if handler is None:
             return None
 
         async def deny_stream(request_or_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad bearer token")
+            await context.abort(code, message)
             yield b""  # pragma: no cover - abort raises
 
         if handler.response_streaming:
@@ -55,7 +78,7 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
                 else grpc.unary_unary_rpc_method_handler)
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or bad bearer token")
+            await context.abort(code, message)
 
         return make(deny, request_deserializer=handler.request_deserializer)
 
@@ -64,14 +87,24 @@ class GrpcServer:
     def __init__(self, store: TrajectoryStore, control: ControlPlane, host: str = "127.0.0.1",
                  port: int = 50051, *, default_policy: StalePolicy = StalePolicy.DROP,
                  max_send_bytes: int = 256 << 20, max_receive_bytes: int = 4 << 20,
-                 auth_token: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, poll_ms: int = 200,
+                 auth_token: str | None = None, auth: Authenticator | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_client_ca: str | None = None, poll_ms: int = 200,
                  target_message_bytes: int = 4 << 20):
+        """``auth``: tokens per role (``auth_token`` is shorthand for one token that is both
+        admin and learner). ``tls_cert``/``tls_key``: PEM files to serve TLS;
+        ``tls_client_ca``: also require client certificates signed by this CA (mTLS)."""
         self.store = store
         self.control = control
         self.host = host
         self.port = port
+        if auth is None and auth_token:
+            auth = Authenticator(admin=auth_token, learner=auth_token)
+        self.auth = auth if auth is not None and auth.enabled else None
+        if tls_client_ca and not tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         self.servicer = TrajectoryServicer(store, control, default_policy=default_policy,
+                                           auth=self.auth,
                                            max_batch_bytes=max_send_bytes - (64 << 10),
                                            poll_ms=poll_ms,
                                            target_batch_bytes=target_message_bytes)
@@ -82,14 +115,13 @@ class GrpcServer:
                       ("grpc.http2.max_pings_without_data", 0),
                       ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
                       ("grpc.keepalive_permit_without_calls", 1)]
-        self._auth_token = auth_token
-        self._tls = (tls_cert, tls_key)
+        self._tls = (tls_cert, tls_key, tls_client_ca)
         self._server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
 
     async def start(self) -> int:
         """Bind and start (health NOT_SERVING). Returns the bound port."""
-        interceptors = [_TokenAuth(self._auth_token)] if self._auth_token else []
+        interceptors = [_RoleAuth(self.auth)] if self.auth is not None else []
         server = grpc.aio.server(options=self._opts, interceptors=interceptors)
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -97,8 +129,10 @@ class GrpcServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         addr = f"{self.host}:{self.port}"
         if self._tls[0]:
+            ca = Path(self._tls[2]).read_bytes() if self._tls[2] else None
             creds = grpc.ssl_server_credentials(
-                [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())])
+                [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())],
+                root_certificates=ca, require_client_auth=ca is not None)
             self.port = server.add_secure_port(addr, creds)
         else:
             self.port = server.add_insecure_port(addr)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import GatewayError, InvalidArgument, NotFound
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
@@ -94,7 +95,9 @@ class _Credit:
 class TrajectoryServicer:
     def __init__(self, store: TrajectoryStore, control: ControlPlane, *,
                  default_policy: StalePolicy = StalePolicy.DROP, max_batch_bytes: int = 32 << 20,
-                 max_read: int = 64, poll_ms: int = 200, target_batch_bytes: int = 32 << 20):
+                 max_read: int = 64, poll_ms: int = 200, target_batch_bytes: int = 32 << 20,
+                 auth: Authenticator | None = None):
+        self.auth = auth  # role checks happen in the server's interceptor; groups here
         self.store = store
         self.control = control
         self.default_policy = StalePolicy(default_policy)
@@ -105,6 +108,17 @@ class TrajectoryServicer:
         self.max_read = max_read
         self.poll_ms = poll_ms
 
+    def _group(self, context, kind: str, value: str) -> str:
+        """A valid group name the caller's learner token may use (else PERMISSION_DENIED)."""
+        group = check_name(kind, value)
+        if self.auth is not None and not self.auth.open_for(Role.LEARNER):
+            token = None
+            for k, v in context.invocation_metadata() or ():
+                if k == "authorization":
+                    token = v
+            self.auth.check_group(self.auth.require(token, Role.LEARNER), group)
+        return group
+
     # ---- Pull: bidi, credit-based ----
 
     async def Pull(self, request_iterator, context):
@@ -114,7 +128,7 @@ class TrajectoryServicer:
             if first is None or first.WhichOneof("kind") != "open":
                 raise InvalidArgument("the first message on a Pull stream must be `open`")
             o = first.open
-            group = check_name("group", o.group)
+            group = self._group(context, "group", o.group)
             consumer = check_name("consumer", o.consumer or f"anon-{uuid.uuid4().hex[:8]}")
             if o.HasField("max_lag") and o.max_lag < 0:
                 raise InvalidArgument("max_lag must be >= 0")
@@ -149,18 +163,29 @@ class TrajectoryServicer:
 
     @_unary
     async def Ack(self, request, context):
-        n = await self.store.ack(check_name("group", request.group), _ids(request.entry_ids))
+        n = await self.store.ack(self._group(context, "group", request.group),
+                                 _ids(request.entry_ids))
         return spb.AckResponse(acked=n)
 
     @_unary
     async def Nack(self, request, context):
-        requeued, dead = await self.store.nack(check_name("group", request.group),
+        requeued, dead = await self.store.nack(self._group(context, "group", request.group),
                                                _ids(request.entry_ids))
         return spb.NackResponse(requeued=requeued, dead_lettered=dead)
 
     @_unary
+    async def ExtendLease(self, request, context):
+        ids = _ids(request.entry_ids)
+        done = await self.store.extend(check_name("group", request.group),
+                                       check_name("consumer", request.consumer), ids)
+        kept = set(done)
+        return spb.ExtendLeaseResponse(extended=len(done),
+                                       lost=[i for i in ids if i not in kept],
+                                       lease_seconds=self.store.config.lease_seconds)
+
+    @_unary
     async def CreateGroup(self, request, context):
-        created = await self.store.create_group(check_name("group", request.group),
+        created = await self.store.create_group(self._group(context, "group", request.group),
                                                 from_latest=request.from_latest)
         return spb.CreateGroupResponse(created=created)
 
@@ -172,9 +197,11 @@ class TrajectoryServicer:
             published=st.published, duplicates=st.duplicates, backlog=st.backlog,
             max_backlog=st.max_backlog, stale_dropped=st.stale_dropped,
             stale_masked=st.stale_masked, stale_recycled=st.stale_recycled,
-            dead_lettered=st.dead_lettered, redelivered=st.redelivered)
+            dead_lettered=st.dead_lettered, redelivered=st.redelivered,
+            lease_seconds=self.store.config.lease_seconds)
         if request.group:
-            store.group_backlog = await self.store.group_backlog(check_name("group", request.group))
+            store.group_backlog = await self.store.group_backlog(
+                self._group(context, "group", request.group))
         return spb.Status(
             learner_version=cs.learner_version, max_engine_lag=cs.max_engine_lag,
             swap_in_progress=cs.swap_in_progress, store=store,
@@ -349,7 +376,7 @@ def generic_handler(servicer: TrajectoryServicer) -> grpc.GenericRpcHandler:
             servicer.WatchVersions, request_deserializer=des("WatchVersions"),
             response_serializer=ser),
     }
-    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion"):
+    for name in ("Ack", "Nack", "CreateGroup", "GetStatus", "AnnounceVersion", "ExtendLease"):
         handlers[name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=des(name), response_serializer=ser)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -88,14 +88,15 @@ def test_stale_trajectories_are_dropped_and_counted(engine):
 
 
 def test_admin_routes_need_the_admin_key(engine):
-    with GatewayProcess({"e0": engine.url}, env={"ROLLOUT_GATEWAY_ADMIN_API_KEY": "s3cret"}) as gw:
+    key = "s3cret-admin-key-0123"
+    with GatewayProcess({"e0": engine.url}, env={"ROLLOUT_GATEWAY_ADMIN_API_KEY": key}) as gw:
         r = httpx.post(gw.url + "/v1/weights", json={"version": 1}, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED"
         r = httpx.delete(gw.url + "/v1/engines/e0", timeout=30)
         assert r.status_code == 401
         assert httpx.get(gw.url + "/v1/engines").status_code == 200  # reads stay open
         r = httpx.post(gw.url + "/v1/weights", json={"version": 1}, timeout=30,
-                       headers={"Authorization": "Bearer s3cret"})
+                       headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.json()["status"] == "succeeded"
 
 

@@ -17,11 +17,13 @@ pytestmark = pytest.mark.integration
 SEED = 3
 
 
-@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+@pytest.mark.parametrize("incremental,strict", [(False, False), (True, False), (False, True)],
+                         ids=["cumulative", "incremental", "sglang-strict"])
 def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, reference_model,
-                                                            incremental):
-    a = make_engine(seed=SEED, step_delay_ms=30, incremental_streaming_output=incremental)
-    b = make_engine(seed=SEED, step_delay_ms=30, incremental_streaming_output=incremental)
+                                                            incremental, strict):
+    kw = {"sglang_strict": True, "enable_return_routed_experts": True} if strict else {}
+    a = make_engine(seed=SEED, step_delay_ms=30, incremental_streaming_output=incremental, **kw)
+    b = make_engine(seed=SEED, step_delay_ms=30, incremental_streaming_output=incremental, **kw)
     models = {0: reference_model((ModelConfig(), SEED))}
     store, registry = redis_urls()
     with GatewayProcess({"a": a.url, "b": b.url}, store_url=store, registry_url=registry) as gw:
@@ -48,6 +50,9 @@ def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, referen
             assert segs[0]["ended"] == "failover" and segs[1]["began"] == "failover"
             assert 0 < segs[0]["end"] < 20  # partial output from the dead engine was kept
             check_against_ground_truth(t, models)
+            if strict:  # routing from config.json, stitched across the failover; top-k entropy
+                assert t["routed_experts"]["shape"] == [3 + 20 - 1, 4, 2]
+                assert t["entropy_kind"] == "topk_estimate"
         # the dead engine left rotation; the gateway still serves
         e = httpx.get(gw.url + f"/v1/engines/{victim}").json()
         assert e["state"] == "unhealthy"

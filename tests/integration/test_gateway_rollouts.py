@@ -185,8 +185,9 @@ def test_malformed_json_and_unknown_engine(gateway):
     assert r.status_code == 404
     r = httpx.post(gateway.url + "/generate", content=b"[1,2", timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(gateway.url + "/generate", json={"text": ["a", "b"]}, timeout=30)
-    assert r.status_code == 400 and "batched" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/generate", json={"text": ["a", "b"], "image_data": "x.png"},
+                   timeout=30)
+    assert r.status_code == 400 and "image_data" in r.json()["error"]["message"]
 
 
 def test_swap_naming_an_unknown_engine_is_404(gateway, tmp_path):

@@ -18,7 +18,34 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_defaults():
     a = parse([])
-    assert (a.port, a.seed, a.weight_version, a.incremental_streaming_output) == (30000, 0, "0", False)
+    assert (a.port, a.seed, a.weight_version, a.incremental_streaming_output) == (30000, 0, None, False)
+    assert (a.sglang_strict, a.enable_return_routed_experts, a.emulate_version) == (False, False, None)
+
+
+def test_weight_version_default_follows_the_mode(monkeypatch):
+    """'0' for the reference engine, SGLang's 'default' string in strict mode."""
+    seen = {}
+
+    def fake_create_app(settings):
+        seen["s"] = settings
+        return None
+
+    import uvicorn
+
+    from rollout_gateway.reference_engine import server
+    monkeypatch.setattr(server, "create_app", fake_create_app)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    assert cli.run(parse([])) == 0 and seen["s"].weight_version == "0"
+    assert cli.run(parse(["--sglang-strict"])) == 0
+    assert seen["s"].weight_version == "default" and seen["s"].sglang_strict
+    assert cli.run(parse(["--sglang-strict", "--weight-version", "3", "--emulate-version",
+                          "0.5.20"])) == 0
+    assert seen["s"].weight_version == "3" and seen["s"].emulate_version == "0.5.20"
+
+
+def test_bad_emulated_version_fails_with_one_line(capsys):
+    assert cli.run(parse(["--emulate-version", "latest"])) == 2
+    assert "emulate_version" in capsys.readouterr().err
 
 
 def test_bad_inputs_fail_fast_with_one_line(tmp_path, capsys):

@@ -56,9 +56,12 @@ def test_version_parsing():
     assert parse_version("v0.5") == (0, 5, 0)
     with pytest.raises(EngineError):
         parse_version("nightly")
-    assert parse_weight_version("7") == 7 and parse_weight_version("default") is None
-    with pytest.raises(EngineError):
-        parse_weight_version("step-7")
+    assert parse_weight_version("7") == 7 and parse_weight_version(None) is None
+    with pytest.raises(EngineError, match="step-7.*--weight-version <int>"):
+        parse_weight_version("step-7", "e0")
+    # SGLang's default string is refused at registration with the flag that fixes it
+    with pytest.raises(EngineError, match="e0 reports weight_version 'default'.*--weight-version"):
+        parse_weight_version("default", "e0")
 
 
 def test_sampling_params_forward_only_what_was_set_and_what_is_left():
@@ -75,7 +78,7 @@ def test_generate_body_maps_onto_a_rollout_request():
     for bad, needle in [([], "JSON object"), ({"text": "x", "lora_path": "y"}, "lora_path"),
                         ({"text": "x", "sampling_params": {"n": 0}}, "n"),
                         ({"text": "x", "sampling_params": {"made_up": 1}}, "made_up"),
-                        ({"input_ids": [[1], [2]]}, "batched")]:
+                        ({"input_ids": [[1], [2]]}, "one prompt")]:
         with pytest.raises(InvalidArgument, match=needle):
             to_rollout_request(bad)
 

@@ -134,7 +134,7 @@ def test_fill_keeps_present_and_fills_missing():
     ctx = FillContext(rollout_logprobs=mu, logprobs=lp, versions=ver, learner_version=5)
     b, counts = fill_old_logprobs(old, "behavior", ctx)
     assert b.tolist() == pytest.approx([-1.0, -0.5, -2.0, -0.7, -0.9])
-    assert counts == {"present": 2, "filled": 3}
+    assert counts == {"present": 2, "filled": 3, "left_inactive": 0}
     c, _ = fill_old_logprobs(old, "current", ctx)
     assert c.tolist() == pytest.approx([-1.0, -0.4, -2.0, -0.6, -1.0])
     ll, _ = fill_old_logprobs(old, "loglinear", ctx)

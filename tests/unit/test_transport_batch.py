@@ -101,9 +101,13 @@ def test_loss_inputs_from_batch():
         assert li.learner_version == 6
         if layout == "packed":
             assert li.cu_seqlens.tolist() == [0, 8, 10, 21]
-            assert li.advantages[8:10].eq(2.0).all()
+            # masked positions (prompt, padding) read 0 in LossInputs (torch.where)
+            act = b.loss_mask[10:21] > 0
+            assert li.advantages[10:21][act].eq(3.0).all() and act.any()
+            assert li.advantages[8:10].eq(0.0).all()  # sequence 1: prompt only
         else:
-            assert li.advantages[2].eq(3.0).all()
+            act = b.loss_mask[2] > 0
+            assert li.advantages[2][act].eq(3.0).all() and li.advantages[2][~act].eq(0).all()
 
 
 def test_pack_samples_for_megatron():

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rollout_proto.rollout.v1 import trajectory_pb2 as rollout_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/service.proto\x12\nrollout.v1\x1a\x1brollout/v1/trajectory.proto\"\x97\x01\n\nOpenStream\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x17\n\x0flearner_version\x18\x03 \x01(\x03\x12\x14\n\x07max_lag\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12-\n\x0cstale_policy\x18\x05 \x01(\x0e\x32\x17.rollout.v1.StalePolicyB\n\n\x08_max_lag\"\x87\x01\n\x0b\x43reditGrant\x12\x14\n\x0ctrajectories\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x1c\n\x0flearner_version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x07max_lag\x18\x04 \x01(\x03H\x01\x88\x01\x01\x42\x12\n\x10_learner_versionB\n\n\x08_max_lag\"h\n\x0bPullRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.rollout.v1.OpenStreamH\x00\x12)\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x17.rollout.v1.CreditGrantH\x00\x42\x06\n\x04kind\"p\n\x08\x44\x65livery\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65livery_count\x18\x02 \x01(\r\x12\x0e\n\x06masked\x18\x03 \x01(\x08\x12*\n\ntrajectory\x18\x04 \x01(\x0b\x32\x16.rollout.v1.Trajectory\"e\n\x05\x42\x61tch\x12(\n\ndeliveries\x18\x01 \x03(\x0b\x32\x14.rollout.v1.Delivery\x12\x1b\n\x13\x63redit_trajectories\x18\x02 \x01(\r\x12\x15\n\rcredit_tokens\x18\x03 \x01(\x04\".\n\nAckRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tentry_ids\x18\x02 \x03(\t\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\"?\n\x0bNackRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tentry_ids\x18\x02 \x03(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\x0cNackResponse\x12\x10\n\x08requeued\x18\x01 \x01(\r\x12\x15\n\rdead_lettered\x18\x02 \x01(\r\"8\n\x12\x43reateGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_latest\x18\x02 \x01(\x08\"&\n\x13\x43reateGroupResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05group\x18\x01 \x01(\t\"D\n\rEngineVersion\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\xe2\x01\n\x0bStoreStatus\x12\x11\n\tpublished\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63klog\x18\x03 \x01(\x04\x12\x13\n\x0bmax_backlog\x18\x04 \x01(\x04\x12\x15\n\rstale_dropped\x18\x05 \x01(\x04\x12\x14\n\x0cstale_masked\x18\x06 \x01(\x04\x12\x16\n\x0estale_recycled\x18\x07 \x01(\x04\x12\x15\n\rdead_lettered\x18\x08 \x01(\x04\x12\x13\n\x0bredelivered\x18\t \x01(\x04\x12\x15\n\rgroup_backlog\x18\n \x01(\x04\"\xa7\x01\n\x06Status\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12*\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x19.rollout.v1.EngineVersion\x12\x16\n\x0emax_engine_lag\x18\x03 \x01(\x03\x12\x18\n\x10swap_in_progress\x18\x04 \x01(\x08\x12&\n\x05store\x18\x05 \x01(\x0b\x32\x17.rollout.v1.StoreStatus\"\x91\x01\n\x0cWeightSource\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x36\n\x07options\x18\x03 \x03(\x0b\x32%.rollout.v1.WeightSource.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x0f\x41nnounceRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x06source\x18\x02 \x01(\x0b\x32\x18.rollout.v1.WeightSource\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07rolling\x18\x04 \x01(\x08\"]\n\x10\x41nnounceResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rpause_seconds\x18\x04 \x01(\x01\"\x0e\n\x0cWatchRequest\"]\n\x0cVersionEvent\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\n\n\x02\x61t\x18\x04 \x01(\x01\x12\x0f\n\x07message\x18\x05 \x01(\t*s\n\x0bStalePolicy\x12\x1c\n\x18STALE_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11STALE_POLICY_DROP\x10\x01\x12\x15\n\x11STALE_POLICY_MASK\x10\x02\x12\x18\n\x14STALE_POLICY_RECYCLE\x10\x03\x32\xdf\x03\n\x11TrajectoryService\x12\x36\n\x04Pull\x12\x17.rollout.v1.PullRequest\x1a\x11.rollout.v1.Batch(\x01\x30\x01\x12\x36\n\x03\x41\x63k\x12\x16.rollout.v1.AckRequest\x1a\x17.rollout.v1.AckResponse\x12\x39\n\x04Nack\x12\x17.rollout.v1.NackRequest\x1a\x18.rollout.v1.NackResponse\x12N\n\x0b\x43reateGroup\x12\x1e.rollout.v1.CreateGroupRequest\x1a\x1f.rollout.v1.CreateGroupResponse\x12:\n\tGetStatus\x12\x19.rollout.v1.StatusRequest\x1a\x12.rollout.v1.Status\x12L\n\x0f\x41nnounceVersion\x12\x1b.rollout.v1.AnnounceRequest\x1a\x1c.rollout.v1.AnnounceResponse\x12\x45\n\rWatchVersions\x12\x18.rollout.v1.WatchRequest\x1a\x18.rollout.v1.VersionEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/service.proto\x12\nrollout.v1\x1a\x1brollout/v1/trajectory.proto\"\x97\x01\n\nOpenStream\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x17\n\x0flearner_version\x18\x03 \x01(\x03\x12\x14\n\x07max_lag\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12-\n\x0cstale_policy\x18\x05 \x01(\x0e\x32\x17.rollout.v1.StalePolicyB\n\n\x08_max_lag\"\x87\x01\n\x0b\x43reditGrant\x12\x14\n\x0ctrajectories\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x1c\n\x0flearner_version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x07max_lag\x18\x04 \x01(\x03H\x01\x88\x01\x01\x42\x12\n\x10_learner_versionB\n\n\x08_max_lag\"h\n\x0bPullRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.rollout.v1.OpenStreamH\x00\x12)\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x17.rollout.v1.CreditGrantH\x00\x42\x06\n\x04kind\"p\n\x08\x44\x65livery\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65livery_count\x18\x02 \x01(\r\x12\x0e\n\x06masked\x18\x03 \x01(\x08\x12*\n\ntrajectory\x18\x04 \x01(\x0b\x32\x16.rollout.v1.Trajectory\"e\n\x05\x42\x61tch\x12(\n\ndeliveries\x18\x01 \x03(\x0b\x32\x14.rollout.v1.Delivery\x12\x1b\n\x13\x63redit_trajectories\x18\x02 \x01(\r\x12\x15\n\rcredit_tokens\x18\x03 \x01(\x04\".\n\nAckRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tentry_ids\x18\x02 \x03(\t\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\"?\n\x0bNackRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tentry_ids\x18\x02 \x03(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\x0cNackResponse\x12\x10\n\x08requeued\x18\x01 \x01(\r\x12\x15\n\rdead_lettered\x18\x02 \x01(\r\"H\n\x12\x45xtendLeaseRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x11\n\tentry_ids\x18\x03 \x03(\t\"L\n\x13\x45xtendLeaseResponse\x12\x10\n\x08\x65xtended\x18\x01 \x01(\r\x12\x0c\n\x04lost\x18\x02 \x03(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"8\n\x12\x43reateGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_latest\x18\x02 \x01(\x08\"&\n\x13\x43reateGroupResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05group\x18\x01 \x01(\t\"D\n\rEngineVersion\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\xf9\x01\n\x0bStoreStatus\x12\x11\n\tpublished\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63klog\x18\x03 \x01(\x04\x12\x13\n\x0bmax_backlog\x18\x04 \x01(\x04\x12\x15\n\rstale_dropped\x18\x05 \x01(\x04\x12\x14\n\x0cstale_masked\x18\x06 \x01(\x04\x12\x16\n\x0estale_recycled\x18\x07 \x01(\x04\x12\x15\n\rdead_lettered\x18\x08 \x01(\x04\x12\x13\n\x0bredelivered\x18\t \x01(\x04\x12\x15\n\rgroup_backlog\x18\n \x01(\x04\x12\x15\n\rlease_seconds\x18\x0b \x01(\x01\"\xa7\x01\n\x06Status\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12*\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x19.rollout.v1.EngineVersion\x12\x16\n\x0emax_engine_lag\x18\x03 \x01(\x03\x12\x18\n\x10swap_in_progress\x18\x04 \x01(\x08\x12&\n\x05store\x18\x05 \x01(\x0b\x32\x17.rollout.v1.StoreStatus\"\x91\x01\n\x0cWeightSource\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x36\n\x07options\x18\x03 \x03(\x0b\x32%.rollout.v1.WeightSource.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x0f\x41nnounceRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x06source\x18\x02 \x01(\x0b\x32\x18.rollout.v1.WeightSource\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07rolling\x18\x04 \x01(\x08\"]\n\x10\x41nnounceResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rpause_seconds\x18\x04 \x01(\x01\"\x0e\n\x0cWatchRequest\"]\n\x0cVersionEvent\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\n\n\x02\x61t\x18\x04 \x01(\x01\x12\x0f\n\x07message\x18\x05 \x01(\t*s\n\x0bStalePolicy\x12\x1c\n\x18STALE_POLICY_UNSPECIFIED\x10\x00\x12\x15\n\x11STALE_POLICY_DROP\x10\x01\x12\x15\n\x11STALE_POLICY_MASK\x10\x02\x12\x18\n\x14STALE_POLICY_RECYCLE\x10\x03\x32\xaf\x04\n\x11TrajectoryService\x12\x36\n\x04Pull\x12\x17.rollout.v1.PullRequest\x1a\x11.rollout.v1.Batch(\x01\x30\x01\x12\x36\n\x03\x41\x63k\x12\x16.rollout.v1.AckRequest\x1a\x17.rollout.v1.AckResponse\x12\x39\n\x04Nack\x12\x17.rollout.v1.NackRequest\x1a\x18.rollout.v1.NackResponse\x12N\n\x0b\x43reateGroup\x12\x1e.rollout.v1.CreateGroupRequest\x1a\x1f.rollout.v1.CreateGroupResponse\x12:\n\tGetStatus\x12\x19.rollout.v1.StatusRequest\x1a\x12.rollout.v1.Status\x12L\n\x0f\x41nnounceVersion\x12\x1b.rollout.v1.AnnounceRequest\x1a\x1c.rollout.v1.AnnounceResponse\x12\x45\n\rWatchVersions\x12\x18.rollout.v1.WatchRequest\x1a\x18.rollout.v1.VersionEvent0\x01\x12N\n\x0b\x45xtendLease\x12\x1e.rollout.v1.ExtendLeaseRequest\x1a\x1f.rollout.v1.ExtendLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WEIGHTSOURCE_OPTIONSENTRY']._loaded_options = None
   _globals['_WEIGHTSOURCE_OPTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_STALEPOLICY']._serialized_start=1946
-  _globals['_STALEPOLICY']._serialized_end=2061
+  _globals['_STALEPOLICY']._serialized_start=2121
+  _globals['_STALEPOLICY']._serialized_end=2236
   _globals['_OPENSTREAM']._serialized_start=70
   _globals['_OPENSTREAM']._serialized_end=221
   _globals['_CREDITGRANT']._serialized_start=224
@@ -54,30 +54,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NACKREQUEST']._serialized_end=825
   _globals['_NACKRESPONSE']._serialized_start=827
   _globals['_NACKRESPONSE']._serialized_end=882
-  _globals['_CREATEGROUPREQUEST']._serialized_start=884
-  _globals['_CREATEGROUPREQUEST']._serialized_end=940
-  _globals['_CREATEGROUPRESPONSE']._serialized_start=942
-  _globals['_CREATEGROUPRESPONSE']._serialized_end=980
-  _globals['_STATUSREQUEST']._serialized_start=982
-  _globals['_STATUSREQUEST']._serialized_end=1012
-  _globals['_ENGINEVERSION']._serialized_start=1014
-  _globals['_ENGINEVERSION']._serialized_end=1082
-  _globals['_STORESTATUS']._serialized_start=1085
-  _globals['_STORESTATUS']._serialized_end=1311
-  _globals['_STATUS']._serialized_start=1314
-  _globals['_STATUS']._serialized_end=1481
-  _globals['_WEIGHTSOURCE']._serialized_start=1484
-  _globals['_WEIGHTSOURCE']._serialized_end=1629
-  _globals['_WEIGHTSOURCE_OPTIONSENTRY']._serialized_start=1583
-  _globals['_WEIGHTSOURCE_OPTIONSENTRY']._serialized_end=1629
-  _globals['_ANNOUNCEREQUEST']._serialized_start=1631
-  _globals['_ANNOUNCEREQUEST']._serialized_end=1738
-  _globals['_ANNOUNCERESPONSE']._serialized_start=1740
-  _globals['_ANNOUNCERESPONSE']._serialized_end=1833
-  _globals['_WATCHREQUEST']._serialized_start=1835
-  _globals['_WATCHREQUEST']._serialized_end=1849
-  _globals['_VERSIONEVENT']._serialized_start=1851
-  _globals['_VERSIONEVENT']._serialized_end=1944
-  _globals['_TRAJECTORYSERVICE']._serialized_start=2064
-  _globals['_TRAJECTORYSERVICE']._serialized_end=2543
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=884
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=956
+  _globals['_EXTENDLEASERESPONSE']._serialized_start=958
+  _globals['_EXTENDLEASERESPONSE']._serialized_end=1034
+  _globals['_CREATEGROUPREQUEST']._serialized_start=1036
+  _globals['_CREATEGROUPREQUEST']._serialized_end=1092
+  _globals['_CREATEGROUPRESPONSE']._serialized_start=1094
+  _globals['_CREATEGROUPRESPONSE']._serialized_end=1132
+  _globals['_STATUSREQUEST']._serialized_start=1134
+  _globals['_STATUSREQUEST']._serialized_end=1164
+  _globals['_ENGINEVERSION']._serialized_start=1166
+  _globals['_ENGINEVERSION']._serialized_end=1234
+  _globals['_STORESTATUS']._serialized_start=1237
+  _globals['_STORESTATUS']._serialized_end=1486
+  _globals['_STATUS']._serialized_start=1489
+  _globals['_STATUS']._serialized_end=1656
+  _globals['_WEIGHTSOURCE']._serialized_start=1659
+  _globals['_WEIGHTSOURCE']._serialized_end=1804
+  _globals['_WEIGHTSOURCE_OPTIONSENTRY']._serialized_start=1758
+  _globals['_WEIGHTSOURCE_OPTIONSENTRY']._serialized_end=1804
+  _globals['_ANNOUNCEREQUEST']._serialized_start=1806
+  _globals['_ANNOUNCEREQUEST']._serialized_end=1913
+  _globals['_ANNOUNCERESPONSE']._serialized_start=1915
+  _globals['_ANNOUNCERESPONSE']._serialized_end=2008
+  _globals['_WATCHREQUEST']._serialized_start=2010
+  _globals['_WATCHREQUEST']._serialized_end=2024
+  _globals['_VERSIONEVENT']._serialized_start=2026
+  _globals['_VERSIONEVENT']._serialized_end=2119
+  _globals['_TRAJECTORYSERVICE']._serialized_start=2239
+  _globals['_TRAJECTORYSERVICE']._serialized_end=2798
 # @@protoc_insertion_point(module_scope)

@@ -107,6 +107,26 @@ class NackResponse(_message.Message):
     dead_lettered: int
     def __init__(self, requeued: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
 
+class ExtendLeaseRequest(_message.Message):
+    __slots__ = ("group", "consumer", "entry_ids")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_IDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    consumer: str
+    entry_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group: _Optional[str] = ..., consumer: _Optional[str] = ..., entry_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExtendLeaseResponse(_message.Message):
+    __slots__ = ("extended", "lost", "lease_seconds")
+    EXTENDED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    extended: int
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, extended: _Optional[int] = ..., lost: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
 class CreateGroupRequest(_message.Message):
     __slots__ = ("group", "from_latest")
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -138,7 +158,7 @@ class EngineVersion(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., version: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
-    __slots__ = ("published", "duplicates", "backlog", "max_backlog", "stale_dropped", "stale_masked", "stale_recycled", "dead_lettered", "redelivered", "group_backlog")
+    __slots__ = ("published", "duplicates", "backlog", "max_backlog", "stale_dropped", "stale_masked", "stale_recycled", "dead_lettered", "redelivered", "group_backlog", "lease_seconds")
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     BACKLOG_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +169,7 @@ class StoreStatus(_message.Message):
     DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
     GROUP_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     published: int
     duplicates: int
     backlog: int
@@ -159,7 +180,8 @@ class StoreStatus(_message.Message):
     dead_lettered: int
     redelivered: int
     group_backlog: int
-    def __init__(self, published: _Optional[int] = ..., duplicates: _Optional[int] = ..., backlog: _Optional[int] = ..., max_backlog: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., stale_masked: _Optional[int] = ..., stale_recycled: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., redelivered: _Optional[int] = ..., group_backlog: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, published: _Optional[int] = ..., duplicates: _Optional[int] = ..., backlog: _Optional[int] = ..., max_backlog: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., stale_masked: _Optional[int] = ..., stale_recycled: _Optional[int] = ..., dead_lettered: _Optional[int] = ..., redelivered: _Optional[int] = ..., group_backlog: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("learner_version", "engines", "max_engine_lag", "swap_in_progress", "store")

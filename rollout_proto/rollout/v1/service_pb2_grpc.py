@@ -69,6 +69,11 @@ class TrajectoryServiceStub:
                 request_serializer=rollout_dot_v1_dot_service__pb2.WatchRequest.SerializeToString,
                 response_deserializer=rollout_dot_v1_dot_service__pb2.VersionEvent.FromString,
                 _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/rollout.v1.TrajectoryService/ExtendLease',
+                request_serializer=rollout_dot_v1_dot_service__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_service__pb2.ExtendLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryServiceServicer:
@@ -121,6 +126,14 @@ class TrajectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendLease(self, request, context):
+        """Renew the leases of deliveries this consumer still holds (an optimizer step longer
+        than the store's lease_seconds): they are not redelivered while renewed in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_TrajectoryServiceServicer_to_server(servicer, server):
                     servicer.WatchVersions,
                     request_deserializer=rollout_dot_v1_dot_service__pb2.WatchRequest.FromString,
                     response_serializer=rollout_dot_v1_dot_service__pb2.VersionEvent.SerializeToString,
+            ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=rollout_dot_v1_dot_service__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_service__pb2.ExtendLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +367,33 @@ class TrajectoryService:
             '/rollout.v1.TrajectoryService/WatchVersions',
             rollout_dot_v1_dot_service__pb2.WatchRequest.SerializeToString,
             rollout_dot_v1_dot_service__pb2.VersionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.TrajectoryService/ExtendLease',
+            rollout_dot_v1_dot_service__pb2.ExtendLeaseRequest.SerializeToString,
+            rollout_dot_v1_dot_service__pb2.ExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,192 @@
+"""Engine faults mid-generation, against ``rollout-gateway serve`` with two real reference
+engines (the second behind a :class:`FaultProxy`), counted end to end through a real
+learner over gRPC: every submitted sample is delivered exactly once, and every token's
+policy_version, kv_version and logprob match a fresh forward pass of the weights of the
+version it is stamped with (so no token carries a version its engine did not run).
+
+In file order: a hung engine (SIGSTOP), garbage answers, a swap one engine fails to
+load, a killed engine (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
+from _faults_support import FAULT_SEED, FaultProxy, create_group, drain, wait_for
+
+from rollout_gateway.reference_engine.launch import EngineProcess
+
+pytestmark = pytest.mark.integration
+
+STEP_MS = 40  # engine step delay: a sample of NEW tokens takes >= 1.2 s
+NEW = 32
+SAMPLES = 6
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    engines = [EngineProcess(seed=FAULT_SEED, weight_version="0", step_delay_ms=STEP_MS)
+               for _ in range(2)]
+    with ThreadPoolExecutor(2) as ex:  # start both at once (each imports torch)
+        list(ex.map(lambda e: e.start(), engines))
+    e0, e1 = engines
+    proxy = FaultProxy(e1.port).start()
+    gw = GatewayProcess({"e0": e0.url, "e1": proxy.url}, env={
+        "ROLLOUT_GATEWAY_TIMEOUTS__HEALTH_S": "1", "ROLLOUT_GATEWAY_BREAKER__COOLDOWN_S": "1",
+        "ROLLOUT_GATEWAY_MAX_ATTEMPTS": "6"}).start()
+    try:
+        yield gw, e0, e1, proxy
+    finally:
+        gw.stop()
+        proxy.stop()
+        for e in engines:
+            if e.proc and e.proc.poll() is None:
+                os.kill(e.pid, signal.SIGCONT)
+            e.stop()
+
+
+def target(gw) -> str:
+    return f"127.0.0.1:{gw.grpc_port}"
+
+
+def engine_state(gw, eid: str) -> dict:
+    return httpx.get(f"{gw.url}/v1/engines/{eid}", timeout=10).json()
+
+
+def all_healthy(gw) -> None:
+    wait_for(lambda: all(e["state"] == "healthy" for e in
+                         httpx.get(gw.url + "/v1/engines", timeout=10).json()["engines"]
+                         if e["state"] != "failed_load"), 60, "engines back in rotation")
+
+
+def run_batch(gw, fault, *, after: float = 0.4, prompts: int = SAMPLES):
+    """Submit ``prompts`` rollouts (one sample each, request ids), call ``fault()`` after
+    ``after`` s; return (trajectories, submitted ids, seconds from the fault to the end)."""
+    rid = uuid.uuid4().hex[:8]
+    with ThreadPoolExecutor(prompts + 1) as ex:
+        futs = [ex.submit(rollout, gw.url, [3 + i, 9, 4 + i], max_new_tokens=NEW,
+                          request_id=f"{rid}-{i}") for i in range(prompts)]
+        time.sleep(after)
+        t_fault = time.monotonic()
+        fault_result = fault()
+        trajs = [t for f in futs for t in f.result()["trajectories"]]
+    done = time.monotonic() - t_fault
+    return trajs, [f"{rid}-{i}:0" for i in range(prompts)], done, fault_result
+
+
+def check_delivered(gw, group: str, submitted: list[str]) -> None:
+    got = drain(target(gw), group, len(submitted))
+    ids = sorted(r.trajectory_id for r in got)
+    assert ids == sorted(submitted), f"submitted {len(submitted)}, delivered {len(ids)}"
+
+
+def moved(trajs: list[dict]) -> list[dict]:
+    return [t for t in trajs if any(s["began"] == "failover" for s in t["segments"])]
+
+
+def test_hung_engine_requests_move_elsewhere_within_seconds(cluster, fault_models):
+    gw, e0, _, _ = cluster
+    all_healthy(gw)
+    create_group(target(gw), "hang")
+    try:
+        trajs, submitted, after_fault, _ = run_batch(
+            gw, lambda: os.kill(e0.pid, signal.SIGSTOP), after=0.8)
+        # health probes fail after ~2 x (0.5 s interval + 1 s probe deadline); the
+        # requests it held are broken off then and resume on e1 (not after 600 s)
+        assert after_fault < 30, f"rollouts took {after_fault:.1f}s after the hang"
+        state = engine_state(gw, "e0")
+        assert state["state"] == "unhealthy" and state["last_error"]
+    finally:
+        os.kill(e0.pid, signal.SIGCONT)
+    hung = moved(trajs)
+    assert hung, "no rollout was in flight on the hung engine"
+    assert all(t["engine_ids"][-1] == "e1" for t in hung)
+    # continued from the partial output the hung engine had streamed
+    assert any(t["engine_ids"] == ["e0", "e1"] for t in hung), "no partial output was kept"
+    print(f"hang: {len(hung)} of {len(trajs)} samples moved, all done {after_fault:.1f}s "
+          "after SIGSTOP")
+    for t in trajs:
+        assert t["num_tokens"] == NEW
+        check_against_ground_truth(t, fault_models)
+    check_delivered(gw, "hang", submitted)
+    all_healthy(gw)  # SIGCONT: back in rotation after its cooldown
+
+
+def test_garbage_answers_fail_over_keeping_the_output_before_them(cluster, fault_models):
+    gw, _, _, proxy = cluster
+    all_healthy(gw)
+    create_group(target(gw), "garbage")
+    proxy.garbage_after, proxy.cut = 3, []
+    proxy.garbage = 2  # the next two streamed answers of e1 turn to garbage
+    trajs, submitted, _, _ = run_batch(gw, lambda: None, after=0.0)
+    assert proxy.cut, "no request reached the garbage engine"
+    bad = moved(trajs)
+    assert bad and all(t["engine_ids"][-1] == "e0" for t in bad)
+    assert any(t["engine_ids"] == ["e1", "e0"] for t in bad), "output before the garbage lost"
+    for t in trajs:
+        assert t["num_tokens"] == NEW
+        check_against_ground_truth(t, fault_models)
+    check_delivered(gw, "garbage", submitted)
+
+
+def test_a_swap_one_engine_fails_to_load_aborts_nothing_and_stamps_true(cluster, fault_models,
+                                                                       tmp_path):
+    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+
+    gw, _, _, proxy = cluster
+    all_healthy(gw)
+    ckpt = init_checkpoint(tmp_path / "v1", seed=FAULT_SEED + 1)
+    create_group(target(gw), "swap")
+    proxy.fail_loads = 1  # e1 answers success=false and keeps its weights
+
+    def swap():
+        return httpx.post(gw.url + "/v1/weights", timeout=120, json={
+            "version": 1, "source": {"kind": "disk", "path": str(ckpt)}, "mode": "in_place"})
+
+    trajs, submitted, _, r = run_batch(gw, swap)
+    assert r.status_code == 200, r.text
+    rec = r.json()
+    assert rec["status"] == "partial"
+    assert rec["engines"]["e0"]["ok"] and rec["engines"]["e0"]["version_after"] == 1
+    e1 = rec["engines"]["e1"]
+    assert not e1["ok"] and e1["kept_version"] and e1["version_after"] == 0
+    assert "injected" in e1["error"]
+    # pool state reported: e1 serves its old version, and says why
+    s1, s0 = engine_state(gw, "e1"), engine_state(gw, "e0")
+    assert s1["state"] == "healthy" and s1["weight_version"] == 0
+    assert "serving version 0" in s1["last_error"] and s0["weight_version"] == 1
+    assert httpx.get(gw.url + "/v1/versions").json()["learner_version"] == 1
+    # nothing aborted: no request had to move
+    assert not moved(trajs)
+    for t in trajs:
+        assert t["num_tokens"] == NEW
+        for s in t["segments"]:  # e1 never ran version 1
+            if s["engine_id"] == "e1":
+                assert s["policy_version"] == 0
+        check_against_ground_truth(t, fault_models)
+    assert any(1 in t["policy_version"] for t in trajs)
+    check_delivered(gw, "swap", submitted)
+
+
+def test_killed_engine_requests_fail_over_with_true_stamps(cluster, fault_models):
+    gw, e0, _, _ = cluster
+    all_healthy(gw)
+    create_group(target(gw), "kill")
+    trajs, submitted, after_fault, _ = run_batch(gw, e0.kill, after=0.8)
+    assert after_fault < 30
+    dead = moved(trajs)
+    assert dead and all(t["engine_ids"][-1] == "e1" for t in dead)
+    print(f"kill: {len(dead)} of {len(trajs)} samples moved, all done {after_fault:.1f}s "
+          "after SIGKILL")
+    for t in trajs:
+        assert t["num_tokens"] == NEW
+        check_against_ground_truth(t, fault_models)
+    check_delivered(gw, "kill", submitted)
+    assert engine_state(gw, "e0")["state"] == "unhealthy"

@@ -1,0 +1,156 @@
+"""Hung engines: per-phase deadlines of the raw /generate client (real loopback socket),
+breaking off requests in flight, and the pool's circuit breaker (pure pool logic)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollout_gateway.engines.client import Health
+from rollout_gateway.engines.pool import Engine, EnginePool, EngineState
+from rollout_gateway.engines.rawhttp import RawHttpPool
+from rollout_gateway.errors import EngineError, Timeout
+from rollout_gateway.settings import GatewaySettings
+
+
+async def stalling_server(first_chunk_after: float = 0.0):
+    """Answers the head at once, one chunk after ``first_chunk_after`` s, then goes silent."""
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+                [0].split(b":")[1])
+        await reader.readexactly(n)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(first_chunk_after)
+        writer.write(b"5\r\nfirst\r\n")
+        await writer.drain()
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_silence_between_chunks_times_out_after_the_first_chunk_arrived():
+    server, port = await stalling_server(first_chunk_after=0.3)
+    pool = RawHttpPool("e", "127.0.0.1", port, connect_timeout=1)
+    try:
+        resp = await pool.post("/generate", b"{}", read_timeout=0.2, first_timeout=2.0)
+        got = []
+        t0 = time.monotonic()
+        with pytest.raises(Timeout) as ei:
+            async for chunk in resp.iter_bytes():  # the first chunk may take up to 2 s
+                got.append(chunk)
+        assert got == [b"first"]
+        assert ei.value.details["dropped"] and ei.value.details["silent_s"] == 0.2
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        pool.close()
+        server.close()
+
+
+async def test_patience_waives_the_silence_deadline_while_paused():
+    server, port = await stalling_server()
+    pool = RawHttpPool("e", "127.0.0.1", port, connect_timeout=1)
+    asked = []
+
+    def patience() -> bool:  # "paused for a swap" for the first three deadlines
+        asked.append(1)
+        return len(asked) <= 3
+
+    try:
+        resp = await pool.post("/generate", b"{}", read_timeout=0.1, patience=patience)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            async for _ in resp.iter_bytes():
+                pass
+        assert len(asked) == 4 and time.monotonic() - t0 >= 0.35
+    finally:
+        pool.close()
+        server.close()
+
+
+async def test_abort_active_breaks_off_a_silent_request_at_once():
+    server, port = await stalling_server()
+    pool = RawHttpPool("e", "127.0.0.1", port, connect_timeout=1)
+    try:
+        resp = await pool.post("/generate", b"{}", read_timeout=600)
+
+        async def read():
+            return [c async for c in resp.iter_bytes()]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.2)
+        assert pool.abort_active("it stopped answering health probes") == 1
+        with pytest.raises(EngineError) as ei:
+            await asyncio.wait_for(reader, 2)
+        assert "broken off: it stopped answering" in ei.value.message
+        assert ei.value.details["dropped"]
+        assert pool.abort_active("again") == 0 and not pool._idle  # never reused
+    finally:
+        pool.close()
+        server.close()
+
+
+class StubClient:
+    """Just what the pool's health and breaker logic call."""
+
+    def __init__(self) -> None:
+        from rollout_gateway.engines.client import EngineInfo
+
+        self.url = "http://stub"
+        self.info = EngineInfo()
+        self.health_answer = Health.OK
+        self.aborted: list[str] = []
+
+    async def health(self) -> Health:
+        return self.health_answer
+
+    def abort_inflight(self, why: str) -> int:
+        self.aborted.append(why)
+        return 1
+
+    async def detect(self):
+        class Info:
+            weight_version = 0
+        return Info()
+
+
+async def test_circuit_opens_after_failures_in_a_row_and_probes_do_not_close_it_early():
+    s = GatewaySettings(breaker={"failures": 3, "cooldown_s": 0.3, "max_cooldown_s": 0.5})
+    pool = EnginePool(s)
+    eng = Engine(id="a", client=StubClient())  # type: ignore[arg-type]
+    pool._engines["a"] = eng
+    pool.record_failure(eng, "garbage")
+    assert eng.state is EngineState.UNHEALTHY and not eng.breaker_open
+    assert await pool.probe(eng) is EngineState.HEALTHY  # one failure: back at the next probe
+    pool.record_failure(eng, "garbage")
+    pool.record_failure(eng, "garbage")
+    assert eng.breaker_open and eng.trips == 1 and "circuit open" in eng.last_error
+    assert eng.client.aborted  # its other requests were broken off
+    assert await pool.probe(eng) is EngineState.UNHEALTHY  # healthy probe, circuit still open
+    assert pool.choose() is None
+    await asyncio.sleep(0.35)
+    assert await pool.probe(eng) is EngineState.HEALTHY  # half-open
+    pool.record_failure(eng, "garbage")  # one more failure re-opens it, for longer
+    assert eng.breaker_open and eng.trips == 2
+    assert eng.to_dict()["breaker"]["open_for_s"] > 0.4
+    await asyncio.sleep(0.55)
+    assert await pool.probe(eng) is EngineState.HEALTHY
+    pool.record_success(eng)
+    assert eng.failures == 0 and eng.trips == 0
+
+
+async def test_failed_health_probes_break_off_requests_in_flight():
+    pool = EnginePool(GatewaySettings(unhealthy_after=2))
+    client = StubClient()
+    eng = Engine(id="a", client=client)  # type: ignore[arg-type]
+    pool._engines["a"] = eng
+    client.health_answer = Health.DOWN
+    await pool.probe(eng)
+    assert eng.state is EngineState.HEALTHY and not client.aborted
+    await pool.probe(eng)
+    assert eng.state is EngineState.UNHEALTHY
+    assert client.aborted and "health probes" in client.aborted[0]
