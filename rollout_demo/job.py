@@ -338,6 +338,10 @@ def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> Run
     from learner_client import TrajectoryClient
 
     engines, gw = _services(cfg, work, ckpt0)
+    if cfg.progress:
+        print(f"{'sync' if sync else 'async'} run: gateway {gw.url} (GET /v1/versions, "
+              f"/v1/engines, /metrics while it runs), learner gRPC {cfg.host}:{gw.grpc_port}",
+              flush=True)
     producer = Producer(gw.url, cfg, random.Random(cfg.seed))
     groups = _Groups(cfg.group_size)
     lags: dict[int, int] = defaultdict(int)
