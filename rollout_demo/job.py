@@ -61,6 +61,7 @@ class DemoConfig:
     progress: bool = True
     host: str = "127.0.0.1"
     startup_timeout_s: float = 120.0
+    stall_timeout_s: float = 300.0  # no trajectory for this long = the run failed
 
 
 @dataclass
@@ -373,9 +374,12 @@ def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> Run
                     t.join()
             while len(groups.ready) < cfg.batch_groups:
                 want = (cfg.batch_groups - len(groups.ready)) * cfg.group_size
-                got = client.pull(want, timeout=300)
-                if not got and sync and producer.groups < (step + 1) * cfg.batch_groups:
-                    raise RuntimeError("synchronous batch was not generated; see gateway.log")
+                got = client.pull(want, timeout=cfg.stall_timeout_s)
+                if not got:  # nothing for a whole timeout: say why instead of hanging
+                    raise RuntimeError(
+                        f"no trajectories for {cfg.stall_timeout_s:.0f}s at step {step} "
+                        f"(groups generated {producer.groups}, refused {producer.refused}, "
+                        f"failed {producer.errors}); see {gw.log_path}")
                 groups.add(got)
             batch = groups.take(cfg.batch_groups)
             rollouts = [r for g in batch for r in g]
