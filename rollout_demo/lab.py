@@ -10,13 +10,17 @@ engine and a trainer do: that is the train-inference mismatch TIS/MIS and routin
 address). Each run records the reward curve, clip/mask rates, |log pi - log mu| and
 whether it collapsed.
 
-Collapse (defined here, detected per run): the loss becomes non-finite, or the 5-step
-moving mean of the reward falls more than 0.25 below its running peak after that peak
-exceeded 0.3 and stays below it until the end (a run that learns and then unlearns).
+Collapse (defined here, detected per run from its reward curve): the loss becomes
+non-finite; or the 5-step moving mean of the reward ever falls below half its starting
+value (the policy moved away from the target, below the random initialization); or it
+ends more than 0.25 below its running peak after that peak exceeded 0.3 (a run that
+learned and then unlearned).
 
 The learning-rate probe: for each loss and lag, the largest learning rate of a grid whose
-runs (all seeds) do not collapse and end with reward above ``--stable-reward``; the
-theory (SAT, arXiv 2605.12070) predicts it shrinks like 1/S.
+runs (all seeds) do not collapse (and end with reward at least ``--stable-reward``,
+default 0); the theory (SAT, arXiv 2605.12070) predicts it shrinks like 1/S.
+
+``--summarize lab.json`` recomputes the table and plots from a finished run's curves.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def detect_collapse(rewards: list[float], nonfinite: bool, *, drop: float = 0.25
     m = moving(rewards)
     if m.size == 0:
         return False
+    if bool((m < 0.5 * m[0]).any()):
+        return True
     peak = np.maximum.accumulate(m)
     fell = (peak > floor) & (m < peak - drop)
     return bool(fell[-1])
@@ -161,10 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="learning-rate grid of the 1/S probe ('' skips it)")
     p.add_argument("--probe-losses", default="grpo,sat")
     p.add_argument("--probe-seeds", type=int, default=1)
-    p.add_argument("--stable-reward", type=float, default=0.5)
+    p.add_argument("--stable-reward", type=float, default=0.0)
+    p.add_argument("--summarize", metavar="LAB_JSON",
+                   help="recompute table and plots from a finished run's lab.json")
     p.add_argument("--methods", default="", help="comma-separated labels (default: all)")
     p.add_argument("--quick", action="store_true", help="2 methods, lag 1 and 4, 6 steps")
     args = p.parse_args(argv)
+    if args.summarize:
+        return resummarize(Path(args.summarize), Path(args.out), args.stable_reward)
     import torch
 
     from rollout_gateway.reference_engine.checkpoint import init_checkpoint
@@ -214,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                           "probe_seeds": args.probe_seeds, "stable_reward": args.stable_reward,
                           "sampler_dtype": "bfloat16", "learner_dtype": "float32",
                           "wall_s": time.monotonic() - t0}
+    result["num_main_runs"] = len(runs)
     result["runs"] = [{**asdict(r.spec), **{k: v for k, v in asdict(r).items() if k != "spec"}}
                       for r in runs + probe]
     (out / "lab.json").write_text(json.dumps(result, indent=2))
@@ -222,6 +233,37 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     shutil.rmtree(out / ".ckpt-v0", ignore_errors=True)
+    print(table_md(result))
+    return 0
+
+
+def resummarize(path: Path, out: Path, stable_reward: float) -> int:
+    """Table and plots again from ``lab.json`` (collapse re-detected from the curves)."""
+    data = json.loads(path.read_text())
+    fields = {f for f in RunSpec.__dataclass_fields__}
+    main_runs, probe = [], []
+    n_main = data.get("num_main_runs")
+    for i, d in enumerate(data["runs"]):
+        spec = RunSpec(**{k: v for k, v in d.items() if k in fields})
+        nonfinite = bool(d["nonfinite"])
+        r = RunOut(spec=spec, rewards=d["rewards"], clip_rate=d["clip_rate"],
+                   mask_rate=d["mask_rate"], policy_gap=d["policy_gap"],
+                   mismatch_step0=d["mismatch_step0"], final_reward=d["final_reward"],
+                   peak_reward=d["peak_reward"],
+                   collapsed=detect_collapse(d["rewards"], nonfinite), nonfinite=nonfinite,
+                   wall_s=d["wall_s"])
+        is_probe = (i >= n_main) if n_main is not None else (
+            i >= len(data["table"]) * data["settings"]["seeds"])
+        (probe if is_probe else main_runs).append(r)
+    result = summarize(main_runs, probe, stable_reward)
+    result["settings"] = {**data["settings"], "stable_reward": stable_reward}
+    result["num_main_runs"] = len(main_runs)
+    result["runs"] = [{**asdict(r.spec), **{k: v for k, v in asdict(r).items() if k != "spec"}}
+                      for r in main_runs + probe]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lab.json").write_text(json.dumps(result, indent=2))
+    (out / "table.md").write_text(table_md(result))
+    plots(main_runs, probe, result, out)
     print(table_md(result))
     return 0
 
