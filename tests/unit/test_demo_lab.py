@@ -13,7 +13,7 @@ def test_collapse_is_learning_then_unlearning_or_a_non_finite_loss():
     assert not detect_collapse([0.1] * 20, False)  # never learned: not a collapse
     assert not detect_collapse([0.25] * 10 + [0.15] * 10, False)  # peak below the floor
     # a dip that recovers by the end is not a collapse
-    assert not detect_collapse([0.9] * 10 + [0.3] * 5 + [0.9] * 10, False)
+    assert not detect_collapse([0.1] * 5 + [0.9] * 10 + [0.3] * 5 + [0.9] * 10, False)
     # falling below half the starting reward (worse than the random start) is
     assert detect_collapse([0.12, 0.06, 0.11, 0.02, 0.07] + [0.0] * 10, False)
     assert not detect_collapse([0.12, 0.06, 0.11, 0.02, 0.07] + [0.05] * 10, False)
