@@ -343,8 +343,8 @@ def plots(runs: list[RunOut], probe: list[RunOut], result: dict, out: Path) -> N
                       if r["method"] == lb and r["lag"] == lag), np.nan) for lb in labels]
         ax.bar(x + i * width, vals, width, label=f"S={lag}")
     ax.set_xticks(x + width * (len(lags) - 1) / 2, labels, rotation=35, ha="right", fontsize=8)
-    ax.set(ylabel="final reward (last fifth)", ylim=(0, 1.05), title="final reward by lag")
-    ax.legend()
+    ax.set(ylabel="final reward (last fifth)", ylim=(0, 1.2), title="final reward by lag")
+    ax.legend(loc="upper center", ncol=len(lags), fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "lab_final.png", dpi=90)
     plt.close(fig)
