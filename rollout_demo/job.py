@@ -323,8 +323,7 @@ def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
     ckpt0 = init_checkpoint(work / "ckpt" / "v0", seed=cfg.seed)
     with contextlib.ExitStack() as stack:
         if cfg.learner == "megatron":
-            from rollout_demo.megatron_learner import (MegatronLearner,
-                                                       single_process_parallel_state)
+            from rollout_demo.megatron_learner import MegatronLearner, single_process_parallel_state
 
             stack.enter_context(single_process_parallel_state())
             learner = MegatronLearner(ckpt0, loss=cfg.loss, lr=cfg.lr,

@@ -40,7 +40,7 @@ from learner_client.megatron.router_replay import (
     start_backward_replay,
 )
 
-__all__ = ["make_forward_step", "block_causal_mask"]
+__all__ = ["block_causal_mask", "make_forward_step"]
 
 
 def block_causal_mask(batch: PackedBatch) -> torch.Tensor:

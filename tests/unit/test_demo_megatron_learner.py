@@ -13,12 +13,17 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from rollout_demo import task  # noqa: E402
-from rollout_demo.megatron_learner import (  # noqa: E402
-    MegatronLearner, build_gpt, cpu_shims, engine_to_mcore, load_engine_weights,
-    mcore_to_engine, single_process_parallel_state)
-from rollout_gateway.reference_engine.checkpoint import (  # noqa: E402
-    init_checkpoint, load_model, read_config)
+from rollout_demo import task
+from rollout_demo.megatron_learner import (
+    MegatronLearner,
+    build_gpt,
+    cpu_shims,
+    engine_to_mcore,
+    load_engine_weights,
+    mcore_to_engine,
+    single_process_parallel_state,
+)
+from rollout_gateway.reference_engine.checkpoint import init_checkpoint, load_model, read_config
 
 torch.set_num_threads(1)
 
