@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stable-reward", type=float, default=0.0)
     p.add_argument("--summarize", metavar="LAB_JSON",
                    help="recompute table and plots from a finished run's lab.json")
-    p.add_argument("--methods", default="", help="comma-separated labels (default: all)")
+    p.add_argument("--methods", default="",
+                   help="comma-separated labels (default: all; 'none': only the lr probe)")
     p.add_argument("--quick", action="store_true", help="2 methods, lag 1 and 4, 6 steps")
     args = p.parse_args(argv)
     if args.summarize:
@@ -188,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = init_checkpoint(out / ".ckpt-v0", seed=0)
     lags = [int(x) for x in args.lags.split(",")]
     methods = METHODS
-    if args.methods:
+    if args.methods == "none":  # the learning-rate probe only
+        methods = []
+    elif args.methods:
         want = set(args.methods.split(","))
         methods = [m for m in METHODS if m[0] in want]
     steps, seeds, probe_lrs = args.steps, args.seeds, [float(x) for x in args.probe_lrs.split(",") if x]
@@ -316,10 +319,18 @@ def plots(runs: list[RunOut], probe: list[RunOut], result: dict, out: Path) -> N
     import matplotlib
 
     matplotlib.use("Agg")
+    lags = sorted({r.spec.lag for r in runs + probe})
+    labels = list(dict.fromkeys(r.spec.label for r in runs))
+    if runs:
+        _grid_plots(runs, result, out, lags, labels)
+    if probe:
+        _probe_plot(probe, out, lags)
+
+
+def _grid_plots(runs: list[RunOut], result: dict, out: Path, lags: list[int],
+                labels: list[str]) -> None:
     import matplotlib.pyplot as plt
 
-    lags = sorted({r.spec.lag for r in runs})
-    labels = list(dict.fromkeys(r.spec.label for r in runs))
     fig, axes = plt.subplots(1, len(lags), figsize=(5 * len(lags), 4), sharey=True,
                              squeeze=False)
     for ax, lag in zip(axes[0], lags):
@@ -349,21 +360,28 @@ def plots(runs: list[RunOut], probe: list[RunOut], result: dict, out: Path) -> N
     fig.savefig(out / "lab_final.png", dpi=90)
     plt.close(fig)
 
-    if probe:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for loss in dict.fromkeys(r.spec.loss for r in probe):
-            for lag in lags:
-                pts = sorted({r.spec.lr for r in probe})
-                vals = [np.mean([r.final_reward for r in probe
-                                 if (r.spec.loss, r.spec.lag, r.spec.lr) == (loss, lag, lr)])
-                        for lr in pts]
-                ax.plot(pts, vals, "o-", label=f"{loss} S={lag}")
-        ax.set(xscale="log", xlabel="learning rate", ylabel="final reward",
-               title="learning-rate probe", ylim=(-0.02, 1.02))
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "lab_lr_probe.png", dpi=90)
-        plt.close(fig)
+
+
+def _probe_plot(probe: list[RunOut], out: Path, lags: list[int]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pts = sorted({r.spec.lr for r in probe})
+    for loss in dict.fromkeys(r.spec.loss for r in probe):
+        for lag in lags:
+            sel = [[r for r in probe if (r.spec.loss, r.spec.lag, r.spec.lr) == (loss, lag, lr)]
+                   for lr in pts]
+            vals = [np.mean([r.final_reward for r in rs]) if rs else np.nan for rs in sel]
+            line, = ax.plot(pts, vals, "o-", label=f"{loss} S={lag}")
+            bad = [(lr, v) for lr, v, rs in zip(pts, vals, sel) if rs and any(r.collapsed for r in rs)]
+            if bad:
+                ax.plot(*zip(*bad), "x", color=line.get_color(), markersize=12)
+    ax.set(xscale="log", xlabel="learning rate", ylabel="final reward (x: a seed collapsed)",
+           title="learning-rate probe", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "lab_lr_probe.png", dpi=90)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
