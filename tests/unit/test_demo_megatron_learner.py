@@ -87,3 +87,19 @@ def test_first_step_matches_the_plain_pytorch_learner(mp_state, ckpt, tmp_path, 
         torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4, msg=k)
     # what the Megatron learner saved is a checkpoint the engine loads
     assert load_model(tmp_path / "mega").config == read_config(ckpt)
+
+
+def test_block_causal_mask_keeps_packed_sequences_apart():
+    from learner_client.megatron.forward_step import block_causal_mask
+    from learner_client.megatron.packing import PackSample, pack_samples
+
+    batch = pack_samples([PackSample([1, 2], [3]), PackSample([4], [5, 6])])
+    m = block_causal_mask(batch)[0, 0]  # True = masked
+    allowed = ~m
+    want = torch.tensor([[1, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0],
+                         [0, 0, 0, 1, 0, 0],
+                         [0, 0, 0, 1, 1, 0],
+                         [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(allowed, want)
