@@ -6,8 +6,10 @@ the rollout routing into the routers (R3), runs
 ``model(tokens, position_ids, None, packed_seq_params=...)`` and returns the output with
 a :func:`make_loss_func` bound to that batch.
 
-THD packed attention needs TransformerEngine (GPU). Context parallelism is not handled
-here (the loss needs all logits of the batch on the rank: cp = 1).
+THD packed attention needs TransformerEngine (GPU). ``attention="mask"`` runs the same
+packed row through the local (non-TE) attention with a block-diagonal causal mask
+``[1, 1, S, S]`` instead (O(S^2) memory: CPU runs, tests, small batches). Context
+parallelism is not handled here (the loss needs all logits of the batch on the rank: cp = 1).
 
 Routing replay bookkeeping: megatron's ``RouterReplay.set_target_indices`` also queues
 the targets for ``REPLAY_BACKWARD`` (activation recompute pops them in forward order).
@@ -38,7 +40,20 @@ from learner_client.megatron.router_replay import (
     start_backward_replay,
 )
 
-__all__ = ["make_forward_step"]
+__all__ = ["block_causal_mask", "make_forward_step"]
+
+
+def block_causal_mask(batch: PackedBatch) -> torch.Tensor:
+    """``[1, 1, S, S]`` bool, True = masked (Megatron's convention): position i attends to
+    j only when j <= i and both lie in the same packed sequence (tail padding attends to
+    itself only, so no row is fully masked)."""
+    s = batch.total_len
+    dev = batch.tokens.device
+    pos = torch.arange(s, device=dev)
+    bounds = batch.cu_seqlens_padded.to(device=dev, dtype=torch.int64)[1:]
+    seq = torch.bucketize(pos, bounds, right=True)  # tail padding -> id B
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    return (~allowed)[None, None]
 
 
 def _tp_rank_size() -> tuple[int, int]:
@@ -61,6 +76,7 @@ def make_forward_step(
     sequence_parallel: bool = False,
     tp_group: dist.ProcessGroup | None | str = "auto",
     chunk_size: int = 1024,
+    attention: str = "thd",
 ) -> Callable[[Iterator[PackedBatch], Any], tuple[torch.Tensor, Callable[..., Any]]]:
     """Build ``forward_step(data_iterator, model)`` for ``get_forward_backward_func()``.
 
@@ -72,7 +88,11 @@ def make_forward_step(
         recompute: the model recomputes MoE layers in backward (activation recompute).
         sequence_parallel: the model runs with sequence parallelism (routers see a 1/tp
             slice of the tokens).
+        attention: "thd" (PackedSeqParams, TransformerEngine) or "mask" (one packed row
+            with :func:`block_causal_mask`, for the local non-TE attention on CPU).
     """
+    if attention not in ("thd", "mask"):
+        raise ValueError(f"attention must be 'thd' or 'mask', got {attention!r}")
     slots_cache: dict[int, list[ReplaySlot]] = {}
 
     def forward_step(data_iterator: Iterator[PackedBatch], model: Any
@@ -97,8 +117,11 @@ def make_forward_step(
                 for s in slots:
                     s.replay.replay_backward_list.clear()
             set_replay_targets(slots, routed)
-        output = model(batch.tokens, batch.position_ids, None,
-                       packed_seq_params=batch.packed_seq_params())
+        if attention == "thd":
+            output = model(batch.tokens, batch.position_ids, None,
+                           packed_seq_params=batch.packed_seq_params())
+        else:
+            output = model(batch.tokens, batch.position_ids, block_causal_mask(batch))
         if replay and recompute:
             if output.requires_grad:
                 def to_backward(grad: torch.Tensor) -> None:
