@@ -134,8 +134,9 @@ async def test_killed_learner_trajectories_go_to_another_learner(start_gateway):
 
 async def test_gateway_killed_and_restarted_loses_nothing(start_gateway):
     gw = start_gateway(6)
+    # no lease renewal: the two pending deliveries must expire and come back after restart
     async with AsyncTrajectoryClient(start_gateway.target, "job", "learner",
-                                     backoff_max=0.3) as c:
+                                     backoff_max=0.3, auto_extend=False) as c:
         first = await c.pull(4, timeout=5)
         assert len(first) == 4
         acked = first[:2]
