@@ -167,6 +167,8 @@ def test_job_tokens_are_isolated_to_their_groups(gw, pki):
         assert {x.trajectory_id for x in got} == ids
         assert code_of(lambda: stranger.ack([x.entry_id for x in got])) == "PERMISSION_DENIED"
         assert code_of(lambda: stranger.nack([x.entry_id for x in got])) == "PERMISSION_DENIED"
+        assert code_of(lambda: stranger.extend([x.entry_id for x in got])) == "PERMISSION_DENIED"
+        assert owner_b.extend(got) == 2  # the owner renews its own leases
         assert owner_b.ack(got) == 2  # nothing was taken from its owner
         mine = job_a.pull(2, timeout=30)  # job-a reads its own group
         assert {x.trajectory_id for x in mine} == ids and job_a.ack(mine) == 2
