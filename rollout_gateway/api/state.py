@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 import time
 from typing import Any
 
+from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
@@ -161,10 +161,7 @@ class Gateway:
         if self.discovery is not None:
             await self.discovery.stop()
         task, self._watch_task = self._watch_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         await self.gatekeeper.stop()
         await self.pool.close()
         if self.oldlogits is not None:

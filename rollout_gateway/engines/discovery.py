@@ -17,6 +17,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -80,10 +81,7 @@ class DnsDiscovery:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _loop(self) -> None:
         while True:

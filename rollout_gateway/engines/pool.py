@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.trajectory import Transition
 from rollout_gateway.engines.client import EngineClient, Health
 from rollout_gateway.engines.shape import routing_problem
@@ -250,11 +251,8 @@ class EnginePool:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def close(self) -> None:
-        if self._health_task:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
+        task, self._health_task = self._health_task, None
+        await cancel_and_wait(task)
         for eng in list(self._engines.values()):
             await eng.client.close()
         self._engines.clear()

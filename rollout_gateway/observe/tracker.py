@@ -8,7 +8,6 @@ in the shared store/registry are read at request time instead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -108,10 +108,7 @@ class HistorySampler:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def sample(self) -> None:
         gw = self.gw

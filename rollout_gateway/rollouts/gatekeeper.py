@@ -14,6 +14,7 @@ import socket
 
 import numpy as np
 
+from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.admission import AdmissionConfig, AdmissionController, Judgement, Verdict
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import GatewayError, ResourceExhausted
@@ -69,10 +70,7 @@ class Gatekeeper:
         """Stop reporting and withdraw this replica's count (called at shutdown, after
         the drain: whatever still runs here ends with the process)."""
         task, self._reporter = self._reporter, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         with contextlib.suppress(GatewayError):
             await self.registry.report_running(self.replica_id, 0,
                                                ttl=self.ctl.config.running_report_ttl_s)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.errors import (
     FailedPrecondition,
@@ -110,10 +111,7 @@ class SessionManager:
     async def stop(self) -> None:
         """Publish what is open (ended_by ``shutdown``) and what waits for a reward."""
         task, self._sweeper = self._sweeper, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for sid in list(self.sessions):
             with contextlib.suppress(GatewayError):
                 await self._end(sid, "shutdown", None, await_reward=False)
