@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,23 +33,25 @@ from rollout_gateway.reference_engine.tokenizer import BOS_ID, EOS_ID, SPECIAL_N
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-class ChatTemplate:
+class ChatTemplate(ABC):
     """Interface: render messages to text, text <-> ids."""
 
     name = "base"
     #: ids that end the model's turn (stripped from the returned content)
     end_ids: frozenset[int] = frozenset()
 
+    @abstractmethod
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool) -> str:
-        raise NotImplementedError
+        """The prompt text of ``messages`` (with the assistant header when asked)."""
 
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; special-token strings in it become their special ids."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+        """Text of ``ids``."""
 
     def token_text(self, token_id: int) -> str:
         """One token's text (OpenAI logprobs ``token``)."""
