@@ -105,7 +105,8 @@ def encode_trajectory(fields: Mapping[str, Any]) -> bytes:
     for Array fields, mappings for sub-messages (lists of them for repeated ones), plain
     values otherwise; ``None`` leaves a field absent. CodecError on unknown fields/dtypes."""
     try:
-        return tpb.Trajectory(**_prepare(tpb.Trajectory.DESCRIPTOR, fields)).SerializeToString()
+        return tpb.Trajectory(**_prepare(tpb.Trajectory.DESCRIPTOR, fields)).SerializeToString(
+            deterministic=True)  # map entries (metadata) in key order: same trajectory, same bytes
     except (TypeError, ValueError) as exc:
         if isinstance(exc, CodecError):
             raise
