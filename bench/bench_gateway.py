@@ -119,7 +119,7 @@ def decode_without_fast_paths(body: bytes, opts: DecodeOptions) -> Decoded:
     JSON; routed experts found by a separate scan, then decoded in one piece): the
     decoder as it was before them, for the side-by-side column."""
     saved = decode_mod.splice_top, decode_experts._PY_CHUNK
-    decode_mod.splice_top = lambda b: (b, [])
+    decode_mod.splice_top = lambda b, *_: (b, [])
     decode_experts._PY_CHUNK = 1 << 40
     try:
         return decode_one(body, opts)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--streamed", default="true", choices=["true", "false"])
-    ap.add_argument("--body", default="topk", choices=["topk", "plain"])
+    ap.add_argument("--body", default="topk", choices=["topk", "plain", "topk-norouting"])
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", help="keep the raw collapsed stacks here")
@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     body = {"input_ids": list(range(1, 257)),
             "sampling_params": {"max_new_tokens": 1024, "temperature": 1.0},
             "return_logprob": True, "return_routed_experts": True}
-    if args.body == "topk":
+    if args.body.startswith("topk"):
         body["top_logprobs_num"] = 5
+    if args.body == "topk-norouting":
+        del body["return_routed_experts"]
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(args.out or Path(tmp) / "stacks.txt")

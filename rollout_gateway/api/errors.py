@@ -6,10 +6,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-import orjson
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout_gateway.api.serialize import dumps
 from rollout_gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ class ORJSONResponse(Response):
     media_type = "application/json"
 
     def render(self, content) -> bytes:
-        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+        return dumps(content)
 
 
 def error_response(status: int, code: str, message: str, details: dict | None = None) -> ORJSONResponse:

@@ -52,6 +52,7 @@ from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import segment_to_json
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.core.trajectory import Trajectory
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
 from rollout_gateway.errors import EngineError, InvalidArgument
 from rollout_gateway.rollouts.models import SAMPLING_KEYS, RolloutRequest
 from rollout_gateway.rollouts.sample import PassThrough
@@ -213,9 +214,10 @@ def _rows(rows: list, with_text: bool) -> list:
     return rows if with_text else [None if r is None else [r[0], r[1], None] for r in rows]
 
 
-def _top_rows(rows: list, with_text: bool) -> list:
-    return rows if with_text else [
-        None if r is None else [[e[0], e[1], None] for e in r] for r in rows]
+def _top_rows(rows: LogprobRows | list, with_text: bool) -> LogprobRows | list:
+    if with_text or isinstance(rows, LogprobRows):  # columns hold no texts
+        return rows
+    return [None if r is None else [[e[0], e[1], None] for e in r] for r in rows]
 
 
 def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | None,
@@ -240,12 +242,9 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
     if opts["return_logprob"]:
         if "output_token_logprobs" in passed:  # the engine's rows, token texts included
             meta["output_token_logprobs"] = _rows(passed["output_token_logprobs"], with_text)
-        else:
-            lps = c.logprobs.tolist()
-            if not np.isfinite(c.logprobs).all():
-                lps = [_f(x) for x in lps]
-            meta["output_token_logprobs"] = [[lp, tok, None]
-                                             for lp, tok in zip(lps, c.token_ids.tolist())]
+        else:  # written from the columns (float32 logprobs as the doubles SGLang writes)
+            meta["output_token_logprobs"] = LogprobRows(c.logprobs.astype(np.float64),
+                                                        c.token_ids)
         for key in ("input_token_logprobs",):
             if key in passed:
                 meta[key] = _rows(passed[key], with_text)
@@ -390,11 +389,10 @@ def _partial(acc: dict[str, list], opts: dict[str, Any], tid: str, index: int,
                             "weight_version": str(int(pv[-1])), "trajectory_id": tid,
                             "policy_versions": pv, "kv_versions": np.concatenate(acc["kv"])}
     if opts["return_logprob"] and all(x is not None for x in acc["lp"]):
-        lps = np.concatenate(acc["lp"]).tolist()
-        meta["output_token_logprobs"] = [[_f(lp), tok, None]
-                                         for lp, tok in zip(lps, ids.tolist())]
+        meta["output_token_logprobs"] = LogprobRows(
+            np.concatenate(acc["lp"]).astype(np.float64), ids)
         if opts["top"] > 0 and all(x is not None for x in acc["top"]):
-            rows = [r[:opts["top"]] if r is not None else None for x in acc["top"] for r in x]
+            rows = LogprobRows.concat([cut_top(x, opts["top"]) for x in acc["top"]])
             meta["output_top_logprobs"] = _top_rows(rows, with_text)
     out: dict[str, Any] = {"text": "", "output_ids": ids, "meta_info": meta}
     if as_list:

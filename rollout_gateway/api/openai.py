@@ -21,6 +21,7 @@ from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway
 from rollout_gateway.api.security import require_client
 from rollout_gateway.api.state import Gateway
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import InvalidArgument, NotFound
 from rollout_gateway.rollouts.models import SamplingParams
 from rollout_gateway.sessions.manager import Reply
@@ -165,10 +166,14 @@ def _lp(x: Any) -> float:
     return -9999.0 if x is None or not math.isfinite(x) else float(x)
 
 
-def _alternatives(gw: Gateway, rows: list | None, k: int) -> list[list[tuple[int, float]]]:
+def _alternatives(gw: Gateway, rows: LogprobRows | list | None, k: int) -> list[list[tuple[int, float]]]:
     """Per token, the engine's top-k alternatives as (id, logprob)."""
     if rows is None:
         return []
+    if isinstance(rows, LogprobRows):
+        top = rows.cut(k)
+        return [[(i, _lp(lp)) for lp, i in zip(lr, ir)]
+                for lr, ir in zip(top.logprobs.tolist(), top.ids.tolist())]
     return [[(int(r[1]), _lp(r[0])) for r in (row or [])[:k]] for row in rows]
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.security import is_admin, public_view, require_admin, require_client
-from rollout_gateway.api.serialize import trajectory_to_json
+from rollout_gateway.api.serialize import dumps, trajectory_to_json
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.redact import clean
@@ -35,7 +35,7 @@ def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             async for ev in events:
                 if "error" in ev:  # a failed sample: shown as a client may see it
                     ev = {**ev, "error": clean(ev["error"])}
-                yield b"data: " + orjson.dumps(ev, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
+                yield b"data: " + dumps(ev) + b"\n\n"
         except GatewayError as exc:
             err = {"type": "error", "error": clean(exc.to_dict())}
             yield b"data: " + orjson.dumps(err) + b"\n\n"

@@ -2,7 +2,9 @@
 
 Per-token columns stay numpy arrays here and are written by orjson with
 ``OPT_SERIALIZE_NUMPY`` (C speed, no per-token Python objects; NaN/inf become null).
-Routed experts travel as base64 of the narrow-dtype array."""
+Routed experts travel as base64 of the narrow-dtype array; SGLang logprob rows kept as
+columns (:class:`~rollout_gateway.engines.decode_toplogprobs.LogprobRows`) are written from
+them by :func:`json_default`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 import orjson
 
 from rollout_gateway.core.trajectory import Segment, TokenColumns, Trajectory
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 
 try:  # SIMD base64 (a base dependency); the stdlib is the fallback
     from pybase64 import b64encode
@@ -23,8 +26,15 @@ except ImportError:  # pragma: no cover
 JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
+def json_default(obj: Any) -> Any:
+    """orjson's ``default`` for the gateway's answers: logprob rows kept as columns."""
+    if isinstance(obj, LogprobRows):
+        return orjson.Fragment(obj.to_json())
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
 def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj, option=JSON_OPTS)
+    return orjson.dumps(obj, default=json_default, option=JSON_OPTS)
 
 
 def segment_to_json(s: Segment) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from rollout_gateway.engines.decode_experts import (
     decode_routed_experts_quoted,
     decode_routed_experts_str,
 )
-from rollout_gateway.engines.decode_toplogprobs import placeholder_index, splice_top
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows, placeholder_index, splice_top
 from rollout_gateway.errors import EngineError, InvalidArgument
 
 _KEY = b'"routed_experts"'
@@ -164,9 +164,9 @@ def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Deco
     """
     opts = opts or DecodeOptions()
     spliced, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
-    # rows forwarded verbatim are parsed as JSON (the fast path keeps only the logprobs)
-    spliced, tops = (spliced, []) if "output_top_logprobs" in opts.passthrough \
-        else splice_top(spliced)
+    # rows forwarded to the caller travel as columns whatever their size
+    spliced, tops = splice_top(spliced, 0 if "output_top_logprobs" in opts.passthrough
+                               else None)
     obj = _loads(spliced)
     items = obj if isinstance(obj, list) else [obj]
     return [decode_output(item, opts, regions=regions, tops=tops) for item in items]
@@ -182,7 +182,7 @@ def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
 
 def decode_output(item: Any, opts: DecodeOptions, *,
                   regions: list[np.ndarray | EngineError] | None = None,
-                  tops: list[np.ndarray] | None = None) -> Decoded:
+                  tops: list[LogprobRows] | None = None) -> Decoded:
     """Decode one parsed output dict (``routed_experts`` and ``output_top_logprobs`` may
     be splice placeholders, resolved through ``regions`` / ``tops``)."""
     if not isinstance(item, dict):
@@ -236,8 +236,19 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         text=text if isinstance(text, str) else None, input_token_ids=input_ids,
         routed_experts=flat, routed=routed,
         meta={k: v for k, v in meta.items() if k not in _COLUMN_KEYS},
-        extra={k: meta[k] for k in opts.passthrough if meta.get(k) is not None},
+        extra=_passthrough(meta, opts, tops or []),
     )
+
+
+def _passthrough(meta: dict, opts: DecodeOptions, tops: list[LogprobRows]) -> dict[str, Any]:
+    """The forwarded meta_info values (spliced top-k rows as their columns)."""
+    out = {k: meta[k] for k in opts.passthrough if meta.get(k) is not None}
+    top = out.get("output_top_logprobs")
+    if top is not None:
+        idx = placeholder_index(top, len(tops))
+        if idx is not None:
+            out["output_top_logprobs"] = tops[idx]
+    return out
 
 
 def _short(obj: Any) -> str:
@@ -284,7 +295,7 @@ def _ids_from_rows(rows: list, name: str) -> np.ndarray:
         raise EngineError(f"{name} rows are not [logprob, id, text]") from exc
 
 
-def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[np.ndarray]
+def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows]
              ) -> tuple[np.ndarray, EntropyKind, np.ndarray | None, float]:
     exact = meta.get("output_token_entropy")
     if exact is not None:
@@ -302,10 +313,10 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[np.ndarray]
         idx = placeholder_index(top, len(tops))
         if idx is None:
             mat = _top_matrix(top, t)
-        elif tops[idx].shape[0] != t:
+        elif len(tops[idx]) != t:
             raise EngineError(f"output_top_logprobs must have {t} rows")
         else:  # already parsed from the raw bytes (decode_toplogprobs); nulls are NaN
-            mat = _null_to_neg_inf(tops[idx])
+            mat = _null_to_neg_inf(tops[idx].logprobs)
         est, err = topk_entropy(mat, opts.vocab_size)
         return est, EntropyKind.TOPK_ESTIMATE, err, float(err.max())
     return np.full(t, np.nan, np.float32), EntropyKind.NONE, None, float("inf")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_generate
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import EngineError
 
 #: per-output-token lists kept verbatim (DecodeOptions.passthrough), cut like the columns
@@ -108,7 +109,7 @@ class StreamDecoder:
         d.entropy = _tail(d.entropy, st.seen, new, total, "entropy")
         for k in OUTPUT_ROW_KEYS:
             rows = d.extra.get(k)
-            if rows is not None:  # forwarded verbatim: a list, cut like the columns
+            if rows is not None:  # forwarded: rows or LogprobRows, cut like the columns
                 d.extra[k] = _tail(rows, st.seen, new, total, k)
         if d.entropy_error is not None:
             d.entropy_error = _tail(d.entropy_error, st.seen, new, total, "entropy")
@@ -203,8 +204,9 @@ def merge(parts: list[Decoded]) -> Decoded:
         last.entropy_error_bound
     extra = dict(last.extra)
     for k in OUTPUT_ROW_KEYS:
-        if any(k in p.extra for p in parts):
-            extra[k] = [r for p in parts for r in p.extra.get(k, ())]
+        got = [p.extra[k] for p in parts if k in p.extra]
+        if got:
+            extra[k] = LogprobRows.concat(got)
     for k in ("input_token_logprobs", "input_top_logprobs"):  # sent with the first chunk
         first = next((p.extra[k] for p in parts if k in p.extra), None)
         if first is not None:

@@ -1,4 +1,5 @@
-"""Fast path for ``output_top_logprobs``: cut it out of the raw body, parse it flat.
+"""Fast path for ``output_top_logprobs``: cut it out of the raw body, parse it flat,
+keep it as columns (:class:`LogprobRows`) and write it back as JSON from the columns.
 
 Parsed as JSON, top-k logprobs cost ``T * (k + 1)`` Python lists plus ``3 T k`` scalars
 (and as much again to free them): most of the gateway's time when it asks for top-k. Here
@@ -11,10 +12,17 @@ exactly as ``orjson`` + ``float()`` would give them (same parser, same conversio
 result is bit-identical to the general path. Anything else -- ragged rows, whitespace,
 text strings, empty values, non-numbers -- is left in the body untouched and takes the
 general path, which gives the same values or the same error as before.
+
+A ``/generate`` caller that asked for ``top_logprobs_num`` gets the rows back: they travel
+through the gateway as :class:`LogprobRows` (sliced, concatenated and cut to k as arrays)
+and are written with :meth:`LogprobRows.to_json`, which gives the exact bytes orjson writes for the
+rows (``[[[logprob, id, null], ...], ...]``, -inf as null) without building them as
+Python lists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -23,8 +31,10 @@ import orjson
 _KEY = b'"output_top_logprobs":[[['
 _PLACEHOLDER = "#tk:"  # never valid as a top-logprobs value, so never confused with one
 _STRUCT = b"[],"
-#: below this many bytes (~60 tokens of top-5) nested parsing is as fast: leave it be
+#: below this many bytes (~60 tokens of top-5) nested parsing is as fast: leave it be,
+#: unless the rows are forwarded (then columns save building them, whatever the size)
 MIN_BYTES = 8192
+_I32_LIMIT = float(1 << 31)
 _NON_STRUCT = bytes(c for c in range(256) if c not in _STRUCT)
 #: brackets to spaces (a translate table is ~2x cheaper than deleting them)
 _BRACKETS_TO_SPACE = bytes(range(256)).replace(b"[", b" ").replace(b"]", b" ")
@@ -36,11 +46,104 @@ def _skeleton(t: int, k: int) -> bytes:
     return b"[" + b",".join([row] * t) + b"]"
 
 
-def parse_top_segment(seg: bytes) -> np.ndarray | None:
-    """[T, k] float64 logprobs (null -> NaN) of a canonical top-logprobs array, else None.
+class LogprobRows:
+    """SGLang's logprob rows without token texts, as columns.
+
+    1-D (``output_token_logprobs``: ``[[logprob, id, null], ...]``) or 2-D
+    (``output_top_logprobs``: ``[[[logprob, id, null], ...k], ...]``): ``logprobs``
+    float64 [T] or [T, k] (NaN or -inf where the engine wrote null: orjson writes -inf as
+    null, and so does :meth:`to_json`), ``ids`` int64 of the same shape.
+    """
+
+    # not a dataclass: orjson would write a dataclass as an object of its fields, where
+    # every answer must go through api.serialize.json_default (a TypeError without it)
+    __slots__ = ("logprobs", "ids")
+
+    def __init__(self, logprobs: np.ndarray, ids: np.ndarray) -> None:
+        self.logprobs = logprobs
+        self.ids = ids
+
+    def __repr__(self) -> str:
+        return f"LogprobRows(shape={self.logprobs.shape})"
+
+    def __len__(self) -> int:
+        return int(self.logprobs.shape[0])
+
+    def __getitem__(self, key: slice) -> LogprobRows:
+        if not isinstance(key, slice):
+            raise TypeError("LogprobRows takes slices of rows only")
+        return LogprobRows(self.logprobs[key], self.ids[key])
+
+    @property
+    def k(self) -> int:
+        """Entries per row (0 for 1-D token rows)."""
+        return int(self.logprobs.shape[1]) if self.logprobs.ndim == 2 else 0
+
+    def cut(self, k: int) -> LogprobRows:
+        """The first ``k`` entries of every row (SGLang's rows are sorted best first)."""
+        return self if k >= self.k else LogprobRows(self.logprobs[:, :k], self.ids[:, :k])
+
+    def to_rows(self) -> list:
+        """The rows as SGLang's JSON parses (logprob None where it is not finite)."""
+        def row(lp: float, i: int) -> list:
+            return [lp if lp == lp and lp != -np.inf else None, i, None]
+        lps, ids = self.logprobs.tolist(), self.ids.tolist()
+        if self.logprobs.ndim == 1:
+            return [row(lp, i) for lp, i in zip(lps, ids)]
+        return [[row(lp, i) for lp, i in zip(lr, ir)] for lr, ir in zip(lps, ids)]
+
+    def to_json(self) -> bytes:
+        """Exactly ``orjson.dumps(self.to_rows())``, from the columns (no Python rows)."""
+        n = self.logprobs.size
+        if n == 0:
+            return orjson.dumps(self.to_rows())
+        k = max(self.k, 1)
+        seps = [b",null],["] * n  # between two entries
+        if self.logprobs.ndim == 2:
+            seps[k - 1::k] = [b",null]],[["] * (n // k)  # between two rows
+            seps[-1], head = b",null]]]", b"[[["
+        else:
+            seps[-1], head = b",null]]", b"[["
+        parts = [b","] * (4 * n)
+        parts[0::4] = _numbers(self.logprobs)
+        parts[2::4] = _numbers(self.ids)
+        parts[3::4] = seps
+        return head + b"".join(parts)
+
+    @staticmethod
+    def concat(parts: Sequence[LogprobRows | list]) -> LogprobRows | list:
+        """Rows of consecutive pieces, in order: columns when every piece has them (with
+        the same row shape), else plain rows."""
+        cols = [p for p in parts if isinstance(p, LogprobRows)]
+        if len(cols) == len(parts) and len({p.logprobs.shape[1:] for p in cols if len(p)}) <= 1:
+            if len(cols) == 1:
+                return cols[0]
+            if cols:
+                return LogprobRows(np.concatenate([p.logprobs for p in cols]),
+                                   np.concatenate([p.ids for p in cols]))
+        return [r for p in parts for r in (p.to_rows() if isinstance(p, LogprobRows) else p)]
+
+
+def cut_top(rows: LogprobRows | list, k: int) -> LogprobRows | list:
+    """Top-logprob rows (columns or plain rows, None rows kept) cut to ``k`` per token."""
+    if isinstance(rows, LogprobRows):
+        return rows.cut(k)
+    return [r[:k] if r is not None else None for r in rows]
+
+
+def _numbers(arr: np.ndarray) -> list[bytes]:
+    """Each element's JSON text, as orjson writes it (floats: shortest repr, -inf null)."""
+    text = orjson.dumps(np.ascontiguousarray(arr).reshape(-1),
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+    return text[1:-1].split(b",")
+
+
+def parse_top_segment(seg: bytes) -> LogprobRows | None:
+    """Columns of a canonical top-logprobs array (null logprobs -> NaN), else None.
 
     ``seg`` is the whole JSON value, starting with ``[[[``. None means "not canonical":
-    the caller must then use the general JSON path.
+    the caller must then use the general JSON path. Canonical also means: every text is
+    null and every id an integer in [0, 2^31).
     """
     if len(seg) < 10 or not seg.startswith(b"[[[") or not seg.endswith(b"]]]"):
         return None
@@ -59,26 +162,36 @@ def parse_top_segment(seg: bytes) -> np.ndarray | None:
         flat = orjson.loads(b"[" + seg.translate(_BRACKETS_TO_SPACE) + b"]")
     except orjson.JSONDecodeError:
         return None
-    if len(flat) != 3 * t * k:
+    n = t * k
+    if len(flat) != 3 * n or flat[2::3].count(None) != n:
         return None
     try:
-        lps = np.fromiter(flat[0::3], dtype=np.float64, count=t * k)
+        lps = np.fromiter(flat[0::3], dtype=np.float64, count=n)
+        ids = np.fromiter(flat[1::3], dtype=np.float64, count=n)
     except (TypeError, ValueError, OverflowError):
         return None
-    return lps.reshape(t, k)
+    # ids must be integral token ids (a bool would not survive the round trip: no
+    # true/false may appear; an id written 3.0 comes back as 3)
+    if not ((ids >= 0) & (ids < _I32_LIMIT) & (ids == np.floor(ids))).all() \
+            or b"t" in seg or b"f" in seg:
+        return None
+    return LogprobRows(lps.reshape(t, k), ids.astype(np.int64).reshape(t, k))
 
 
-def splice_top(body: bytes) -> tuple[bytes, list[np.ndarray]]:
+def splice_top(body: bytes, min_bytes: int | None = None) -> tuple[bytes, list[LogprobRows]]:
     """Replace each canonical ``output_top_logprobs`` value with a placeholder string.
 
-    Returns the smaller JSON and the parsed [T, k] matrices, indexed by the placeholder
-    number. Values that are not canonical stay in the body for the general path.
+    Returns the smaller JSON and the parsed columns, indexed by the placeholder number.
+    Values that are not canonical, or shorter than ``min_bytes`` (default
+    :data:`MIN_BYTES`), stay in the body for the general path.
     """
+    if min_bytes is None:
+        min_bytes = MIN_BYTES
     pos = body.find(_KEY)
     if pos < 0:
         return body, []
     parts: list[bytes] = []
-    mats: list[np.ndarray] = []
+    mats: list[LogprobRows] = []
     last = 0
     while pos >= 0:
         i = pos + len(_KEY) - 3  # start of the value
@@ -91,7 +204,7 @@ def splice_top(body: bytes) -> tuple[bytes, list[np.ndarray]]:
             pos = body.find(_KEY, i)
             continue
         end += 3
-        mat = parse_top_segment(body[i:end]) if end - i >= MIN_BYTES else None
+        mat = parse_top_segment(body[i:end]) if end - i >= min_bytes else None
         if mat is not None:
             parts.append(body[last:i])
             parts.append(f'"{_PLACEHOLDER}{len(mats)}"'.encode())

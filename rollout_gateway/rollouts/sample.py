@@ -30,6 +30,7 @@ from rollout_gateway.core.trajectory import (
 )
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
 from rollout_gateway.engines.pool import Engine, EnginePool
 from rollout_gateway.engines.shape import resolve_spec, routing_problem
 from rollout_gateway.errors import (
@@ -429,15 +430,15 @@ class SampleRunner:
                 rows.extend(got)
             out["output_token_logprobs"] = rows
         if pt.top_logprobs_num > 0:
-            rows: list = []
+            tops: list[LogprobRows | list] = []
             for p in pieces:
                 got = p.extra.get("output_top_logprobs")
                 if got is None or len(got) != len(p.cols):
                     raise EngineError(f"sample {tid}: engine {p.engine_id} returned no "
                                       f"output_top_logprobs for {len(p.cols)} tokens although "
                                       f"top_logprobs_num was sent")
-                rows.extend(r[:pt.top_logprobs_num] if r is not None else None for r in got)
-            out["output_top_logprobs"] = rows
+                tops.append(cut_top(got, pt.top_logprobs_num))
+            out["output_top_logprobs"] = LogprobRows.concat(tops)
         if pt.logprob_start_len >= 0:
             first = pieces[0] if pieces else None
             for key in ("input_token_logprobs", "input_top_logprobs"):
@@ -454,7 +455,7 @@ class SampleRunner:
                 if cut and rows and rows[0] is not None:  # SGLang: the start token gets None
                     rows[0] = None if key == "input_top_logprobs" else [None, *rows[0][1:]]
                 if key == "input_top_logprobs":
-                    rows = [r[:pt.top_logprobs_num] if r is not None else None for r in rows]
+                    rows = cut_top(rows, pt.top_logprobs_num)
                 out[key] = rows
         return out
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.trajectory import Trajectory, Transition
+from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import (
     FailedPrecondition,
     GatewayError,
@@ -67,7 +68,7 @@ class Reply:
     branched: str = ""  # the reason, when this call started a new branch
     #: per output token, the engine's top alternatives as [logprob, id, ...] rows (None:
     #: not asked for; a None row: the engine had none)
-    top_logprobs: list | None = None
+    top_logprobs: LogprobRows | list | None = None
 
 
 def _content(template: ChatTemplate, ids: np.ndarray, finish: Any) -> str:

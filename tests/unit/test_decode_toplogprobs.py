@@ -11,7 +11,12 @@ import pytest
 from rollout_gateway.engines import decode as decode_mod
 from rollout_gateway.engines import decode_toplogprobs
 from rollout_gateway.engines.decode import DecodeOptions, decode_generate
-from rollout_gateway.engines.decode_toplogprobs import parse_top_segment, splice_top
+from rollout_gateway.engines.decode_toplogprobs import (
+    LogprobRows,
+    cut_top,
+    parse_top_segment,
+    splice_top,
+)
 from rollout_gateway.errors import EngineError
 
 @pytest.fixture(autouse=True)
@@ -52,7 +57,9 @@ def _general(rows: list) -> np.ndarray:
     return np.array(flat, dtype=np.float64).reshape(len(rows), -1)
 
 
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+def _same_bits(a: np.ndarray | LogprobRows, b: np.ndarray) -> bool:
+    if isinstance(a, LogprobRows):
+        a = a.logprobs
     return a.shape == b.shape and a.dtype == b.dtype and bytes(a.tobytes()) == bytes(b.tobytes())
 
 
@@ -65,6 +72,47 @@ def test_random_segments_bit_identical(seed: int) -> None:
     assert got is not None
     want = _general(orjson.loads(seg))
     assert _same_bits(got, want)
+    ids = [[e[1] for e in row] for row in orjson.loads(seg)]
+    assert got.ids.tolist() == ids
+    # written back from the columns: the very bytes the engine (orjson) wrote
+    assert got.to_json() == seg == orjson.dumps(got.to_rows())
+    assert got[3:].to_json() == orjson.dumps(orjson.loads(seg)[3:])
+    assert cut_top(got, 2).to_json() == orjson.dumps([r[:2] for r in orjson.loads(seg)])
+
+
+def test_columns_concat_and_mixed_pieces() -> None:
+    a = parse_top_segment(b"[[[-0.5,1,null],[null,2,null]]]")
+    b = parse_top_segment(b"[[[-0.25,3,null],[-1.5,4,null]],[[-2.0,5,null],[-3.0,6,null]]]")
+    assert a is not None and b is not None
+    both = LogprobRows.concat([a, b])
+    assert isinstance(both, LogprobRows) and len(both) == 3
+    assert both.to_json() == (b"[[[-0.5,1,null],[null,2,null]],[[-0.25,3,null],[-1.5,4,null]],"
+                              b"[[-2.0,5,null],[-3.0,6,null]]]")
+    # a piece with plain rows (texts, ragged rows): everything becomes plain rows
+    mixed = LogprobRows.concat([a, [[[-0.1, 7, "x"]]]])
+    assert mixed == [[[-0.5, 1, None], [None, 2, None]], [[-0.1, 7, "x"]]]
+    assert LogprobRows.concat([a[:0], a]).to_json() == a.to_json()
+
+
+def test_token_rows_write_like_orjson() -> None:
+    lps = np.array([-0.10000000149011612, -np.inf, np.nan, -0.0, -3e-300])
+    rows = LogprobRows(lps, np.array([5, 6, 7, 8, 2**31 - 1]))
+    assert rows.to_json() == orjson.dumps(rows.to_rows()) == (
+        b"[[-0.10000000149011612,5,null],[null,6,null],[null,7,null],[-0.0,8,null],"
+        b"[-3e-300,2147483647,null]]")
+    assert rows[1:2].to_json() == b"[[null,6,null]]"
+    assert LogprobRows(lps[:0], lps[:0].astype(np.int64)).to_json() == b"[]"
+
+
+@pytest.mark.parametrize("seg", [
+    b"[[[-0.1,true,null]]]",  # a bool id would come back as 1
+    b"[[[-0.1,1.5,null]]]",  # not a token id
+    b"[[[-0.1,-1,null]]]",
+    b"[[[-0.1,4294967296,null]]]",
+    b"[[[-0.1,1,2]]]",  # a text that is not null
+])
+def test_ids_and_texts_outside_the_canonical_form(seg: bytes) -> None:
+    assert parse_top_segment(seg) is None
 
 
 def test_hand_written_number_forms() -> None:
@@ -74,7 +122,8 @@ def test_hand_written_number_forms() -> None:
     assert got is not None
     assert _same_bits(got, _general(orjson.loads(seg)))
     # JSON -0 is the integer 0 (orjson), -0.0 a negative zero: both paths agree
-    assert not np.signbit(got[0, 1]) and np.signbit(got[0, 2]) and np.isnan(got[1, 1])
+    lp = got.logprobs
+    assert not np.signbit(lp[0, 1]) and np.signbit(lp[0, 2]) and np.isnan(lp[1, 1])
 
 
 def test_whitespace_between_values_is_fine() -> None:
@@ -126,7 +175,7 @@ def _both(body: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[object, object]
             return exc
     fast = run()
     with monkeypatch.context() as m:
-        m.setattr(decode_mod, "splice_top", lambda b: (b, []))
+        m.setattr(decode_mod, "splice_top", lambda b, *_: (b, []))
         slow = run()
     return fast, slow
 

@@ -15,9 +15,10 @@ def test_sglang_output_routed_experts_and_logprob_pairs():
     from rollout_gateway.transport.synthetic import make_trajectory
 
     t = make_trajectory("t", num_tokens=5, prompt_len=3, num_layers=4, top_k=2)
-    out = orjson.loads(orjson.dumps(sglang_output(
-        t, "txt", {"return_logprob": True, "routed": True}, None, 0),
-        option=orjson.OPT_SERIALIZE_NUMPY))
+    from rollout_gateway.api.serialize import dumps
+
+    out = orjson.loads(dumps(sglang_output(
+        t, "txt", {"return_logprob": True, "routed": True}, None, 0)))
     meta = out["meta_info"]
     want = np.ascontiguousarray(t.routed_experts.data, dtype="<i4")
     assert base64.b64decode(meta["routed_experts"]) == want.tobytes()
