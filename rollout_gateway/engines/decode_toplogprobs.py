@@ -17,7 +17,7 @@ A ``/generate`` caller that asked for ``top_logprobs_num`` gets the rows back: t
 through the gateway as :class:`LogprobRows` (sliced, concatenated and cut to k as arrays)
 and are written with :meth:`LogprobRows.to_json`, which gives the exact bytes orjson writes for the
 rows (``[[[logprob, id, null], ...], ...]``, -inf as null) without building them as
-Python lists.
+Python lists, or, when the rows are forwarded whole, the engine's own bytes.
 """
 
 from __future__ import annotations
@@ -57,11 +57,14 @@ class LogprobRows:
 
     # not a dataclass: orjson would write a dataclass as an object of its fields, where
     # every answer must go through api.serialize.json_default (a TypeError without it)
-    __slots__ = ("logprobs", "ids")
+    __slots__ = ("logprobs", "ids", "raw")
 
-    def __init__(self, logprobs: np.ndarray, ids: np.ndarray) -> None:
+    def __init__(self, logprobs: np.ndarray, ids: np.ndarray, raw: bytes | None = None) -> None:
         self.logprobs = logprobs
         self.ids = ids
+        #: the JSON the engine wrote for exactly these rows, forwarded as it is (kept
+        #: through whole slices and concatenation; a cut or partial slice drops it)
+        self.raw = raw
 
     def __repr__(self) -> str:
         return f"LogprobRows(shape={self.logprobs.shape})"
@@ -72,7 +75,8 @@ class LogprobRows:
     def __getitem__(self, key: slice) -> LogprobRows:
         if not isinstance(key, slice):
             raise TypeError("LogprobRows takes slices of rows only")
-        return LogprobRows(self.logprobs[key], self.ids[key])
+        whole = key.indices(len(self)) == (0, len(self), 1)
+        return LogprobRows(self.logprobs[key], self.ids[key], self.raw if whole else None)
 
     @property
     def k(self) -> int:
@@ -93,7 +97,10 @@ class LogprobRows:
         return [[row(lp, i) for lp, i in zip(lr, ir)] for lr, ir in zip(lps, ids)]
 
     def to_json(self) -> bytes:
-        """Exactly ``orjson.dumps(self.to_rows())``, from the columns (no Python rows)."""
+        """The engine's own bytes when kept, else exactly ``orjson.dumps(self.to_rows())``
+        written from the columns (no Python rows)."""
+        if self.raw is not None:
+            return self.raw
         n = self.logprobs.size
         if n == 0:
             return orjson.dumps(self.to_rows())
@@ -119,8 +126,11 @@ class LogprobRows:
             if len(cols) == 1:
                 return cols[0]
             if cols:
+                raw = None
+                if all(p.raw is not None for p in cols):
+                    raw = b"[" + b",".join([p.raw[1:-1] for p in cols if len(p)]) + b"]"
                 return LogprobRows(np.concatenate([p.logprobs for p in cols]),
-                                   np.concatenate([p.ids for p in cols]))
+                                   np.concatenate([p.ids for p in cols]), raw)
         return [r for p in parts for r in (p.to_rows() if isinstance(p, LogprobRows) else p)]
 
 
@@ -175,7 +185,7 @@ def parse_top_segment(seg: bytes) -> LogprobRows | None:
     if not ((ids >= 0) & (ids < _I32_LIMIT) & (ids == np.floor(ids))).all() \
             or b"t" in seg or b"f" in seg:
         return None
-    return LogprobRows(lps.reshape(t, k), ids.astype(np.int64).reshape(t, k))
+    return LogprobRows(lps.reshape(t, k), ids.astype(np.int64).reshape(t, k), seg)
 
 
 def splice_top(body: bytes, min_bytes: int | None = None) -> tuple[bytes, list[LogprobRows]]:

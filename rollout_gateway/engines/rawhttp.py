@@ -93,6 +93,10 @@ class RawResponse:
                     await self._read(r.readexactly, 2)
                     yield data
             elif b"content-length" in self.headers:
+                if not self.headers[b"content-length"].isdigit():
+                    raise EngineError(f"engine {self._pool.name}: bad Content-Length "
+                                      f"{self.headers[b'content-length'][:40]!r}",
+                                      details={"engine_id": self._pool.name})
                 left = int(self.headers[b"content-length"])
                 while left > 0:
                     data = await self._read(r.read, min(left, _STREAM_LIMIT))
@@ -110,7 +114,19 @@ class RawResponse:
             self.release()
 
     async def read(self) -> bytes:
-        return b"".join([c async for c in self.iter_bytes()])
+        """The whole body. A Content-Length body is taken in one read once it is all
+        there (one copy out of the stream buffer, instead of a copy per arriving piece
+        plus a join); the read timeout then bounds the whole transfer."""
+        length = self.headers.get(b"content-length")
+        te = self.headers.get(b"transfer-encoding", b"").lower()
+        if length is None or b"chunked" in te or not length.isdigit():
+            return b"".join([c async for c in self.iter_bytes()])
+        try:
+            data = await self._read(self._conn.reader.readexactly, int(length))
+            self._done = True
+            return data
+        finally:
+            self.release()
 
     def release(self) -> None:
         conn, self._conn = self._conn, None  # type: ignore[assignment]

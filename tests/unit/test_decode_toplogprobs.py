@@ -74,8 +74,9 @@ def test_random_segments_bit_identical(seed: int) -> None:
     assert _same_bits(got, want)
     ids = [[e[1] for e in row] for row in orjson.loads(seg)]
     assert got.ids.tolist() == ids
-    # written back from the columns: the very bytes the engine (orjson) wrote
-    assert got.to_json() == seg == orjson.dumps(got.to_rows())
+    # forwarded whole: the engine's bytes; written from the columns: the same bytes
+    assert got.raw == seg and got[:].to_json() == seg
+    assert LogprobRows(got.logprobs, got.ids).to_json() == seg == orjson.dumps(got.to_rows())
     assert got[3:].to_json() == orjson.dumps(orjson.loads(seg)[3:])
     assert cut_top(got, 2).to_json() == orjson.dumps([r[:2] for r in orjson.loads(seg)])
 
@@ -86,7 +87,8 @@ def test_columns_concat_and_mixed_pieces() -> None:
     assert a is not None and b is not None
     both = LogprobRows.concat([a, b])
     assert isinstance(both, LogprobRows) and len(both) == 3
-    assert both.to_json() == (b"[[[-0.5,1,null],[null,2,null]],[[-0.25,3,null],[-1.5,4,null]],"
+    assert both.raw is not None  # spliced from the engine's bytes
+    assert both.to_json() == LogprobRows(both.logprobs, both.ids).to_json() == (b"[[[-0.5,1,null],[null,2,null]],[[-0.25,3,null],[-1.5,4,null]],"
                               b"[[-2.0,5,null],[-3.0,6,null]]]")
     # a piece with plain rows (texts, ragged rows): everything becomes plain rows
     mixed = LogprobRows.concat([a, [[[-0.1, 7, "x"]]]])

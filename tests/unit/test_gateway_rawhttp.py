@@ -8,6 +8,10 @@ from rollout_gateway.engines.rawhttp import RawHttpPool
 from rollout_gateway.errors import EngineError, Timeout
 
 
+BIG_LEN = 9 << 20  # beyond the client's stream buffer limit (4 MiB) on purpose
+BIG = bytes(range(256)) * (BIG_LEN // 256)
+
+
 class Server:
     def __init__(self) -> None:
         self.connections = 0
@@ -40,6 +44,15 @@ class Server:
                     await writer.drain()
                     writer.close()
                     return
+                elif path == b"/big":  # a large body in many pieces, some time apart
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % BIG_LEN)
+                    for i in range(0, BIG_LEN, 1 << 16):
+                        writer.write(BIG[i:i + (1 << 16)])
+                        await writer.drain()
+                        if i % (1 << 20) == 0:
+                            await asyncio.sleep(0.01)
+                elif path == b"/bad-length":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5x\r\n\r\nhello")
                 elif path == b"/slow":
                     await asyncio.sleep(2)
                 await writer.drain()
@@ -63,6 +76,19 @@ async def test_bodies_and_keep_alive(server):
     r = await pool.post("/chunked", b"{}", read_timeout=2)
     assert [c async for c in r.iter_bytes()] == [b"abc", b"de"]
     assert server.connections == 1 and server.requests == [b'{"a":1}', b"{}"]
+    pool.close()
+
+
+async def test_a_large_body_arrives_whole_and_the_connection_is_reused(server):
+    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2)
+    for _ in range(2):
+        r = await pool.post("/big", b"{}", read_timeout=5)
+        assert await r.read() == BIG
+    assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
+    assert server.connections == 1
+    r = await pool.post("/bad-length", b"{}", read_timeout=2)
+    with pytest.raises(EngineError, match="bad Content-Length"):
+        await r.read()
     pool.close()
 
 
