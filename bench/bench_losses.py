@@ -91,8 +91,14 @@ def _floor_cases(data: dict) -> dict[str, Callable[[], object]]:
         "exact 0.9-quantile: torch.kthvalue over N": lambda: torch.kthvalue(a, k + 1),
         "SAT quantile + tail indices (ops.quantile_and_tail)":
             lambda: quantile_and_tail(a, n_act, 0.9),
-        "ESTR version diagnostics (estr.version_spread)": lambda: version_spread(inp),
+        "ESTR version diagnostics (estr.version_spread)": lambda: _fresh_version_spread(inp),
     }
+
+
+def _fresh_version_spread(inp: LossInputs) -> dict[str, torch.Tensor]:
+    """version_spread's first call on a batch (LossInputs caches the per-sequence bounds)."""
+    inp.__dict__.pop("seq_version_bounds", None)
+    return version_spread(inp)
 
 
 def main(argv: list[str] | None = None) -> int:
