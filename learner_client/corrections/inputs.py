@@ -295,17 +295,35 @@ class LossInputs:
 def _cpu_segment_min_max(v: np.ndarray, active: np.ndarray | None, cu: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray]:
     """(v_first, v_last) as float64 arrays over the cu_seqlens runs that have active tokens
-    (``active`` bool [N], None = all). All active: integer min/max reduceat, no copy.
-    Otherwise the versions as floats with NaN on inactive tokens (added as 0/active, one
-    pass with no branch, unlike a masked fill) and fmin/fmax.reduceat (NaN-ignoring): a
-    sequence with no active token gives NaN and is dropped. float32 holds every |version| <
-    2**24 exactly; a result at or beyond that is redone in float64."""
+    (``active`` bool [N], None = all). Branch-free passes (a masked fill is several times
+    slower on a scattered mask):
+
+    * all active: integer min/max reduceat on the versions, no copy;
+    * versions within a 255-wide window (the usual case: a few policy versions in flight):
+      lags hi - v as uint8 (a quarter of the bytes), inactive tokens set to 255 by an OR
+      for the min and to 0 by an AND for the max, min/max reduceat; a min lag of 255 = a
+      sequence with no active token;
+    * otherwise: the versions as floats with NaN on inactive tokens (added as 0/active)
+      and fmin/fmax.reduceat (NaN-ignoring). float32 holds every |version| < 2**24
+      exactly; a result at or beyond that is redone in float64.
+    """
     offs = cu[:-1][cu[1:] > cu[:-1]]  # non-empty sequences (empty ones have no tokens)
     if offs.size == 0:
         return np.zeros(0), np.zeros(0)
     if active is None:
         return (np.minimum.reduceat(v, offs).astype(np.float64),
                 np.maximum.reduceat(v, offs).astype(np.float64))
+    lo, hi = int(v.min()), int(v.max())
+    if hi - lo <= 254:
+        # hi - v in 0..254, computed mod 256 (unsafe casting wraps) in one pass
+        lag = np.subtract(np.uint8(hi & 0xFF), v, dtype=np.uint8, casting="unsafe")
+        off = np.subtract(active.view(np.uint8), np.uint8(1), dtype=np.uint8)  # 255 inactive
+        lag_min = np.minimum.reduceat(np.bitwise_or(lag, off), offs)
+        lag_max = np.maximum.reduceat(np.bitwise_and(lag, np.bitwise_not(off, out=off),
+                                                     out=lag), offs)
+        keep = lag_min != 255
+        return ((hi - lag_max[keep].astype(np.float64)),
+                (hi - lag_min[keep].astype(np.float64)))
     first = last = np.zeros(0)
     for dt in (np.float32, np.float64):
         w = v.astype(dt)

@@ -226,8 +226,12 @@ def _loop_bounds(ver, act, spans):
 
 @pytest.mark.parametrize("layout", ["cu_seqlens", "seq_ids", "padded"])
 @pytest.mark.parametrize("mask_kind", ["random", "all", "empty"])
-@pytest.mark.parametrize("vdtype", [torch.int32, torch.int64, torch.float32])
-def test_seq_version_bounds_match_a_loop(layout, mask_kind, vdtype):
+@pytest.mark.parametrize(("vdtype", "vrange"), [
+    (torch.int32, (-1, 30)), (torch.int64, (-1, 30)), (torch.float32, (-1, 30)),
+    (torch.int32, (250, 255 + 250)),  # a window of exactly 255 versions: the uint8 lags
+    (torch.int64, (-1, 1000)),  # wider: the float path
+    (torch.int64, (2**30, 2**30 + 1000))])  # beyond float32's integers: the float64 redo
+def test_seq_version_bounds_match_a_loop(layout, mask_kind, vdtype, vrange):
     rng = np.random.default_rng(3)
     lens = [4, 0, 3, 5, 2, 0, 6] if layout != "padded" else [4, 3, 5, 2, 6]
     if layout == "padded":
@@ -238,7 +242,8 @@ def test_seq_version_bounds_match_a_loop(layout, mask_kind, vdtype):
         cu = np.concatenate([[0], np.cumsum(lens)])
         spans = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
         n = int(cu[-1])
-    ver = rng.integers(-1, 30, n)
+    ver = rng.integers(*vrange, n)
+    ver[0], ver[-1] = vrange[0], vrange[1] - 1  # the whole window occurs
     act = rng.random(n) > 0.3
     if mask_kind == "all":
         act[:] = True
@@ -256,8 +261,9 @@ def test_seq_version_bounds_match_a_loop(layout, mask_kind, vdtype):
         kw["cu_seqlens"] = torch.tensor(cu)
     elif layout == "seq_ids":
         kw["seq_ids"] = torch.tensor(np.repeat(np.arange(len(lens)), lens))
+    lv = vrange[1] + 3
     inp = LossInputs(x, x, x, torch.tensor(act).reshape(shape).float(),
-                     versions=torch.tensor(ver).to(vdtype).reshape(shape), learner_version=40,
+                     versions=torch.tensor(ver).to(vdtype).reshape(shape), learner_version=lv,
                      **kw)
     firsts, lasts = _loop_bounds(ver, act, spans)
     first, last = inp.seq_version_bounds
@@ -269,7 +275,7 @@ def test_seq_version_bounds_match_a_loop(layout, mask_kind, vdtype):
         return
     assert got["intra_mean"].item() == pytest.approx(
         sum(b - a for a, b in zip(firsts, lasts)) / len(firsts))
-    assert got["inter_mean"].item() == pytest.approx(40 - sum(lasts) / len(lasts))
+    assert got["inter_mean"].item() == pytest.approx(lv - sum(lasts) / len(lasts))
 
 
 @pytest.mark.parametrize("mdtype", [torch.bool, torch.int64, torch.float32, torch.float64])
