@@ -313,7 +313,7 @@ def _cpu_segment_min_max(v: np.ndarray, active: np.ndarray | None, cu: np.ndarra
     if active is None:
         return (np.minimum.reduceat(v, offs).astype(np.float64),
                 np.maximum.reduceat(v, offs).astype(np.float64))
-    lo, hi = int(v.min()), int(v.max())
+    lo, hi = (int(b) for b in torch.aminmax(torch.from_numpy(v)))  # one pass (numpy: two)
     if hi - lo <= 254:
         # hi - v in 0..254, computed mod 256 (unsafe casting wraps) in one pass
         lag = np.subtract(np.uint8(hi & 0xFF), v, dtype=np.uint8, casting="unsafe")
