@@ -59,7 +59,8 @@ class ESTRConfig(LossConfig):
         "warn", description="What to do when the entropy's error bound exceeds the tolerance.")
     version_diagnostics: bool = Field(
         True, description="Report intra/inter version spread (needs versions and sequence "
-                          "boundaries; costs two segment reductions over N).")
+                          "boundaries; per-sequence min/max over N, computed once per "
+                          "LossInputs and shared by every loss on it).")
 
     @model_validator(mode="before")
     @classmethod
@@ -156,10 +157,13 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
 
     The masked set M = {score > tau} is applied by zeroing the loss and gradient at its
     indices (it is a small tail: the target rate, or the few tokens past a fixed tau), so
-    the extra work over PPO is the score (3 elementwise passes) and finding that tail.
-    Target rate without missing entropy: the tail comes out of the exact selection of tau
-    on score * mask (inactive entries 0, see ops.quantile_and_tail). Missing entropy (NaN,
-    detected by one sum) takes the masked-copy path for tau.
+    the extra work over PPO is the score (3 elementwise passes: d^2, H + eps_h, the
+    division) and finding that tail; the score's buffer then holds PPO's -A*m, so ESTR
+    allocates no more [N] buffers than ppo_clip beyond H + eps_h. Fixed tau: the score of
+    every token (a drop on an inactive token changes nothing: its loss, gradient and mask
+    weight are 0). Target rate without missing entropy: the tail comes out of the exact
+    selection of tau on score * mask (inactive entries 0, see ops.quantile_and_tail).
+    Missing entropy (NaN, detected by one sum) takes the masked-copy path for tau.
     """
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)

@@ -137,7 +137,9 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     = clip(r, 1 - eps_low*c, 1 + eps_high*c) with c = psi(|d|; q) on G, 1 elsewhere: the
     kernel clamps with PPO's scalar bounds and re-clamps only G (gather/scatter of |G|).
     q: exact quantile of |d|*mask (inactive entries are 0 and shift the rank, no masked
-    copy). Returns exactly the eager result (same float ops per token).
+    copy), capped at the ratio clamp inside the selection (no clamp pass); that buffer
+    then holds PPO's -A*m (no [N] buffer beyond ppo_clip's). Returns exactly the eager
+    result (same float ops per token).
     """
     m = inputs.mask
     n_act = inputs.mask_count
