@@ -264,7 +264,7 @@ class LossInputs:
         v = self.versions.reshape(-1).detach()
         if torch.is_floating_point(v):
             v = v.to(torch.int64)
-        if self.cu_seqlens is not None and v.device.type == "cpu":
+        if self.cu_seqlens is not None and v.device.type == self.mask.device.type == "cpu":
             first, last = _cpu_segment_min_max(
                 v.numpy(), None if int(self.mask_count) == v.numel() else self.active.numpy(),
                 self.cu_seqlens.detach().cpu().numpy().astype(np.int64))
