@@ -8,12 +8,21 @@ dispatch-mode tracer, that no op inside any loss produced a tensor with more tha
 --max-factor * N elements (an N x vocab tensor would be vocab times larger), and reports the
 largest tensor each loss created and the total bytes its ops allocated (forward +
 backward; views and in-place ops excluded), a load-independent proxy for memory traffic.
+
+Page faults: glibc returns freed heap tops of more than a few MB to the kernel, so a loss
+whose [N] buffers land on freshly mapped pages pays a minor fault per 4 KiB page (~2k
+faults, several ms per 1M tokens) depending on what the previous case freed: the
+``faults`` column (median minor page faults per call) shows it. ``--keep-heap`` (glibc
+only) keeps freed memory in the heap (mallopt: no trim, no mmap for [N] buffers), so the
+ratios measure the losses' own work without that run-order-dependent term.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
+import resource
 import statistics
 import sys
 import time
@@ -91,8 +100,23 @@ def _floor_cases(data: dict) -> dict[str, Callable[[], object]]:
         "exact 0.9-quantile: torch.kthvalue over N": lambda: torch.kthvalue(a, k + 1),
         "SAT quantile + tail indices (ops.quantile_and_tail)":
             lambda: quantile_and_tail(a, n_act, 0.9),
-        "ESTR version diagnostics (estr.version_spread)": lambda: version_spread(inp),
+        "ESTR version diagnostics (estr.version_spread)": lambda: _fresh_version_spread(inp),
     }
+
+
+def _fresh_version_spread(inp: LossInputs) -> dict[str, torch.Tensor]:
+    """version_spread's first call on a batch (LossInputs caches the per-sequence bounds)."""
+    inp.__dict__.pop("seq_version_bounds", None)
+    return version_spread(inp)
+
+
+def _keep_heap() -> None:
+    """glibc's mallopt: no heap trimming, no mmap below 32 MiB (--keep-heap)."""
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_mmap_threshold, 32 * 2**20)
+            and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise SystemExit("--keep-heap: mallopt refused (not glibc?)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="",
                     help="comma-separated case names to run besides ppo_clip (default: all)")
     ap.add_argument("--json", help="write the results here (bench/run_all)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="glibc: never trim the heap nor mmap [N] buffers (no page faults "
+                         "from run order; see the module docstring)")
     args = ap.parse_args(argv)
+    if args.keep_heap:
+        _keep_heap()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _report import Report
 
@@ -137,16 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         name, cfg = cases[case]
         x = data["logprobs"].clone().requires_grad_()
         inp = LossInputs(**{**data, "logprobs": x})
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.process_time()
         loss, _ = compute_loss(name, inp, cfg)
         loss.backward()
-        return time.perf_counter() - t0, time.process_time() - c0
+        t1, c1 = time.perf_counter(), time.process_time()
+        faults[case].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        return t1 - t0, c1 - c0
 
     order = [*cases, *floors]
+    faults: dict[str, list[int]] = {c: [] for c in order}
     for c in order:  # warm-up
         timed(c)
     times: dict[str, list[float]] = {c: [] for c in order}
     cpu: dict[str, list[float]] = {c: [] for c in order}
+    faults = {c: [] for c in order}
     rng = random.Random(0)
     for _ in range(args.reps):  # round-robin: every loss sees the same machine state, in a
         rng.shuffle(order)  # fresh order each rep (no case always runs after the same one)
@@ -170,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads}, {args.reps} round-robin reps of fwd+bwd, medians. CPU ms = process "
           f"CPU time (not inflated by other processes on a shared machine); wall ms beside it")
     print(f"{'loss':<26}{'CPU ms':>8}{'x ppo_clip':>12}{'wall ms':>9}{'x ppo_clip':>12}"
-          f"{'max tensor / N':>16}{'MB allocated':>14}{'x ppo_clip':>12}")
+          f"{'max tensor / N':>16}{'MB allocated':>14}{'x ppo_clip':>12}{'faults':>8}")
     ok = True
     for c in cases:
         pc = statistics.median(cpu[c])
@@ -179,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= f <= args.max_factor
         print(f"{c:<26}{pc * 1e3:>8.1f}{pc / base_cpu:>12.2f}{med * 1e3:>9.1f}"
               f"{med / base_med:>12.2f}{f:>16.2f}{produced[c] / 2**20:>14.1f}"
-              f"{produced[c] / produced['ppo_clip']:>12.2f}")
+              f"{produced[c] / produced['ppo_clip']:>12.2f}"
+              f"{statistics.median(faults[c]):>8.0f}")
         rep.row("process CPU time per forward+backward (median)", c, pc * 1e3, "ms",
                 ratio=None if c == "ppo_clip" else pc / base_cpu,
                 ratio_to=None if c == "ppo_clip" else "ppo_clip")

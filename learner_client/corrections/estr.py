@@ -23,7 +23,6 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
@@ -60,7 +59,8 @@ class ESTRConfig(LossConfig):
         "warn", description="What to do when the entropy's error bound exceeds the tolerance.")
     version_diagnostics: bool = Field(
         True, description="Report intra/inter version spread (needs versions and sequence "
-                          "boundaries; costs two segment reductions over N).")
+                          "boundaries; per-sequence min/max over N, computed once per "
+                          "LossInputs and shared by every loss on it).")
 
     @model_validator(mode="before")
     @classmethod
@@ -106,76 +106,17 @@ def estr_scores(delta: Tensor, entropy: Tensor, eps_h: float) -> Tensor:
 
 def version_spread(inputs: LossInputs) -> dict[str, Tensor]:
     """Mean intra (v_last - v_first) and inter (v_target - v_last) over sequences that have
-    active tokens; v_first / v_last = min / max policy_version over the active tokens."""
-    if inputs.versions is None or not inputs.has_sequences:
+    active tokens; v_first / v_last = min / max policy_version over the active tokens
+    (``LossInputs.seq_version_bounds``: computed once per batch, shared by every call)."""
+    bounds = inputs.seq_version_bounds
+    if bounds is None or bounds[0].numel() == 0:
         return {}
-    v = inputs.flat("versions").detach()
-    if torch.is_floating_point(v):
-        v = v.to(torch.int64)
-    if inputs.cu_seqlens is not None and v.device.type == "cpu":
-        firsts, lasts = _cpu_segment_min_max(v, inputs)
-        if firsts.size == 0:
-            return {}
-        n = firsts.size
-        first = torch.from_numpy(firsts)
-        last = torch.from_numpy(lasts)
-    else:
-        inactive = ~inputs.active
-        big = torch.iinfo(v.dtype).max
-        small = torch.iinfo(v.dtype).min
-        if inputs.logprobs.dim() == 2:  # one row per sequence: plain row reductions
-            b, t = inputs.logprobs.shape
-            v_first = v.masked_fill(inactive, big).view(b, t).amin(1)
-            v_last = v.masked_fill(inactive, small).view(b, t).amax(1)
-        else:
-            idx, s = inputs.seq_index
-            v_first = torch.full((s,), big, dtype=v.dtype, device=v.device).scatter_reduce(
-                0, idx, v.masked_fill(inactive, big), "amin")
-            v_last = torch.full((s,), small, dtype=v.dtype, device=v.device).scatter_reduce(
-                0, idx, v.masked_fill(inactive, small), "amax")
-        has = v_first != big
-        n = int(has.sum())
-        if n == 0:
-            return {}
-        first = v_first[has].to(torch.float64)
-        last = v_last[has].to(torch.float64)
+    first, last = bounds
+    n = first.numel()
     out = {"intra_mean": ((last - first).sum() / n).float()}
     if inputs.learner_version is not None:
         out["inter_mean"] = (float(inputs.learner_version) - last.sum() / n).float()
     return out
-
-
-def _cpu_segment_min_max(v: Tensor, inputs: LossInputs) -> tuple[np.ndarray, np.ndarray]:
-    """(v_first, v_last) as float64 arrays over the cu_seqlens sequences that have active
-    tokens: numpy's fmin/fmax.reduceat over the versions with inactive tokens set to NaN
-    (ignored by fmin/fmax). One pass each, no per-token index tensor."""
-    vn = v.numpy()
-    m = inputs.mask
-    inactive = None
-    if int(inputs.mask_count) != vn.size:
-        inactive = (m.numpy() == 0) if m.dtype in (torch.float32, torch.float64) else (
-            (m == 0).numpy())
-    # float32 holds every |version| < 2**24 exactly; larger ones are redone in float64
-    first = last = np.zeros(0)
-    for dt in (np.float32, np.float64):
-        w = vn.astype(dt)
-        if inactive is not None:
-            np.putmask(w, inactive, np.nan)
-        first, last = _reduce_segments(w, inputs)
-        if not (np.abs(first).max(initial=0) >= 2**24 or np.abs(last).max(initial=0) >= 2**24):
-            break
-    return first.astype(np.float64), last.astype(np.float64)
-
-
-def _reduce_segments(w: np.ndarray, inputs: LossInputs) -> tuple[np.ndarray, np.ndarray]:
-    cu = inputs.cu_seqlens.detach().cpu().numpy().astype(np.int64)
-    offs = cu[:-1][cu[1:] > cu[:-1]]  # non-empty sequences (empty ones have no tokens)
-    if offs.size == 0:
-        return np.zeros(0), np.zeros(0)
-    first = np.fmin.reduceat(w, offs)
-    last = np.fmax.reduceat(w, offs)
-    keep = ~np.isnan(first)  # all-inactive sequences
-    return first[keep], last[keep]
 
 
 def estr_reference(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
@@ -216,10 +157,13 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
 
     The masked set M = {score > tau} is applied by zeroing the loss and gradient at its
     indices (it is a small tail: the target rate, or the few tokens past a fixed tau), so
-    the extra work over PPO is the score (3 elementwise passes) and finding that tail.
-    Target rate without missing entropy: the tail comes out of the exact selection of tau
-    on score * mask (inactive entries 0, see ops.quantile_and_tail). Missing entropy (NaN,
-    detected by one sum) takes the masked-copy path for tau.
+    the extra work over PPO is the score (3 elementwise passes: d^2, H + eps_h, the
+    division) and finding that tail; the score's buffer then holds PPO's -A*m, so ESTR
+    allocates no more [N] buffers than ppo_clip beyond H + eps_h. Fixed tau: the score of
+    every token (a drop on an inactive token changes nothing: its loss, gradient and mask
+    weight are 0). Target rate without missing entropy: the tail comes out of the exact
+    selection of tau on score * mask (inactive entries 0, see ops.quantile_and_tail).
+    Missing entropy (NaN, detected by one sum) takes the masked-copy path for tau.
     """
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)
@@ -235,26 +179,35 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
 
     def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
         d = x - mu
-        dm = torch.mul(d, m)  # d on active tokens, 0 elsewhere
-        kl_sum = dm.sum()
-        # score on active tokens (0 on inactive ones: never above tau >= 0, and below every
-        # active score for the quantile); NaN where the entropy is missing
-        score = dm.square_().div_(h + cfg.eps_h)
+        kl_sum = torch.dot(d, m)
         if cfg.tau is not None:
+            # score over all tokens; drop may hold inactive ones, where the loss, its
+            # gradient and their mask_rate weight (m) are 0 anyway. NaN (missing entropy)
+            # is never above tau.
+            score = torch.square(d)
+            score.div_(h + cfg.eps_h)
             tau = torch.tensor(cfg.tau, dtype=score.dtype, device=score.device)
             drop = indices_above(score, cfg.tau)
-        elif not any_missing:
-            tau, drop = quantile_and_tail(score, int(n_act), 1.0 - cfg.target_mask_rate)
         else:
-            valid = inputs.active & ~missing_b
-            tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
-            drop = indices_above(score, float(tau))
-        if not bool(torch.isfinite(tau)) or bool(torch.isposinf(score).any()):
-            # an infinite score (e.g. a -inf behavior logprob) is always masked: with a
-            # target rate tau itself may be inf, and score > inf lets it through
+            # score on active tokens, 0 on inactive ones (below every active score for the
+            # quantile); NaN where the entropy is missing
+            score = torch.mul(d, m).square_().div_(h + cfg.eps_h)
+            if not any_missing:
+                tau, drop = quantile_and_tail(score, int(n_act), 1.0 - cfg.target_mask_rate)
+            else:
+                valid = inputs.active & ~missing_b
+                tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
+                drop = indices_above(score, float(tau))
+        if not bool(torch.isfinite(tau)):
+            # an infinite score (e.g. a -inf behavior logprob) is always masked: a finite
+            # tau already has it in drop (inf > tau); tau itself may be inf with a target
+            # rate (or a fixed tau = inf), and score > inf lets it through
             drop = torch.unique(torch.cat([drop, torch.nonzero(torch.isposinf(score))
                                            .reshape(-1).to(drop.device)]))
-        s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
+        # the score's buffer is free now: PPO's -A*m goes there (one [N] buffer less)
+        a = adv.to(x.dtype)
+        nA = torch.mul(a, m, out=score).neg_()
+        s = ppo_surrogate(d, a, m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, nA=nA,
                           own_d=True, kl_sum=kl_sum, dual_clip=cfg.dual_clip)
         s.pg.index_fill_(0, drop, 0.0)
         s.grad.index_fill_(0, drop, 0.0)

@@ -147,7 +147,10 @@ class LossInputs:
     @cached_property
     def active(self) -> Tensor:
         """Active-token mask as bool [N]."""
-        return self.mask > 0
+        m = self.mask
+        if m.device.type == "cpu" and m.dtype in (torch.float32, torch.float64):
+            return torch.from_numpy(m.numpy() > 0)  # numpy's compare: ~4x torch's on CPU
+        return m > 0
 
     @cached_property
     def mask_count(self) -> Tensor:
@@ -250,8 +253,86 @@ class LossInputs:
             if getattr(self, n) is None:
                 raise LossInputError(f"this loss needs the '{n}' field")
 
+    @cached_property
+    def seq_version_bounds(self) -> tuple[Tensor, Tensor] | None:
+        """(v_first, v_last): float64 [S'] min / max policy_version over the active tokens
+        of each of the S' sequences that have one (None without versions or sequence
+        boundaries). Computed once per LossInputs (detached), so several losses or
+        diagnostics on one batch share it."""
+        if self.versions is None or not self.has_sequences:
+            return None
+        v = self.versions.reshape(-1).detach()
+        if torch.is_floating_point(v):
+            v = v.to(torch.int64)
+        if self.cu_seqlens is not None and v.device.type == self.mask.device.type == "cpu":
+            first, last = _cpu_segment_min_max(
+                v.numpy(), None if int(self.mask_count) == v.numel() else self.active.numpy(),
+                self.cu_seqlens.detach().cpu().numpy().astype(np.int64))
+            return torch.from_numpy(first), torch.from_numpy(last)
+        inactive = ~self.active
+        big = torch.iinfo(v.dtype).max
+        small = torch.iinfo(v.dtype).min
+        if self.logprobs.dim() == 2:  # one row per sequence: plain row reductions
+            b, t = self.logprobs.shape
+            v_first = v.masked_fill(inactive, big).view(b, t).amin(1)
+            v_last = v.masked_fill(inactive, small).view(b, t).amax(1)
+        else:
+            idx, s = self.seq_index
+            v_first = torch.full((s,), big, dtype=v.dtype, device=v.device).scatter_reduce(
+                0, idx, v.masked_fill(inactive, big), "amin")
+            v_last = torch.full((s,), small, dtype=v.dtype, device=v.device).scatter_reduce(
+                0, idx, v.masked_fill(inactive, small), "amax")
+        has = v_first != big
+        return v_first[has].to(torch.float64), v_last[has].to(torch.float64)
+
     def replace(self, **changes: object) -> LossInputs:
         """A copy with some fields replaced (validated again)."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         kw.update(changes)
         return LossInputs(**kw)  # type: ignore[arg-type]
+
+
+def _cpu_segment_min_max(v: np.ndarray, active: np.ndarray | None, cu: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """(v_first, v_last) as float64 arrays over the cu_seqlens runs that have active tokens
+    (``active`` bool [N], None = all). Branch-free passes (a masked fill is several times
+    slower on a scattered mask):
+
+    * all active: integer min/max reduceat on the versions, no copy;
+    * versions within a 255-wide window (the usual case: a few policy versions in flight):
+      lags hi - v as uint8 (a quarter of the bytes), inactive tokens set to 255 by an OR
+      for the min and to 0 by an AND for the max, min/max reduceat; a min lag of 255 = a
+      sequence with no active token;
+    * otherwise: the versions as floats with NaN on inactive tokens (added as 0/active)
+      and fmin/fmax.reduceat (NaN-ignoring). float32 holds every |version| < 2**24
+      exactly; a result at or beyond that is redone in float64.
+    """
+    offs = cu[:-1][cu[1:] > cu[:-1]]  # non-empty sequences (empty ones have no tokens)
+    if offs.size == 0:
+        return np.zeros(0), np.zeros(0)
+    if active is None:
+        return (np.minimum.reduceat(v, offs).astype(np.float64),
+                np.maximum.reduceat(v, offs).astype(np.float64))
+    lo, hi = (int(b) for b in torch.aminmax(torch.from_numpy(v)))  # one pass (numpy: two)
+    if hi - lo <= 254:
+        # hi - v in 0..254, computed mod 256 (unsafe casting wraps) in one pass
+        lag = np.subtract(np.uint8(hi & 0xFF), v, dtype=np.uint8, casting="unsafe")
+        off = np.subtract(active.view(np.uint8), np.uint8(1), dtype=np.uint8)  # 255 inactive
+        lag_min = np.minimum.reduceat(np.bitwise_or(lag, off), offs)
+        lag_max = np.maximum.reduceat(np.bitwise_and(lag, np.bitwise_not(off, out=off),
+                                                     out=lag), offs)
+        keep = lag_min != 255
+        return ((hi - lag_max[keep].astype(np.float64)),
+                (hi - lag_min[keep].astype(np.float64)))
+    first = last = np.zeros(0)
+    for dt in (np.float32, np.float64):
+        w = v.astype(dt)
+        with np.errstate(invalid="ignore"):
+            w += np.divide(dt(0), active, dtype=dt)  # 0 on active tokens, NaN elsewhere
+        first = np.fmin.reduceat(w, offs)
+        last = np.fmax.reduceat(w, offs)
+        keep = ~np.isnan(first)
+        first, last = first[keep], last[keep]
+        if not (np.abs(first).max(initial=0) >= 2**24 or np.abs(last).max(initial=0) >= 2**24):
+            break
+    return first.astype(np.float64), last.astype(np.float64)

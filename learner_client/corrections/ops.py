@@ -249,9 +249,14 @@ def indices_above(x: Tensor, threshold: float) -> Tensor:
     return torch.nonzero(x > threshold).squeeze(1)
 
 
-def quantile_and_tail(xm: Tensor, n_active: int, q: float) -> tuple[Tensor, Tensor]:
+def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = None
+                      ) -> tuple[Tensor, Tensor]:
     """(q-quantile over the active tokens, indices of the tokens with xm > quantile) for
     xm [N] >= 0 whose inactive entries are 0 (see ``nonneg_quantile``). Exact.
+
+    ``cap``: the result for min(xm, cap) without that clamp pass over N (clamping is
+    monotone: the selected order statistics are clamped, and the tail is empty when the
+    quantile reaches the cap).
 
     CPU: a strided sample brackets the rank from below, one compare + flatnonzero keeps
     the entries at or above the bracket (the upper tail plus a ~1% margin), and numpy's
@@ -264,6 +269,8 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float) -> tuple[Tensor, Tens
         return (torch.zeros((), dtype=xm.dtype, device=xm.device),
                 torch.zeros(0, dtype=torch.long, device=xm.device))
     if xm.device.type != "cpu" or xm.dtype not in (torch.float32, torch.float64):
+        if cap is not None:
+            xm = xm.clamp(max=cap)
         qv = nonneg_quantile(xm, n, q)
         return qv, indices_above(xm, float(qv))
     a = xm.numpy()
@@ -297,8 +304,15 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float) -> tuple[Tensor, Tens
     else:
         part = np.partition(vals, kk)
     lo_v = torch.tensor(part[kk], dtype=xm.dtype)
+    if cap is not None:
+        lo_v = lo_v.clamp(max=cap)
     qv = lo_v
     if two:
-        qv = lo_v + (torch.tensor(part[kk + 1:].min(), dtype=xm.dtype) - lo_v) * frac
+        hi_v = torch.tensor(part[kk + 1:].min(), dtype=xm.dtype)
+        if cap is not None:
+            hi_v = hi_v.clamp(max=cap)
+        qv = lo_v + (hi_v - lo_v) * frac
+    if cap is not None and float(qv) >= cap:  # nothing of min(xm, cap) is above the cap
+        return qv, torch.zeros(0, dtype=torch.long)
     keep = np.flatnonzero(vals > float(qv))  # ascending token order (cheap gathers later)
     return qv, torch.from_numpy(keep if cand is None else cand[keep])

@@ -137,7 +137,9 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     = clip(r, 1 - eps_low*c, 1 + eps_high*c) with c = psi(|d|; q) on G, 1 elsewhere: the
     kernel clamps with PPO's scalar bounds and re-clamps only G (gather/scatter of |G|).
     q: exact quantile of |d|*mask (inactive entries are 0 and shift the rank, no masked
-    copy). Returns exactly the eager result (same float ops per token).
+    copy), capped at the ratio clamp inside the selection (no clamp pass); that buffer
+    then holds PPO's -A*m (no [N] buffer beyond ppo_clip's). Returns exactly the eager
+    result (same float ops per token).
     """
     m = inputs.mask
     n_act = inputs.mask_count
@@ -154,8 +156,7 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
         kl_sum = am.sum()
         # |d| capped at the ratio clamp (r = exp(clamp(d)) anyway): an infinite log-ratio
         # on an active token cannot make q infinite (psi = inf/inf)
-        q, gate = quantile_and_tail(am.abs_().clamp_(max=LOG_RATIO_CLAMP), n_int,
-                                    cfg.quantile)
+        q, gate = quantile_and_tail(am.abs_(), n_int, cfg.quantile, cap=LOG_RATIO_CLAMP)
         box["q"] = q
         qf = float(q)
         fix = None
@@ -169,8 +170,11 @@ def _sat_fused(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
                 hi_g = psi.mul(eh).add_(1.0)
                 rc.index_copy_(0, gate, torch.clamp(r.index_select(0, gate), lo_g, hi_g))
 
-        s = ppo_surrogate(d, adv.to(x.dtype), m, 1.0 - el, 1.0 + eh, fix_clamp=fix,
-                          own_d=True, kl_sum=kl_sum, dual_clip=cfg.dual_clip)
+        # |d|*m's buffer is free now: PPO's -A*m goes there (one [N] buffer less)
+        a = adv.to(x.dtype)
+        s = ppo_surrogate(d, a, m, 1.0 - el, 1.0 + eh, fix_clamp=fix,
+                          nA=torch.mul(a, m, out=am).neg_(), own_d=True, kl_sum=kl_sum,
+                          dual_clip=cfg.dual_clip)
         box["s"] = s  # type: ignore[assignment]
         return s.pg, s.grad
 

@@ -61,7 +61,11 @@ def _run(mbs, name, per_token, temp=1.0, config=None):
     return outs, nums, store
 
 
-@pytest.mark.parametrize("name,config", [("ppo_clip", None), ("grpo", {"kl_coef": 0.0})])
+@pytest.mark.parametrize("name,config", [
+    ("ppo_clip", None), ("grpo", {"kl_coef": 0.0}),
+    # token-local fused losses: their micro-batch sums add up to the global batch too
+    ("decoupled_ppo", {"ratio_mode": "bypass"}),
+    ("decoupled_ppo", {"ratio_mode": "bypass", "aggregation": "seq_mean_token_mean"})])
 def test_per_token_mode_equals_loss_over_the_whole_global_batch(name, config):
     mbs = [_microbatch(1, [(3, 5), (2, 4)]), _microbatch(2, [(4, 6), (1, 3), (2, 2)])]
     outs, nums, store = _run(mbs, name, per_token=True, temp=0.8, config=config)
@@ -70,7 +74,7 @@ def test_per_token_mode_equals_loss_over_the_whole_global_batch(name, config):
     ref, _ = compute_loss(name, _reference_inputs(mbs, 0.8), config)
     torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5)
     assert nums[0].dtype == torch.int
-    if name == "ppo_clip":  # token mean: n = active tokens
+    if LOSSES[name].config(config).aggregation == "token_mean":  # n = active tokens
         assert [int(n) for n in nums] == [int(b.columns["loss_mask"].sum()) for b, _ in mbs]
     else:  # GRPO per-sequence mean: n = live sequences
         assert [int(n) for n in nums] == [2, 3]
