@@ -59,8 +59,9 @@ class RawResponse:
         conn = self._conn
         while True:
             limit = self._first
-            try:
-                data = await asyncio.wait_for(fn(*args), limit)
+            try:  # asyncio.timeout: no Task per read, as wait_for would create
+                async with asyncio.timeout(limit):
+                    data = await fn(*args)
                 self._first = self._timeout  # silence between chunks from now on
                 return data
             except asyncio.TimeoutError as exc:
@@ -226,7 +227,8 @@ class RawHttpPool:
     async def _head(conn: _Conn, timeout: float, patience: Callable[[], bool] | None) -> bytes:
         while True:
             try:  # readuntil is cancel-safe: a timed-out wait can be resumed
-                return await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), timeout)
+                async with asyncio.timeout(timeout):
+                    return await conn.reader.readuntil(b"\r\n\r\n")
             except asyncio.TimeoutError:
                 if patience is None or not patience():
                     raise
