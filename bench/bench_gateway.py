@@ -527,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         rep.note("Part B: the closed-loop client (httpx), the gateway(s), SGLang's router and "
                  "the replay engine all share the machine's cores; the gateway stamps every "
                  "token and publishes to the embedded store.")
+        rep.note("\"no routing\" means the caller does not ask for routed_experts; the "
+                 "gateway still asks the engine for them (it records routing for the "
+                 "learner's routing replay whenever the engine's MoE shape is known), so it "
+                 "reads ~2.7 KB per token from the engine that the direct client never sees.")
     rep.write(args.json)
     return 0
 
