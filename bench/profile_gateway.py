@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--streamed", default="true", choices=["true", "false"])
-    ap.add_argument("--body", default="topk", choices=["topk", "plain", "topk-norouting"])
+    ap.add_argument("--body", default="topk", choices=["topk", "plain", "topk-norouting", "rollouts"],
+                    help="/generate bodies, or rollouts: POST /v1/rollouts (default settings)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", help="keep the raw collapsed stacks here")
@@ -109,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         body["top_logprobs_num"] = 5
     if args.body == "topk-norouting":
         del body["return_routed_experts"]
+    path = "/generate"
+    if args.body == "rollouts":
+        path = "/v1/rollouts"
+        body = {k: body[k] for k in ("input_ids", "sampling_params", "return_routed_experts")}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(args.out or Path(tmp) / "stacks.txt")
@@ -127,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             url = f"http://127.0.0.1:{g_port}"
             _wait_http(url + "/health", rec)
-            tps, ok, err = asyncio.run(_load(url + "/generate", body, 1024, args.concurrency,
-                                             args.seconds))
+            tps, ok, err = asyncio.run(_load(url + path, body, 1024, args.concurrency,
+                                             args.seconds, rid=path == "/generate"))
             print(f"load: {tps / 1e3:.1f}k tok/s through the gateway ({ok} ok, {err} errors)")
             kids = Path(f"/proc/{rec.pid}/task/{rec.pid}/children").read_text().split()
             for k in kids:
