@@ -25,7 +25,9 @@ from rollout_gateway.swap.models import SwapRequest
 log = logging.getLogger(__name__)
 
 
-def gateway(request: Request) -> Gateway:
+async def gateway(request: Request) -> Gateway:
+    """Dependency: the app's Gateway (async: a plain ``def`` dependency would cost a
+    thread-pool round trip on every request)."""
     return request.app.state.gateway
 
 
