@@ -7,6 +7,7 @@ Every transport failure or unusable answer becomes :class:`EngineError` (or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import orjson
 
 from rollout_gateway.engines.rawhttp import RawHttpPool
 from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
-from rollout_gateway.errors import EngineError, Timeout
+from rollout_gateway.errors import EngineError, GatewayError, Timeout
 from rollout_gateway.settings import Timeouts
 
 #: first SGLang version with begin/end_weight_update and weight_versions spans
@@ -151,6 +152,26 @@ class SSEPayloads:
                     out.append(bytes(mv[a:e]))
             del buf[:cut + 2]
             scan, multi = 0, False
+
+
+#: bytes read past ``data: [DONE]`` to finish a body, so its connection is kept alive
+_DRAIN_LIMIT = 1 << 16
+_DRAIN_S = 1.0
+
+
+async def _drain(source: AsyncIterator[bytes]) -> None:
+    """Read what is left of a stream's body after [DONE] (its blank line, the chunked
+    terminator), so the raw client can reuse the connection instead of closing it (a new
+    TCP connection per streamed request otherwise). Anything longer is not read: the
+    connection is then closed as before, and so it is when the rest does not come within
+    a second or the connection fails: the answer is complete either way."""
+    left = _DRAIN_LIMIT
+    with contextlib.suppress(TimeoutError, GatewayError, OSError):
+        async with asyncio.timeout(_DRAIN_S):
+            async for chunk in source:
+                left -= len(chunk)
+                if left < 0:
+                    return
 
 
 class EngineClient:
@@ -329,6 +350,7 @@ class EngineClient:
             async for chunk in source:
                 for data in split.feed(chunk):
                     if data == b"[DONE]":
+                        await _drain(source)
                         return
                     if data.startswith(b'{"error"'):
                         raise EngineError(f"engine {self.engine_id} stream error: "

@@ -59,3 +59,60 @@ def test_a_large_single_payload_arrives_whole_and_exact():
     split = SSEPayloads()
     got = [p for i in range(0, len(stream), 65536) for p in split.feed(stream[i:i + 65536])]
     assert got == [body, b"[DONE]"]
+
+
+class _SSEServer:
+    """A loopback engine answering every /generate with one SSE body ending in [DONE]."""
+
+    def __init__(self, framing: str) -> None:
+        self.framing = framing
+        self.connections = 0
+
+    async def handle(self, reader, writer) -> None:
+        import asyncio
+
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int([h for h in head.split(b"\r\n")
+                         if h.lower().startswith(b"content-length")][0].split(b":")[1])
+                await reader.readexactly(n)
+                sse = b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: [DONE]\n\n'
+                if self.framing == "length":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b"
+                                 % (len(sse), sse))
+                else:  # chunked; "hang": the terminating chunk never comes
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                                 b"%x\r\n%b\r\n" % (len(sse), sse))
+                    if self.framing == "chunked":
+                        writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                if self.framing == "hang":
+                    await asyncio.sleep(30)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked", "hang"])
+async def test_streamed_generate_keeps_the_engine_connection_alive(framing: str) -> None:
+    import asyncio
+    import time
+
+    from rollout_gateway.engines.client import EngineClient
+
+    srv = _SSEServer(framing)
+    server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = EngineClient("e", f"http://127.0.0.1:{port}")
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            got = [p async for p in client.generate_stream({"input_ids": [1]})]
+            assert got == [b'{"a":1}', b'{"b":2}']
+            assert time.monotonic() - t0 < 5  # a hung body end is given up on, not awaited
+        # a complete body leaves the connection reusable: one TCP connection for all three
+        assert srv.connections == (3 if framing == "hang" else 1)
+    finally:
+        await client.close()
+        server.close()
