@@ -191,6 +191,9 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
         if lp and (top > 0 or start >= 0 or text_in):
             pt = PassThrough(top_logprobs_num=top, logprob_start_len=start,
                              return_text_in_logprobs=text_in)
+        if routed and rs == 0:  # the engine's routed_experts text is the answer's
+            pt = pt or PassThrough()
+            pt.routed_experts = True
         opts = {"return_logprob": lp, "top": top, "routed": bool(routed), "routed_start": rs,
                 "stream": bool(body.get("stream", False)), "rid": r, "n": req.n,
                 "entropy": bool(body.get("return_entropy", False)) or lp}
@@ -257,11 +260,14 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         if t.routed_experts is None:  # the runner refuses this earlier; never silently absent
             raise EngineError(f"trajectory {t.trajectory_id}: routed experts were requested "
                                f"but none were recorded")
-        rows = t.routed_experts.data[opts.get("routed_start", 0):]
         # a pre-serialized JSON string (base64 needs no escaping): orjson copies the bytes
-        # as they are, instead of a bytes->str decode plus a re-scan of the multi-MB string
-        meta["routed_experts"] = Fragment(b'"%b"' % b64encode(
-            np.ascontiguousarray(rows, dtype="<i4")))
+        # as they are, instead of a bytes->str decode plus a re-scan of the multi-MB string;
+        # the engine's own (validated) text when the answer is one engine request's
+        b64 = passed.get("routed_experts")
+        if b64 is None or opts.get("routed_start", 0):
+            b64 = b64encode(np.ascontiguousarray(
+                t.routed_experts.data[opts.get("routed_start", 0):], dtype="<i4"))
+        meta["routed_experts"] = Fragment(b'"%b"' % b64)
     out: dict[str, Any] = {"text": text, "output_ids": c.token_ids, "meta_info": meta}
     if t.sample_index or opts.get("n", 1) > 1:
         out["index"] = index

@@ -98,6 +98,9 @@ class Decoded:
     input_token_ids: np.ndarray | None  # int32, from input_token_logprobs when returned
     routed_experts: np.ndarray | None  # flat ids: uint8 if num_experts <= 256 else int32
     routed: RoutedExperts | None  # validated [R, L, K] when DecodeOptions.routing is set
+    #: the engine's routed_experts base64 text (a view of the response body) the ids were
+    #: decoded from: an answer in SGLang's own form can forward it instead of re-encoding
+    routed_b64: memoryview | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # the rest of meta_info
     extra: dict[str, Any] = field(default_factory=dict)  # DecodeOptions.passthrough values
     offset: int = 0  # index of output_ids[0] in the whole output (streaming deltas)
@@ -111,20 +114,22 @@ class Decoded:
         return self.finish_reason is not None
 
 
-def _splice(body: bytes, num_experts: int | None
-            ) -> tuple[bytes, list[np.ndarray | EngineError]]:
+Region = tuple[np.ndarray | EngineError, memoryview]  # decoded ids (or error), base64 text
+
+
+def _splice(body: bytes, num_experts: int | None) -> tuple[bytes, list[Region]]:
     """Cut every routed_experts base64 value out of the raw JSON, leaving placeholders.
 
     The key with an unescaped quote cannot occur inside a JSON string, so a match is a
     real key. Each value is decoded while its closing quote is searched for (one pass over
     the text); a decoding error is kept, to be raised only if that value is used. Returns
-    the smaller JSON and, per placeholder number, the ids or the error.
+    the smaller JSON and, per placeholder number, the ids or the error, and the text.
     """
     pos = body.find(_KEY)
     if pos < 0:
         return body, []
     parts: list[bytes] = []
-    decoded: list[np.ndarray | EngineError] = []
+    decoded: list[Region] = []
     last = 0
     n = len(body)
     while pos >= 0:
@@ -139,7 +144,7 @@ def _splice(body: bytes, num_experts: int | None
                 ids, end = decode_routed_experts_quoted(body, i + 1, num_experts=num_experts)
                 parts.append(body[last:i])
                 parts.append(f'"{_PLACEHOLDER}{len(decoded)}"'.encode())
-                decoded.append(ids)
+                decoded.append((ids, memoryview(body)[i + 1:end]))
                 last = end + 1
                 pos = body.find(_KEY, last)
                 continue
@@ -181,7 +186,7 @@ def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
 
 
 def decode_output(item: Any, opts: DecodeOptions, *,
-                  regions: list[np.ndarray | EngineError] | None = None,
+                  regions: list[Region] | None = None,
                   tops: list[LogprobRows] | None = None) -> Decoded:
     """Decode one parsed output dict (``routed_experts`` and ``output_top_logprobs`` may
     be splice placeholders, resolved through ``regions`` / ``tops``)."""
@@ -209,7 +214,7 @@ def decode_output(item: Any, opts: DecodeOptions, *,
     wv_raw = None if wv_raw is None else str(wv_raw)
     completion = _opt_int(meta, "completion_tokens")
     prompt = _opt_int(meta, "prompt_tokens")
-    flat = _routed(meta.get("routed_experts"), regions or [], opts)
+    flat, b64 = _routed(meta.get("routed_experts"), regions or [], opts)
     if flat is None and opts.require_routing and meta.get("finish_reason") is not None \
             and _finish(meta).get("type") != "abort":
         raise EngineError("the engine finished without routed_experts although they were "
@@ -234,7 +239,7 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         rid=None if meta.get("id") is None else str(meta.get("id")),
         index=index if isinstance(index, int) else None,
         text=text if isinstance(text, str) else None, input_token_ids=input_ids,
-        routed_experts=flat, routed=routed,
+        routed_experts=flat, routed=routed, routed_b64=b64,
         meta={k: v for k, v in meta.items() if k not in _COLUMN_KEYS},
         extra=_passthrough(meta, opts, tops or []),
     )
@@ -348,20 +353,20 @@ def _null_to_neg_inf(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _routed(value: Any, regions: list[np.ndarray | EngineError], opts: DecodeOptions
-            ) -> np.ndarray | None:
+def _routed(value: Any, regions: list[Region], opts: DecodeOptions
+            ) -> tuple[np.ndarray | None, memoryview | None]:
     if value is None:
-        return None
+        return None, None
     if not isinstance(value, str):
         raise EngineError("routed_experts must be a base64 string")
     n_exp = opts.routing.num_experts if opts.routing else None
     idx = value[len(_PLACEHOLDER):] if value.startswith(_PLACEHOLDER) else ""
     if idx.isdigit() and int(idx) < len(regions):  # else: not ours ('#' is not base64)
-        got = regions[int(idx)]
+        got, text = regions[int(idx)]
         if isinstance(got, EngineError):
             raise got
-        return got
-    return decode_routed_experts_str(value, num_experts=n_exp)
+        return got, text
+    return decode_routed_experts_str(value, num_experts=n_exp), None
 
 
 def _shape_routed(flat: np.ndarray, opts: DecodeOptions, prompt: int | None,

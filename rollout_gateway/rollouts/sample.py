@@ -68,6 +68,9 @@ class PassThrough:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    #: forward the engine's own ``routed_experts`` text (base64 int32, from position 0)
+    #: when the sample is one engine request's output (resumed samples are re-encoded)
+    routed_experts: bool = False
     out: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def keys(self) -> frozenset[str]:
@@ -101,6 +104,7 @@ class Piece:
     entropy_bound: float
     finish: dict[str, Any] | None
     routing: np.ndarray | None  # [R, L, K] (narrow uint) with R = input_len + n - 1
+    routing_b64: memoryview | None = None  # the engine's base64 text of ``routing``
     num_experts: int = 0
     text: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # PassThrough rows of this request
@@ -420,6 +424,8 @@ class SampleRunner:
         engine error (never silently absent)."""
         out: dict[str, Any] = {}
         pieces = state.pieces
+        if pt.routed_experts and len(pieces) == 1 and pieces[0].routing_b64 is not None:
+            out["routed_experts"] = pieces[0].routing_b64
         if pt.return_text_in_logprobs:
             rows = []
             for p in pieces:
@@ -501,6 +507,7 @@ class SampleRunner:
                      entropy_kind=EntropyKind(dec.entropy_kind),
                      entropy_bound=float(dec.entropy_error_bound), finish=dec.finish_reason,
                      routing=dec.routed.data if dec.routed is not None else None,
+                     routing_b64=dec.routed_b64 if dec.routed is not None else None,
                      num_experts=dec.routed.num_experts if dec.routed is not None else 0,
                      text=dec.text or "", extra=dec.extra)
 

@@ -26,3 +26,22 @@ def test_sglang_output_routed_experts_and_logprob_pairs():
     assert meta["output_token_logprobs"] == [
         [lp if math.isfinite(lp) else None, tok, None]
         for lp, tok in zip(lps, t.tokens.token_ids.tolist())]
+
+
+def test_the_engines_routed_experts_text_is_forwarded_when_it_is_the_answer():
+    from rollout_gateway.api.generate import sglang_output
+    from rollout_gateway.api.serialize import dumps
+    from rollout_gateway.transport.synthetic import make_trajectory
+
+    t = make_trajectory("t", num_tokens=5, prompt_len=3, num_layers=4, top_k=2)
+    engine_text = base64.b64encode(np.ascontiguousarray(t.routed_experts.data, dtype="<i4"))
+    body = b'{"routed_experts":"' + engine_text + b'"}'
+    view = memoryview(body)[len(b'{"routed_experts":"'):-2]
+    opts = {"return_logprob": False, "routed": True}
+    out = orjson.loads(dumps(sglang_output(t, "", opts, None, 0, {"routed_experts": view})))
+    assert out["meta_info"]["routed_experts"].encode() == engine_text
+    # from a later position (routed_experts_start_len): cut and re-encoded from the columns
+    out = orjson.loads(dumps(sglang_output(t, "", dict(opts, routed_start=2), None, 0,
+                                           {"routed_experts": view})))
+    want = np.ascontiguousarray(t.routed_experts.data[2:], dtype="<i4")
+    assert base64.b64decode(out["meta_info"]["routed_experts"]) == want.tobytes()
