@@ -1,8 +1,9 @@
 """A minimal keep-alive HTTP/1.1 client for the one hot call: POST /generate.
 
 httpx spends ~6 ms of CPU reading a 2.8 MB /generate body (64 KiB reads through
-httpcore/anyio/h11); reading it straight from an asyncio stream costs ~1.3 ms. This client
-does only what engines answer: Content-Length or chunked bodies (uvicorn), plain http.
+httpcore/anyio/h11); receiving it straight into a connection's buffer
+(:mod:`~rollout_gateway.engines.rawconn`) costs under 1 ms. This client does only what
+engines answer: Content-Length or chunked bodies (uvicorn), plain http.
 Everything else the gateway sends (control, weights, health) stays on httpx.
 
 Errors: connection problems and malformed framing raise :class:`EngineError` with
@@ -21,22 +22,23 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from rollout_gateway.engines.rawconn import RawConnection
 from rollout_gateway.errors import EngineError, Timeout
 
 _HEAD_LIMIT = 1 << 16  # status line + headers
-_STREAM_LIMIT = 1 << 22  # asyncio StreamReader buffer
+_STREAM_LIMIT = 1 << 22  # unread bytes beyond 2x this pause the socket (as StreamReader)
+_IDLE_BUFFER = 1 << 20  # receive buffer an idle keep-alive connection may keep
 
 
 @dataclass(slots=True, eq=False)
 class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    io: RawConnection  # reads and writes
     reused: bool = False
     aborted: str | None = None  # why abort_active broke it off
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.writer.close()
+            self.io.close()
 
 
 class RawResponse:
@@ -55,7 +57,7 @@ class RawResponse:
         self._done = False
 
     async def _read(self, fn, *args):
-        """``fn(*args)`` (a StreamReader read: cancel-safe, so it can be retried)."""
+        """``fn(*args)`` (a RawConnection read: cancel-safe, so it can be retried)."""
         conn = self._conn
         while True:
             limit = self._first
@@ -79,7 +81,7 @@ class RawResponse:
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked framing removed)."""
-        r = self._conn.reader
+        r = self._conn.io
         try:
             te = self.headers.get(b"transfer-encoding", b"").lower()
             if b"chunked" in te:
@@ -123,7 +125,7 @@ class RawResponse:
         if length is None or b"chunked" in te or not length.isdigit():
             return b"".join([c async for c in self.iter_bytes()])
         try:
-            data = await self._read(self._conn.reader.readexactly, int(length))
+            data = await self._read(self._conn.io.readexactly, int(length))
             self._done = True
             return data
         finally:
@@ -153,20 +155,21 @@ class RawHttpPool:
 
     async def _connect(self) -> _Conn:
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=_STREAM_LIMIT),
+            _, io = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+                lambda: RawConnection(_STREAM_LIMIT), self.host, self.port),
                 self.connect_timeout)
         except asyncio.TimeoutError as exc:
             raise Timeout(f"engine {self.name}: connect timed out") from exc
         except OSError as exc:
             raise EngineError(f"engine {self.name}: cannot connect: {exc}",
                               details={"engine_id": self.name}) from exc
-        return _Conn(reader, writer)
+        return _Conn(io)
 
     def _give_back(self, conn: _Conn, keep: bool) -> None:
         self._busy.discard(conn)
         if keep and not conn.aborted and len(self._idle) < self.max_idle \
-                and not conn.writer.is_closing():
+                and not conn.io.is_closing():
+            conn.io.trim(_IDLE_BUFFER)
             conn.reused = True
             self._idle.append(conn)
         else:
@@ -179,7 +182,7 @@ class RawHttpPool:
         for c in busy:
             c.aborted = why
             with contextlib.suppress(Exception):
-                c.writer.transport.abort()
+                c.io.abort()
         return len(busy)
 
     async def post(self, path: str, body: bytes, *, read_timeout: float,
@@ -195,8 +198,8 @@ class RawHttpPool:
             conn = self._idle.pop() if self._idle else await self._connect()
             self._busy.add(conn)
             try:
-                conn.writer.write(head + body)
-                await conn.writer.drain()
+                conn.io.write(head + body)
+                await conn.io.drain()
                 raw = await self._head(conn, head_timeout, patience)
             except asyncio.IncompleteReadError as exc:
                 self._drop(conn)
@@ -228,7 +231,7 @@ class RawHttpPool:
         while True:
             try:  # readuntil is cancel-safe: a timed-out wait can be resumed
                 async with asyncio.timeout(timeout):
-                    return await conn.reader.readuntil(b"\r\n\r\n")
+                    return await conn.io.readuntil(b"\r\n\r\n")
             except asyncio.TimeoutError:
                 if patience is None or not patience():
                     raise

@@ -115,3 +115,22 @@ async def test_garbage_cut_bodies_timeouts_and_refused_connections(server):
     dead = RawHttpPool("t", "127.0.0.1", 1, connect_timeout=2)
     with pytest.raises(EngineError, match="cannot connect"):
         await dead.post("/cl", b"{}", read_timeout=1)
+
+
+def test_a_dropped_idle_connection_is_retried_under_uvloop():
+    """The gateway runs on uvloop (fast_io), whose transports refuse writes once closed."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main():
+        for test in (test_a_dropped_idle_connection_is_retried_on_a_fresh_one,
+                     test_a_large_body_arrives_whole_and_the_connection_is_reused,
+                     test_garbage_cut_bodies_timeouts_and_refused_connections):
+            s = Server()
+            srv = await asyncio.start_server(s.handle, "127.0.0.1", 0)
+            s.port = srv.sockets[0].getsockname()[1]
+            try:
+                await test(s)
+            finally:
+                srv.close()
+
+    uvloop.run(main())

@@ -1,0 +1,126 @@
+"""RawConnection (the engine client's buffered protocol) over a real loopback socket:
+every mix of reads returns exactly the bytes sent, whatever the socket's chunking."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from rollout_gateway.engines.rawconn import RawConnection
+
+
+async def _pair(chunks: list[bytes], *, close: bool = True, limit: int = 1 << 16,
+                gap: float = 0.0):
+    """A server that sends ``chunks`` (then closes), and a RawConnection to it."""
+    async def handle(reader, writer):
+        for c in chunks:
+            writer.write(c)
+            await writer.drain()
+            if gap:
+                await asyncio.sleep(gap)
+        if close:
+            writer.close()
+        else:
+            await asyncio.sleep(30)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _, conn = await asyncio.get_running_loop().create_connection(
+        lambda: RawConnection(limit), "127.0.0.1", port)
+    return server, conn
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_reads_return_the_stream_in_order(seed: int) -> None:
+    rng = random.Random(seed)
+    lines = [bytes(rng.choice(b"abcdef0123") for _ in range(rng.randint(0, 3000))) + b"\r\n"
+             for _ in range(60)]
+    stream = b"".join(lines)
+    cuts = sorted(rng.sample(range(1, len(stream)), 40))
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    server, conn = await _pair(chunks, gap=0.001)
+    got, pos = [], 0
+    try:
+        while pos < len(stream):
+            op = rng.random()
+            if op < 0.4:
+                part = await conn.readuntil(b"\r\n")
+            elif op < 0.7:
+                part = await conn.readexactly(min(rng.randint(1, 20000), len(stream) - pos))
+            else:
+                part = await conn.read(rng.randint(1, 50000))
+            assert part == stream[pos:pos + len(part)] and part
+            got.append(part)
+            pos += len(part)
+        assert b"".join(got) == stream
+        assert await conn.read(10) == b""  # end of stream
+        with pytest.raises(asyncio.IncompleteReadError):
+            await conn.readexactly(1)
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_large_bodies_pause_and_resume_the_socket() -> None:
+    body = bytes(range(256)) * (40_000)  # 10 MB against a 64 KiB limit
+    server, conn = await _pair([body[i:i + 1_000_000] for i in range(0, len(body), 1_000_000)])
+    try:
+        assert await conn.readexactly(len(body)) == body
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_limits_cut_streams_and_timeouts() -> None:
+    server, conn = await _pair([b"x" * 200_000], limit=1 << 16)
+    try:
+        with pytest.raises(asyncio.LimitOverrunError):
+            await conn.readuntil(b"\r\n")  # no separator within the limit
+    finally:
+        conn.close()
+        server.close()
+    server, conn = await _pair([b"HTTP/1.1 200 OK\r\nhead"])
+    try:
+        assert await conn.readuntil(b"\r\n") == b"HTTP/1.1 200 OK\r\n"
+        with pytest.raises(asyncio.IncompleteReadError) as e:
+            await conn.readexactly(100)
+        assert e.value.partial == b"head"
+    finally:
+        conn.close()
+        server.close()
+    server, conn = await _pair([b"abc"], close=False)
+    try:  # a timed-out read consumes nothing: the retry gets the bytes
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await conn.readexactly(5)
+        assert await conn.read(10) == b"abc"
+        conn.abort()
+        await asyncio.sleep(0.05)
+        assert conn.is_closing()
+    finally:
+        server.close()
+
+
+async def test_an_idle_connection_gives_back_a_grown_buffer() -> None:
+    server, conn = await _pair([b"y" * 3_000_000])
+    try:
+        assert len(await conn.readexactly(3_000_000)) == 3_000_000
+        conn.trim(1 << 20)
+        assert len(conn._buf) <= 1 << 20
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_writing_to_a_connection_the_peer_closed_is_a_connection_error() -> None:
+    server, conn = await _pair([b"bye"])
+    try:
+        assert await conn.read(10) == b"bye"
+        assert await conn.read(10) == b""  # the peer closed
+        with pytest.raises(ConnectionResetError):
+            conn.write(b"GET / HTTP/1.1\r\n\r\n")
+    finally:
+        conn.close()
+        server.close()
