@@ -4,8 +4,9 @@ requests, and leave it with one copy.
 asyncio's ``StreamReader`` receives each socket read as a fresh ``bytes``, appends it to
 its buffer (a copy) and hands out another copy per ``read``; for a 2.8 MB ``/generate``
 body with routed experts that is most of the gateway's time in the event loop. Here the
-transport receives straight into this connection's buffer (``recv_into``), which is
-reused by the next request on the keep-alive connection (no fresh pages per body), and
+transport receives straight into this connection's buffer (``recv_into``); a buffer grown
+for a large body goes back to a small per-process pool when its connection is idle (at
+most 64 MiB kept), so the next large body lands in memory already paged in; and
 ``readexactly`` of a whole body is the only copy.
 
 The reading API is the subset of ``StreamReader`` that :mod:`rawhttp` uses, with its
@@ -19,6 +20,35 @@ from __future__ import annotations
 import asyncio
 
 _MIN_FREE = 1 << 16  # free space offered to each socket read
+_SMALL = _MIN_FREE * 4  # a connection's buffer to begin with (and when idle)
+
+
+class _BufferPool:
+    """Grown receive buffers handed from connection to connection, up to ``cap`` bytes
+    kept: a multi-megabyte body then lands in memory already paged in, instead of a fresh
+    zero-filled allocation per response."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._free: list[bytearray] = []
+        self._bytes = 0
+
+    def take(self, need: int, want: int) -> bytearray:
+        """A buffer of at least ``need`` bytes (a new one of ``max(need, want)`` if none)."""
+        for i, b in enumerate(self._free):
+            if len(b) >= need:
+                self._bytes -= len(b)
+                return self._free.pop(i)
+        return bytearray(max(need, want))
+
+    def give(self, buf: bytearray) -> None:
+        if self._bytes + len(buf) <= self.cap:
+            self._free.append(buf)
+            self._bytes += len(buf)
+
+
+#: per process, shared by every engine connection (the event loop is single-threaded)
+_BUFFERS = _BufferPool(64 << 20)
 
 
 class RawConnection(asyncio.BufferedProtocol):
@@ -26,7 +56,7 @@ class RawConnection(asyncio.BufferedProtocol):
 
     def __init__(self, limit: int) -> None:
         self._limit = limit  # pause reading beyond 2x this many unread bytes
-        self._buf = bytearray(_MIN_FREE * 4)
+        self._buf = bytearray(_SMALL)
         self._start = 0  # unread bytes are _buf[_start:_end]
         self._end = 0
         self._eof = False
@@ -82,11 +112,15 @@ class RawConnection(asyncio.BufferedProtocol):
             return
         unread = end - start
         if len(buf) - unread >= free:
-            buf[:unread] = buf[start:end]
+            with memoryview(buf) as mv:
+                buf[:unread] = mv[start:end]  # equal length: moves within, no resize
         else:
-            new = bytearray(max(2 * len(buf), unread + free))
-            new[:unread] = buf[start:end]
+            new = _BUFFERS.take(unread + free, 2 * len(buf))
+            with memoryview(buf) as mv:
+                new[:unread] = mv[start:end]
             self._buf = new
+            if len(buf) > _SMALL:
+                _BUFFERS.give(buf)
         self._start, self._end = 0, unread
 
     def _wake(self) -> None:
@@ -159,7 +193,8 @@ class RawConnection(asyncio.BufferedProtocol):
         """Drop a buffer grown beyond ``keep`` bytes once nothing is unread (an idle
         keep-alive connection should not hold its largest body's worth of memory)."""
         if self._start == self._end and len(self._buf) > keep:
-            self._buf = bytearray(_MIN_FREE * 4)
+            _BUFFERS.give(self._buf)
+            self._buf = bytearray(_SMALL)
             self._start = self._end = 0
 
     # ---- writing -----------------------------------------------------------------------

@@ -124,3 +124,15 @@ async def test_writing_to_a_connection_the_peer_closed_is_a_connection_error() -
     finally:
         conn.close()
         server.close()
+
+
+def test_the_buffer_pool_is_bounded_and_hands_out_big_enough_buffers() -> None:
+    from rollout_gateway.engines.rawconn import _BufferPool
+
+    pool = _BufferPool(cap=10)
+    pool.give(bytearray(4))
+    pool.give(bytearray(6))
+    pool.give(bytearray(3))  # over the cap: dropped
+    assert len(pool.take(5, 1)) == 6  # the first that fits
+    assert len(pool.take(5, 8)) == 8  # none fits: a new one, of the wanted size
+    assert len(pool.take(1, 1)) == 4 and pool._bytes == 0
