@@ -9,8 +9,9 @@ LE int32 of shape (prompt + output - 1 - start, layers, top_k). Bodies are built
 (prompt length, output length, options) and cached as bytes around the rid.
 
 Run: ``python bench/replay_engine.py --port 30001 [--layers 48 --top-k 8 --experts 128]``.
-A tiny HTTP/1.1 server on asyncio streams (keep-alive, Content-Length bodies) keeps the
-engine side cheap; it is a benchmark fixture, not a product server.
+A tiny HTTP/1.1 server on asyncio streams (keep-alive; Content-Length bodies, and streams
+chunked with one chunk per SSE event, as SGLang's uvicorn sends them) keeps the engine side
+cheap; it is a benchmark fixture, not a product server.
 """
 
 from __future__ import annotations
@@ -202,9 +203,15 @@ async def _serve_conn(cfg: ReplayConfig, reader: asyncio.StreamReader,
             if cfg.delay and path.startswith(b"/generate"):
                 await asyncio.sleep(cfg.delay)
             status, ctype, data = _route(cfg, method, path.split(b"?", 1)[0], body)
-            writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
-                         % (status, ctype, len(data)))
-            writer.write(data)
+            if ctype == b"text/event-stream":  # as uvicorn streams: one chunk per event
+                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n" % (status, ctype))
+                writer.write(b"".join(b"%x\r\n%b\n\n\r\n" % (len(ev) + 2, ev)
+                                      for ev in data.split(b"\n\n") if ev) + b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+                             % (status, ctype, len(data)))
+                writer.write(data)
             await writer.drain()
             if close:
                 break

@@ -123,6 +123,16 @@ class SSEPayloads:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         buf = self._buf
+        if not buf and chunk.startswith(b"data:") and chunk.find(b"\n") == len(chunk) - 2 \
+                and chunk.endswith(b"\n\n"):
+            # exactly one one-line event, as uvicorn streams them (a chunk per event): its
+            # payload is sliced out of the chunk once, nothing is buffered
+            a, e = 5, len(chunk) - 2
+            while a < e and chunk[a] in _WS:
+                a += 1
+            while e > a and chunk[e - 1] in _WS:
+                e -= 1
+            return [chunk[a:e]]
         buf += chunk
         out: list[bytes] = []
         scan, multi, large = self._scan, self._multi, self.LARGE

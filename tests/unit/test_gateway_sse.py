@@ -53,6 +53,17 @@ def test_payloads_match_the_plain_definition_for_any_chunking(monkeypatch, large
         assert all(type(p) is bytes for p in got)
 
 
+def test_a_chunk_per_event_as_uvicorn_sends_them():
+    rng = random.Random(11)
+    for _ in range(300):
+        stream = random_stream(rng)
+        events = [ev + b"\n\n" for ev in stream.split(b"\n\n")[:-1]]
+        split = SSEPayloads()
+        got = [p for ev in events for p in split.feed(ev)]
+        assert got == reference(stream)
+        assert all(type(p) is bytes for p in got)
+
+
 def test_a_large_single_payload_arrives_whole_and_exact():
     body = b'{"meta_info": {"routed_experts": "' + b"QUJD" * 300_000 + b'"}}'
     stream = b"data: " + body + b"\n\n" + b"data: [DONE]\n\n"
