@@ -14,7 +14,10 @@ One invocation measures, in interleaved rounds, side by side:
               gateway process AND the learner pinned to --cpu;
 * split:      the same with the gateway process pinned to --gateway-cpu (default: another
               core), the learner on --cpu: like with like, since Redis' own server work
-              also runs in its own process beside the raw reader.
+              also runs in its own process beside the raw reader;
+* by reference: the split setup with the learner reading the bytes from Redis itself
+              (``store_url``): gRPC carries only references, credit and acks; the gateway
+              leases entries without reading their payloads.
 
 Tokens counted = output (tagged) tokens; routed experts cover prompt + output rows.
 For each: tokens/s (wall clock; noisy on a shared machine) and CPU seconds per million
@@ -118,7 +121,8 @@ def raw_read(url: str, prefix: str, batch: int) -> tuple[int, float, int]:
     return n, dt, nbytes
 
 
-async def transport_read(target: str, args, group: str) -> tuple[int, float, int]:
+async def transport_read(target: str, args, group: str,
+                         store_url: str | None = None) -> tuple[int, float, int]:
     import torch
 
     from learner_client.batch import collate
@@ -127,7 +131,8 @@ async def transport_read(target: str, args, group: str) -> tuple[int, float, int
     torch.set_num_threads(1)
     n = tokens = 0
     async with AsyncTrajectoryClient(target, group, "bench-learner", learner_version=4,
-                                     prefetch=args.prefetch * args.batch) as c:
+                                     prefetch=args.prefetch * args.batch, store_url=store_url,
+                                     by_reference=True if store_url else None) as c:
         await c.create_group()  # a fresh group re-reads the same retained entries
         t0 = time.perf_counter()
         while n < args.trajectories:
@@ -198,6 +203,7 @@ def main() -> int:
     setups = {"one core": args.cpu}
     if args.gateway_cpu >= 0:
         setups["split"] = args.gateway_cpu
+    setups["by reference"] = args.gateway_cpu if args.gateway_cpu >= 0 else args.cpu
     raw, raw_bytes = [], []
     tr: dict[str, list] = {k: [] for k in setups}
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -215,7 +221,8 @@ def main() -> int:
                     for name, (server, target) in servers.items():
                         with CpuMeter(args.redis, server.pid) as m:
                             n, dt, tok = asyncio.run(transport_read(
-                                target, args, f"bench-{name.replace(' ', '-')}-{i}"))
+                                target, args, f"bench-{name.replace(' ', '-')}-{i}",
+                                args.redis if name == "by reference" else None))
                         tr[name].append((tok, dt, m))
             finally:
                 for server, _ in servers.values():
@@ -296,7 +303,8 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
     print(f"{'':<31}  {'wall clock':<27}  reader gateway redis")
     ref = row("raw redis XRANGE", raw)
     for name, runs in tr.items():
-        row(f"store->gRPC->tensors {name}", runs, ref)
+        row(f"store->gRPC->tensors {name}" if name != "by reference"
+            else "by reference (Redis->learner)", runs, ref)
     print("ratio wall = transport tok/s / raw tok/s; ratio reader-cpu = raw reader cpu-s/Mtok / "
           "learner cpu-s/Mtok (the work each reading core pays; Redis' and the gateway's own "
           "work runs beside it)")

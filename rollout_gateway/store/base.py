@@ -68,6 +68,14 @@ class StoredEntry:
     #: output tokens per policy version, "v:count;v:count" (see version_tokens); "" when
     #: the entry predates the field (then its tokens count at min_version)
     version_tokens: str = ""
+    #: bytes of the stored trajectory once ``data`` was dropped (a by-reference Pull
+    #: stream sends only a reference); -1: ``data`` holds them
+    nbytes: int = -1
+
+    @property
+    def size(self) -> int:
+        """Bytes of the serialized trajectory (read or not)."""
+        return self.nbytes if self.nbytes >= 0 else len(self.data)
 
     def tokens_by_version(self) -> dict[int, int]:
         """Output tokens per policy version (dashboards: lag of delivered tokens)."""
@@ -174,6 +182,12 @@ class TrajectoryStore(abc.ABC):
         """Lease up to ``count`` entries to ``consumer``: first entries whose lease
         expired (or that were nacked), then new ones. Blocks up to block_ms when there
         is nothing. Raises NotFound for an unknown group."""
+
+    def reference_key(self) -> str | None:
+        """Where learners can read stored trajectories themselves (by-reference Pull
+        streams): a Redis stream key (``XRANGE key id id``, field ``d``); None when the
+        store cannot serve references (embedded store)."""
+        return None
 
     @abc.abstractmethod
     async def ack(self, group: str, entry_ids: list[str]) -> int:

@@ -286,6 +286,9 @@ class RedisStore(TrajectoryStore):
                     out.extend(self._entry(eid, f, 1) for eid, f in entries if f)
         return out
 
+    def reference_key(self) -> str:
+        return self._k_stream
+
     async def _read_new(self, group: str, consumer: str, count: int):
         """XREADGROUP > without BLOCK, on the bulk thread pool."""
         if self._bulk is None:
