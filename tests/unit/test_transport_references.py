@@ -63,3 +63,45 @@ def test_store_url_drops_the_gateway_options_only():
         "rediss://:pw@h/0?ssl_cert_reqs=none"
     with pytest.raises(ValueError):
         redis_url("memory://")
+
+
+def test_buffer_pool_reuses_only_unreferenced_buffers():
+    from learner_client.store import BufferPool
+
+    pool = BufferPool(max_bytes=1 << 20)
+    a = pool.get(100_000)
+    b = pool.get(100_000)
+    assert a is not b and len(pool) == 2  # both held: two buffers
+    a_id = id(a)
+    del a
+    c = pool.get(90_000)
+    assert id(c) == a_id and len(pool) == 2  # the free one is reused
+    view = memoryview(c)[:10].toreadonly()  # what a decoded column keeps alive
+    del c
+    d = pool.get(90_000)
+    assert id(d) != a_id and len(pool) == 3  # still referenced through the view: not reused
+    del view, b, d
+    assert len(pool.get(900_000)) == 900_000  # over max_bytes: unreferenced ones evicted
+    assert len(pool) == 1
+
+
+def test_replies_parse_resp_and_pool_big_payloads():
+    import socket
+
+    from learner_client.store import BufferPool, _payload, _Replies
+
+    big = bytes(range(256)) * 1024  # 256 KiB: into a pooled buffer
+    reply = (b"*1\r\n*2\r\n$3\r\n1-0\r\n*4\r\n$3\r\ntid\r\n$1\r\na\r\n$1\r\nd\r\n"
+             + b"$%d\r\n" % len(big) + big + b"\r\n" + b"*0\r\n" + b"-NOPERM no\r\n")
+    s1, s2 = socket.socketpair()
+    try:
+        s1.sendall(reply)
+        r = _Replies(s2, BufferPool())
+        got = _payload(r.read())
+        assert isinstance(got, memoryview) and got.readonly and bytes(got) == big
+        assert _payload(r.read()) is None  # entry gone
+        with pytest.raises(Exception, match="NOPERM"):
+            r.read()
+    finally:
+        s1.close()
+        s2.close()
