@@ -30,13 +30,14 @@ from redis.retry import Retry
 from learner_client.errors import TrajectoryClientError
 from learner_client.wire import StoreRef
 from rollout_proto import codec
+from rollout_proto.resp import Replies, RespError
 
 #: the gateway's own store URL options (rollout_gateway.store.factory: prefix and the
 #: StoreConfig fields); redis-py would refuse them
 _GATEWAY_OPTIONS = frozenset({"prefix", "max_backlog", "lease_seconds", "max_deliveries",
                               "retention_seconds", "dedup_seconds"})
-_BIG = 64 << 10  # bulk replies at least this long go into pooled buffers
-_CRLF = b"\r\n"
+_BIG = 64 << 10  # buffer sizes are whole multiples of this
+_LOOKS = 8  # buffers BufferPool.get checks before it allocates
 
 
 def redis_url(url: str) -> str:
@@ -49,12 +50,15 @@ def redis_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
 
 
-def _refcounts(bufs: list[bytearray]) -> list[int]:
-    return [sys.getrefcount(b) for b in bufs]
+def _free_refcount() -> int:
+    """sys.getrefcount of a buffer only the pool's list refers to, read the way
+    BufferPool reads it (from a local bound to the list item)."""
+    bufs = [bytearray(1)]
+    b = bufs[0]
+    return sys.getrefcount(b)
 
 
-#: what _refcounts says of a buffer only the pool's list refers to
-_FREE = _refcounts([bytearray(1)])[0]
+_FREE = _free_refcount()
 
 
 class BufferPool:
@@ -74,25 +78,27 @@ class BufferPool:
             return self._get(n)
 
     def _get(self, n: int) -> bytearray:
-        best = -1
-        for i, rc in enumerate(_refcounts(self._bufs)):
-            size = len(self._bufs[i])
-            if rc <= _FREE and n <= size <= 2 * n + _BIG and (best < 0 or size < len(self._bufs[best])):
-                best = i
-        if best >= 0:
-            return self._bufs[best]
-        b = bytearray(n)
-        if self._bytes + n > self.max_bytes:  # evict unreferenced ones first
-            keep = []
-            for buf, rc in zip(self._bufs, _refcounts(self._bufs)):
-                if rc <= _FREE:
-                    self._bytes -= len(buf)
-                else:
-                    keep.append(buf)
-            self._bufs = keep
-        if self._bytes + n <= self.max_bytes:
-            self._bufs.append(b)
-            self._bytes += n
+        # oldest first (deliveries are released roughly in the order they came), a few
+        # looks at most: a pool whose oldest buffers are all still held grows instead
+        bufs = self._bufs
+        for i in range(min(len(bufs), _LOOKS)):
+            b = bufs[i]
+            if n <= len(b) <= 2 * n + _BIG and sys.getrefcount(b) <= _FREE:
+                del bufs[i]
+                bufs.append(b)  # now the newest
+                return b
+        if self._bytes + n + _BIG > self.max_bytes:  # make room: forget the unreferenced ones
+            held = []
+            for i in range(len(bufs)):
+                b = bufs[i]
+                if sys.getrefcount(b) > _FREE:
+                    held.append(b)
+            self._bufs = bufs = held
+            self._bytes = sum(len(x) for x in held)
+        b = bytearray(-(-n // _BIG) * _BIG)  # whole 64 KiB: fits the next similar payload
+        if self._bytes + len(b) <= self.max_bytes:
+            bufs.append(b)
+            self._bytes += len(b)
         return b
 
     def __len__(self) -> int:
@@ -101,90 +107,6 @@ class BufferPool:
 
 #: the process' pool (StoreReader's default)
 SHARED = BufferPool()
-
-
-class _RespError(Exception):
-    """An error reply (``-ERR ...``); the connection is still in sync."""
-
-
-class _Replies:
-    """RESP2/3 replies from a connected socket; big bulk strings land in pooled buffers
-    and come back as read-only memoryviews of their exact length."""
-
-    def __init__(self, sock, pool: BufferPool):
-        self.sock, self.pool = sock, pool
-        self.buf = bytearray(1 << 16)
-        self.mv = memoryview(self.buf)
-        self.lo = self.hi = 0
-
-    def _fill(self) -> None:
-        if self.lo == self.hi:
-            self.lo = self.hi = 0
-        elif self.hi == len(self.buf):
-            n = self.hi - self.lo
-            self.buf[:n] = self.buf[self.lo:self.hi]
-            self.lo, self.hi = 0, n
-        got = self.sock.recv_into(self.mv[self.hi:])
-        if not got:
-            raise ConnectionError("Redis closed the connection")
-        self.hi += got
-
-    def _line(self) -> bytes:
-        while True:
-            j = self.buf.find(_CRLF, self.lo, self.hi)
-            if j >= 0:
-                line = bytes(self.mv[self.lo:j])
-                self.lo = j + 2
-                return line
-            self._fill()
-
-    def _skip_crlf(self) -> None:
-        while self.hi - self.lo < 2:
-            self._fill()
-        self.lo += 2
-
-    def _bulk(self, n: int):
-        have = self.hi - self.lo
-        if n < _BIG:
-            while have < n + 2:
-                self._fill()
-                have = self.hi - self.lo
-            out = bytes(self.mv[self.lo:self.lo + n])
-            self.lo += n + 2
-            return out
-        target = self.pool.get(n)
-        view = memoryview(target)
-        got = min(have, n)
-        view[:got] = self.mv[self.lo:self.lo + got]
-        self.lo += got
-        while got < n:
-            k = self.sock.recv_into(view[got:n])
-            if not k:
-                raise ConnectionError("Redis closed the connection")
-            got += k
-        self._skip_crlf()
-        return view[:n].toreadonly()
-
-    def read(self):
-        line = self._line()
-        t, rest = line[:1], line[1:]
-        if t == b"$":
-            n = int(rest)
-            return None if n < 0 else self._bulk(n)
-        if t in (b"*", b"~", b">"):
-            n = int(rest)
-            return None if n < 0 else [self.read() for _ in range(n)]
-        if t == b"%":
-            return [self.read() for _ in range(2 * int(rest))]
-        if t == b":":
-            return int(rest)
-        if t == b"+":
-            return rest
-        if t == b"_":
-            return None
-        if t in (b"-", b"!"):
-            raise _RespError(rest.decode(errors="replace"))
-        raise ConnectionError(f"unexpected Redis reply {line[:40]!r}")
 
 
 class StoreReader:
@@ -223,7 +145,7 @@ class StoreReader:
                 out += self._pipeline(refs[i:j])
                 i = j
             return out
-        except _RespError as exc:
+        except RespError as exc:
             self._drop()
             code = "PERMISSION_DENIED" if str(exc).startswith("NOPERM") else "UNAVAILABLE"
             raise TrajectoryClientError(code, f"reading trajectories from the store: "
@@ -237,7 +159,7 @@ class StoreReader:
         if self._conn is None:
             self._conn = self._r.connection_pool.get_connection()
             self._conn.connect()
-            self._replies = _Replies(self._conn._sock, self.pool)
+            self._replies = Replies(self._conn._sock, self.pool.get)
         conn = self._conn
         conn.send_packed_command(conn.pack_commands(
             [("XRANGE", r.key, r.entry_id, r.entry_id, "COUNT", "1") for r in refs]),
@@ -246,7 +168,7 @@ class StoreReader:
         for _ in refs:  # read every reply (the connection stays in sync), then raise
             try:
                 res = self._replies.read()
-            except _RespError as exc:
+            except RespError as exc:
                 error = error or exc
                 continue
             out.append(_payload(res))
@@ -281,6 +203,8 @@ def _payload(res) -> memoryview | None:
     if not res:
         return None
     fields = res[0][1] or []
+    if isinstance(fields, dict):  # RESP3
+        return fields.get(b"d")
     for k in range(0, len(fields) - 1, 2):
         if fields[k] == b"d":
             return fields[k + 1]

@@ -360,10 +360,12 @@ class _PullStream:
                     continue
                 got = await self.svc.store.pull(
                     self.group, self.consumer, room, learner_version=self.version,
-                    max_lag=self.max_lag, policy=self.policy, block_ms=self.svc.poll_ms)
+                    max_lag=self.max_lag, policy=self.policy, block_ms=self.svc.poll_ms,
+                    payload=self.ref_key is None)
                 if self.ref_key is not None:  # only references leave: do not hold the bytes
                     for e in got:
-                        e.nbytes, e.data = len(e.data), b""
+                        if e.nbytes < 0:
+                            e.nbytes, e.data = len(e.data), b""
                 self.held.extend(got)
                 self.held_tokens += sum(e.num_tokens for e in got)
                 if got:  # small reads of large entries: the first message leaves sooner

@@ -138,7 +138,7 @@ async def test_nack_and_expired_lease_redeliver_by_reference(redis_gateway):
         assert (await b.status()).store.group_backlog == 0
 
 
-@pytest.mark.parametrize("policy", ["drop", "mask"])
+@pytest.mark.parametrize("policy", ["drop", "mask", "recycle"])
 async def test_staleness_is_decided_by_the_server(redis_gateway, policy):
     make, _ = redis_gateway
     store, target = await make()
@@ -153,7 +153,13 @@ async def test_staleness_is_decided_by_the_server(redis_gateway, policy):
     if policy == "mask":
         assert seen == {"fresh": False, "stale": True} and st.stale_masked == 1
     else:  # dropped on the server: never referenced, never fetched
-        assert seen == {"fresh": False} and st.stale_dropped == 1
+        assert seen == {"fresh": False}
+        if policy == "drop":
+            assert st.stale_dropped == 1
+        else:  # the gateway read the payload it had skipped, to re-generate the prompt
+            assert st.stale_recycled == 1
+            [again] = await store.take_recycled(5)
+            assert again.trajectory_id == "stale" and len(again.prompt_token_ids) == 8
 
 
 async def test_entry_deleted_before_the_fetch_is_nacked_and_reported(redis_gateway, caplog):
