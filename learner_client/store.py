@@ -18,8 +18,6 @@ The learner then needs read access to the gateway's Redis: a Redis user limited 
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -27,6 +25,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from learner_client.buffers import BufferPool
 from learner_client.errors import TrajectoryClientError
 from learner_client.wire import StoreRef
 from rollout_proto import codec
@@ -36,8 +35,6 @@ from rollout_proto.resp import Replies, RespError
 #: StoreConfig fields); redis-py would refuse them
 _GATEWAY_OPTIONS = frozenset({"prefix", "max_backlog", "lease_seconds", "max_deliveries",
                               "retention_seconds", "dedup_seconds"})
-_BIG = 64 << 10  # buffer sizes are whole multiples of this
-_LOOKS = 8  # buffers BufferPool.get checks before it allocates
 
 
 def redis_url(url: str) -> str:
@@ -50,63 +47,8 @@ def redis_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
 
 
-def _free_refcount() -> int:
-    """sys.getrefcount of a buffer only the pool's list refers to, read the way
-    BufferPool reads it (from a local bound to the list item)."""
-    bufs = [bytearray(1)]
-    b = bufs[0]
-    return sys.getrefcount(b)
-
-
-_FREE = _free_refcount()
-
-
-class BufferPool:
-    """Receive buffers reused once unreferenced (refcount back to the pool's own), at most
-    ``max_bytes`` of them kept. Thread-safe; one per process (:data:`SHARED`) by default,
-    so a learner that re-creates its client keeps its warm buffers."""
-
-    def __init__(self, max_bytes: int = 256 << 20):
-        self.max_bytes = max_bytes
-        self._bufs: list[bytearray] = []
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes that nothing else refers to."""
-        with self._lock:
-            return self._get(n)
-
-    def _get(self, n: int) -> bytearray:
-        # oldest first (deliveries are released roughly in the order they came), a few
-        # looks at most: a pool whose oldest buffers are all still held grows instead
-        bufs = self._bufs
-        for i in range(min(len(bufs), _LOOKS)):
-            b = bufs[i]
-            if n <= len(b) <= 2 * n + _BIG and sys.getrefcount(b) <= _FREE:
-                del bufs[i]
-                bufs.append(b)  # now the newest
-                return b
-        if self._bytes + n + _BIG > self.max_bytes:  # make room: forget the unreferenced ones
-            held = []
-            for i in range(len(bufs)):
-                b = bufs[i]
-                if sys.getrefcount(b) > _FREE:
-                    held.append(b)
-            self._bufs = bufs = held
-            self._bytes = sum(len(x) for x in held)
-        b = bytearray(-(-n // _BIG) * _BIG)  # whole 64 KiB: fits the next similar payload
-        if self._bytes + len(b) <= self.max_bytes:
-            bufs.append(b)
-            self._bytes += len(b)
-        return b
-
-    def __len__(self) -> int:
-        return len(self._bufs)
-
-
-#: the process' pool (StoreReader's default)
-SHARED = BufferPool()
+#: the process' payload buffers (StoreReader's default pool)
+SHARED = BufferPool(256 << 20)
 
 
 class StoreReader:
