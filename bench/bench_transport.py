@@ -17,7 +17,7 @@ One invocation measures, in interleaved rounds, side by side:
               also runs in its own process beside the raw reader;
 * by reference: the split setup with the learner reading the bytes from Redis itself
               (``store_url``): gRPC carries only references, credit and acks; the gateway
-              leases entries without reading their payloads.
+              leases entries and skips their payloads as Redis sends them.
 
 Tokens counted = output (tagged) tokens; routed experts cover prompt + output rows.
 For each: tokens/s (wall clock; noisy on a shared machine) and CPU seconds per million
