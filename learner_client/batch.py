@@ -241,8 +241,8 @@ def _routed(rollouts: list[Rollout], grid: tuple[int, ...], starts: list[int],
     row = int(np.prod(lk))
     # flat 1-D copies (one memcpy per rollout); only cells no rollout covers are zeroed
     nbytes = cells * row * np.dtype(dt).itemsize
-    out = (np.frombuffer(_ROUTED.get(nbytes), dt, count=cells * row)
-           if nbytes <= _ROUTED.max_bytes // 4 else np.empty(cells * row, dt))
+    out = (_ROUTED.get(nbytes)[:nbytes].view(dt) if nbytes <= _ROUTED.max_bytes // 4
+           else np.empty(cells * row, dt))
     mask = np.zeros(cells, bool)
     width = grid[1] if len(grid) == 2 else None
     for r, s0, n in zip(rollouts, starts, seq.tolist()):

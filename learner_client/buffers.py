@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 import threading
 
+import numpy as np
+
 __all__ = ["BufferPool"]
 
 _ROUND = 64 << 10  # buffer sizes are whole multiples of this
@@ -22,7 +24,7 @@ _LOOKS = 8  # buffers get() checks (oldest first) before it allocates
 def _free_refcount() -> int:
     """sys.getrefcount of a buffer only the pool's list refers to, read the way
     BufferPool reads it (from a local bound to the list item)."""
-    bufs = [bytearray(1)]
+    bufs = [np.empty(1, np.uint8)]
     b = bufs[0]
     return sys.getrefcount(b)
 
@@ -38,16 +40,17 @@ class BufferPool:
 
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
-        self._bufs: list[bytearray] = []
+        self._bufs: list[np.ndarray] = []
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes that nothing else refers to."""
+    def get(self, n: int) -> np.ndarray:
+        """A uint8 buffer of at least ``n`` bytes that nothing else refers to (contents
+        undefined: a new one is not zeroed)."""
         with self._lock:
             return self._get(n)
 
-    def _get(self, n: int) -> bytearray:
+    def _get(self, n: int) -> np.ndarray:
         # oldest first (buffers are released roughly in the order they were handed out), a few
         # looks at most: a pool whose oldest buffers are all still held grows instead
         bufs = self._bufs
@@ -65,7 +68,7 @@ class BufferPool:
                     held.append(b)
             self._bufs = bufs = held
             self._bytes = sum(len(x) for x in held)
-        b = bytearray(-(-n // _ROUND) * _ROUND)  # whole 64 KiB: fits the next similar request
+        b = np.empty(-(-n // _ROUND) * _ROUND, np.uint8)  # whole 64 KiB: fits the next ones
         if self._bytes + len(b) <= self.max_bytes:
             bufs.append(b)
             self._bytes += len(b)

@@ -4,7 +4,7 @@ redis-py + hiredis copy each multi-MB payload twice (hiredis' buffer, then a new
 object whose fresh pages fault in): about 3x the CPU per byte of receiving it once. This
 reader runs on a socket redis-py connected (URL, AUTH, TLS, db are redis-py's) and, for
 bulk strings of at least ``big`` bytes, either receives them straight into a buffer the
-caller supplies (``sink(n) -> bytearray``; the learner's pooled buffers: the reply is a
+caller supplies (``sink(n)``: a writable buffer of >= n bytes; the learner's pooled buffers: the reply is a
 read-only memoryview of exactly n bytes) or, without a sink, skips them through a reused
 scratch buffer and returns :class:`Skipped` (the gateway leasing entries it only
 references). Shared by ``learner_client.store`` and ``rollout_gateway.store.redis_streams``.
@@ -13,6 +13,7 @@ references). Shared by ``learner_client.store`` and ``rollout_gateway.store.redi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Replies", "RespError", "Skipped"]
 
@@ -30,7 +31,7 @@ class Skipped(int):
 class Replies:
     """RESP2/3 replies from a connected blocking socket, one :meth:`read` per reply."""
 
-    def __init__(self, sock, sink: Callable[[int], bytearray] | None = None, *,
+    def __init__(self, sock, sink: Callable[[int], Any] | None = None, *,
                  big: int = 64 << 10):
         self.sock, self.sink, self.big = sock, sink, big
         self.buf = bytearray(1 << 16)
