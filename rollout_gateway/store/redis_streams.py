@@ -271,9 +271,11 @@ class RedisStore(TrajectoryStore):
         lease_ms = int(self.config.lease_seconds * 1000)
         async with self._io("read"):
             cursor = self._claim_cursor.get(group, "0-0")
-            nxt, claimed, *_ = await self._r.xautoclaim(self._k_stream, group, consumer,
-                                                        lease_ms, cursor, count=count)
+            nxt, claimed, *rest = await self._r.xautoclaim(self._k_stream, group, consumer,
+                                                           lease_ms, cursor, count=count)
             self._claim_cursor[group] = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
+            if rest and rest[0]:  # deleted while pending: Redis dropped them from the group
+                await self._lost(group, [_s(i) for i in rest[0]])
             claimed = [(eid, f) for eid, f in claimed if f]
             if claimed:
                 ids = [eid for eid, _ in claimed]
@@ -294,6 +296,14 @@ class RedisStore(TrajectoryStore):
 
     def reference_key(self) -> str:
         return self._k_stream
+
+    async def _lost(self, group: str, ids: list[str]) -> None:
+        """Entries deleted from the stream (XDEL, a trim by hand) while leased: Redis has
+        removed them from the group's pending list; count them as acknowledged so the
+        group's backlog stays exact, and say so."""
+        await self._r.hincrby(self._k_acked, group, len(ids))
+        log.error("group %s: %d leased entries were deleted from the stream before they "
+                  "were acknowledged (counted as acked): %s", group, len(ids), ", ".join(ids))
 
     async def _read_new(self, group: str, consumer: str, count: int, payload: bool = True):
         """XREADGROUP > without BLOCK, on the bulk thread pool."""
@@ -399,10 +409,15 @@ class RedisStore(TrajectoryStore):
                     requeue.append((eid, max(times - 1, 0)))
                 else:
                     (dead if times >= self.config.max_deliveries else requeue).append((eid, times))
+            lost = []
             for eid, times in requeue:
-                await self._r.xclaim(self._k_stream, group, "__nacked__", 0, [eid],
-                                     idle=int(self.config.lease_seconds * 1000) + 1,
-                                     retrycount=times, justid=True)
+                if not await self._r.xclaim(self._k_stream, group, "__nacked__", 0, [eid],
+                                            idle=int(self.config.lease_seconds * 1000) + 1,
+                                            retrycount=times, justid=True):
+                    lost.append(eid)  # deleted from the stream: Redis dropped it
+            if lost:
+                await self._lost(group, lost)
+                requeue = [(e, t) for e, t in requeue if e not in lost]
             if dead:
                 await self._ack(keys=[self._k_stream, self._k_acked],
                                 args=[group, *[e for e, _ in dead]])

@@ -186,6 +186,10 @@ async def test_entry_deleted_before_the_fetch_is_nacked_and_reported(redis_gatew
         await store.publish(make_trajectory("t9", seed=9))
         [nxt] = await c.pull(1, timeout=2.0)
         assert nxt.trajectory_id == "t9"
+        await c.ack([nxt])
+        # the gateway saw the deleted entry leave the group: the backlog stays exact
+        assert (await c.status()).store.group_backlog == 0
+        assert "deleted from the stream" in caplog.text
     r.close()
 
 
