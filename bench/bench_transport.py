@@ -290,11 +290,11 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
     per = raw_bytes[0] / args.trajectories
     mbps = per / args.response / 1e6
     print(f"payload: {args.trajectories} trajectories x {args.response} output tokens "
-          f"(after a {min(args.warmup, args.trajectories)}-trajectory warm-up per setup) "
           f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
           f"{per / 1e3:.0f} KB/trajectory, {args.message_kb} KiB gRPC messages, "
           f"hiredis {hiredis_on()}; "
-          f"median of {args.rounds} interleaved rounds")
+          f"median of {args.rounds} interleaved rounds after a "
+          f"{min(args.warmup, args.trajectories)}-trajectory warm-up per setup")
     print(f"reader (raw redis-py / learner) on cpu {args.cpu}; gateway: " + ", ".join(
         f"{k} -> cpu {v}" for k, v in setups.items()) + "; Redis where the OS puts it")
 
