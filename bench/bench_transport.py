@@ -4,7 +4,8 @@
                                                --layers 48 --top-k 8 --batch 32 --cpu 0
                                                --gateway-cpu 1 --message-kb 4096]
 
-One invocation measures, in interleaved rounds, side by side:
+One invocation measures, in interleaved rounds after an unmeasured warm-up read per setup
+(--warmup), side by side:
 
 * raw:        XRANGE the stream (the exact serialized trajectory bytes) with redis-py
               (hiredis parser when installed) in this process, pinned to --cpu;
@@ -14,7 +15,10 @@ One invocation measures, in interleaved rounds, side by side:
               gateway process AND the learner pinned to --cpu;
 * split:      the same with the gateway process pinned to --gateway-cpu (default: another
               core), the learner on --cpu: like with like, since Redis' own server work
-              also runs in its own process beside the raw reader.
+              also runs in its own process beside the raw reader;
+* by reference: the split setup with the learner reading the bytes from Redis itself
+              (``store_url``): gRPC carries only references, credit and acks; the gateway
+              leases entries and skips their payloads as Redis sends them.
 
 Tokens counted = output (tagged) tokens; routed experts cover prompt + output rows.
 For each: tokens/s (wall clock; noisy on a shared machine) and CPU seconds per million
@@ -118,7 +122,8 @@ def raw_read(url: str, prefix: str, batch: int) -> tuple[int, float, int]:
     return n, dt, nbytes
 
 
-async def transport_read(target: str, args, group: str) -> tuple[int, float, int]:
+async def transport_read(target: str, args, group: str, store_url: str | None = None,
+                         count: int | None = None) -> tuple[int, float, int]:
     import torch
 
     from learner_client.batch import collate
@@ -126,12 +131,14 @@ async def transport_read(target: str, args, group: str) -> tuple[int, float, int
 
     torch.set_num_threads(1)
     n = tokens = 0
+    count = count or args.trajectories
     async with AsyncTrajectoryClient(target, group, "bench-learner", learner_version=4,
-                                     prefetch=args.prefetch * args.batch) as c:
+                                     prefetch=args.prefetch * args.batch, store_url=store_url,
+                                     by_reference=True if store_url else None) as c:
         await c.create_group()  # a fresh group re-reads the same retained entries
         t0 = time.perf_counter()
-        while n < args.trajectories:
-            got = await c.pull(min(args.batch, args.trajectories - n), timeout=30)
+        while n < count:
+            got = await c.pull(min(args.batch, count - n), timeout=30)
             if not got:
                 raise RuntimeError("transport stalled")
             b = collate(got, learner_version=4, layout="packed")
@@ -174,6 +181,8 @@ def main() -> int:
                    help="batches of credit the learner keeps in flight beyond the current one")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved raw/transport rounds; the medians are reported")
+    p.add_argument("--warmup", type=int, default=96,
+                   help="trajectories each setup reads once, unmeasured, before the rounds")
     p.add_argument("--message-kb", type=int, default=4096,
                    help="soft size of one gRPC Pull response message (KiB)")
     p.add_argument("--cpu", type=int, default=0,
@@ -198,6 +207,7 @@ def main() -> int:
     setups = {"one core": args.cpu}
     if args.gateway_cpu >= 0:
         setups["split"] = args.gateway_cpu
+    setups["by reference"] = args.gateway_cpu if args.gateway_cpu >= 0 else args.cpu
     raw, raw_bytes = [], []
     tr: dict[str, list] = {k: [] for k in setups}
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -207,6 +217,14 @@ def main() -> int:
             try:
                 for name, cpu in setups.items():
                     servers[name] = start_server(args, prefix, cpu, tmp, name.replace(" ", "-"))
+                # warm-up, not measured: every setup's first round in this process (a
+                # long-running learner's steady state: warm connections, allocator, pools)
+                raw_read(args.redis, prefix, args.batch)
+                for name, (server, target) in servers.items():
+                    asyncio.run(transport_read(
+                        target, args, f"bench-{name.replace(' ', '-')}-warm",
+                        args.redis if name == "by reference" else None,
+                        count=min(args.warmup, args.trajectories)))
                 for i in range(args.rounds):
                     with CpuMeter(args.redis, None) as m:
                         n, dt, nbytes = raw_read(args.redis, prefix, args.batch)
@@ -215,7 +233,8 @@ def main() -> int:
                     for name, (server, target) in servers.items():
                         with CpuMeter(args.redis, server.pid) as m:
                             n, dt, tok = asyncio.run(transport_read(
-                                target, args, f"bench-{name.replace(' ', '-')}-{i}"))
+                                target, args, f"bench-{name.replace(' ', '-')}-{i}",
+                                args.redis if name == "by reference" else None))
                         tr[name].append((tok, dt, m))
             finally:
                 for server, _ in servers.values():
@@ -238,7 +257,8 @@ def json_report(args, rows) -> None:
     rep = Report("transport", "Transport: store -> gRPC -> learner tensors (bench_transport.py)",
                  trajectories=args.trajectories, prompt=args.prompt, response=args.response,
                  routed_experts=f"{args.layers}x{args.top_k} uint8", rounds=args.rounds,
-                 message_kib=args.message_kb, hiredis=hiredis_on())
+                 message_kib=args.message_kb, hiredis=hiredis_on(),
+                 warmup=min(args.warmup, args.trajectories))
     raw_tps, raw_cpu = rows[0][1], rows[0][2]
     for label, tps, me, gw, rd in rows:
         first = label == rows[0][0]
@@ -273,7 +293,8 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
           f"(+{args.prompt} prompt), routed experts {args.layers}x{args.top_k} uint8, "
           f"{per / 1e3:.0f} KB/trajectory, {args.message_kb} KiB gRPC messages, "
           f"hiredis {hiredis_on()}; "
-          f"median of {args.rounds} interleaved rounds")
+          f"median of {args.rounds} interleaved rounds after a "
+          f"{min(args.warmup, args.trajectories)}-trajectory warm-up per setup")
     print(f"reader (raw redis-py / learner) on cpu {args.cpu}; gateway: " + ", ".join(
         f"{k} -> cpu {v}" for k, v in setups.items()) + "; Redis where the OS puts it")
 
@@ -296,7 +317,8 @@ def report(args, raw, raw_bytes, tr, setups) -> None:
     print(f"{'':<31}  {'wall clock':<27}  reader gateway redis")
     ref = row("raw redis XRANGE", raw)
     for name, runs in tr.items():
-        row(f"store->gRPC->tensors {name}", runs, ref)
+        row(f"store->gRPC->tensors {name}" if name != "by reference"
+            else "store->tensors by reference", runs, ref)
     print("ratio wall = transport tok/s / raw tok/s; ratio reader-cpu = raw reader cpu-s/Mtok / "
           "learner cpu-s/Mtok (the work each reading core pays; Redis' and the gateway's own "
           "work runs beside it)")

@@ -16,7 +16,9 @@ Columns are zero (or NaN for old_logprobs, -1 for versions) outside the response
   rows placed at the positions the engine reported; ``routed_mask`` marks those rows.
 
 Each column costs one copy from the received bytes (numpy views -> one preallocated
-buffer -> torch.from_numpy, no further copy); no per-token Python loop.
+buffer -> torch.from_numpy, no further copy); no per-token Python loop. The routed-experts
+buffer (the one multi-MB allocation per batch) comes from a pool and is reused once the
+batch's tensors are dropped (``learner_client.buffers``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from learner_client.buffers import BufferPool
 from learner_client.wire import Rollout
 
 _F32_COLS = ("rollout_logprobs", "entropy", "old_logprobs")
+#: routed-experts buffers of dropped batches, reused (larger ones are allocated as before)
+_ROUTED = BufferPool(512 << 20)
 
 
 @dataclass
@@ -235,7 +240,9 @@ def _routed(rollouts: list[Rollout], grid: tuple[int, ...], starts: list[int],
     cells = int(np.prod(grid))
     row = int(np.prod(lk))
     # flat 1-D copies (one memcpy per rollout); only cells no rollout covers are zeroed
-    out = np.empty(cells * row, dt)
+    nbytes = cells * row * np.dtype(dt).itemsize
+    out = (_ROUTED.get(nbytes)[:nbytes].view(dt) if nbytes <= _ROUTED.max_bytes // 4
+           else np.empty(cells * row, dt))
     mask = np.zeros(cells, bool)
     width = grid[1] if len(grid) == 2 else None
     for r, s0, n in zip(rollouts, starts, seq.tolist()):

@@ -11,25 +11,37 @@ server's ``lease_seconds``; ``auto_extend=False`` turns it off, ``extend()`` doe
 hand), so an optimizer step longer than the lease does not get its batch redelivered. Broken streams and
 unreachable servers are retried with exponential backoff; NOT_FOUND, INVALID_ARGUMENT,
 UNAUTHENTICATED and PERMISSION_DENIED are raised at once.
+
+By reference (``store_url="redis://..."``, the gateway's Redis): the server sends each
+delivery's stream key and entry id instead of its bytes and the client reads the bytes from
+Redis itself (``learner_client.store``, on a fetch thread), so the bulk bytes skip gRPC;
+credit, staleness decisions, leases and ack/nack stay on gRPC. A server whose store cannot
+serve references (the embedded store) sends bytes instead, unless ``by_reference=True``
+demanded references (then pull raises FAILED_PRECONDITION). An entry deleted from the
+store between its reference and the fetch is nacked, logged and listed in ``missing``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 
 from learner_client.errors import TrajectoryClientError
-from learner_client.wire import Rollout, parse_batch
+from learner_client.wire import Rollout, StoreRef, decode_fetched, parse_deliveries
 from rollout_proto.rollout.v1 import service_pb2 as spb
 from rollout_proto.rollout.v1 import service_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 _POLICY = {None: spb.STALE_POLICY_UNSPECIFIED, "drop": spb.STALE_POLICY_DROP,
            "mask": spb.STALE_POLICY_MASK, "recycle": spb.STALE_POLICY_RECYCLE}
@@ -55,7 +67,15 @@ class AsyncTrajectoryClient:
                  stale_policy: str | None = None, token: str | None = None,
                  tls: TlsOptions | None = None, max_message_bytes: int = 256 << 20,
                  backoff_initial: float = 0.1, backoff_max: float = 5.0,
-                 call_timeout: float = 30.0, prefetch: int = 0, auto_extend: bool = True):
+                 call_timeout: float = 30.0, prefetch: int = 0, auto_extend: bool = True,
+                 store_url: str | None = None, by_reference: bool | None = None,
+                 fetch_pipeline_bytes: int = 4 << 20):
+        """``store_url``: the gateway's Redis (``redis://``, ``rediss://``, ``unix://``;
+        the gateway's own ``prefix=``/store options are ignored): read trajectory bytes
+        from it by reference. ``by_reference``: None (default) = by reference when
+        store_url is set and the server's store can serve references, else bytes over
+        gRPC; True = by reference or FAILED_PRECONDITION; False = always bytes.
+        ``fetch_pipeline_bytes``: payload bytes per pipelined Redis round trip."""
         if stale_policy not in _POLICY:
             raise ValueError(f"stale_policy must be one of drop/mask/recycle/None, "
                              f"got {stale_policy!r}")
@@ -90,6 +110,19 @@ class AsyncTrajectoryClient:
         self._extender: asyncio.Task | None = None
         self.lease_seconds: float | None = None  # the server's, learned on first use
         self.leases_lost: list[str] = []  # held entries a renewal found no longer ours
+        if by_reference and not store_url:
+            raise ValueError("by_reference=True needs store_url (the gateway's Redis URL)")
+        self._payload = (spb.PAYLOAD_BYTES if not store_url or by_reference is False
+                         else spb.PAYLOAD_REFERENCE if by_reference
+                         else spb.PAYLOAD_PREFER_REFERENCE)
+        self._store = None
+        if self._payload != spb.PAYLOAD_BYTES:
+            from learner_client.store import StoreReader
+
+            self._store = StoreReader(store_url, pipeline_bytes=fetch_pipeline_bytes)
+        self._fetch_pool: ThreadPoolExecutor | None = None
+        self.fetched = 0  # trajectories read from the store by reference
+        self.missing: list[str] = []  # referenced entries no longer in the store (nacked)
 
     # ---- connection ----
 
@@ -140,6 +173,7 @@ class AsyncTrajectoryClient:
                                 stale_policy=_POLICY[self.stale_policy])
         if self.max_lag is not None:
             opened.max_lag = self.max_lag
+        opened.payload = self._payload
         self._requests.put_nowait(spb.PullRequest(open=opened))
         requests = self._requests
 
@@ -160,8 +194,14 @@ class AsyncTrajectoryClient:
     async def _receive(self, call, inbox: asyncio.Queue) -> None:
         try:
             async for raw in call:
-                for r in parse_batch(raw)[0]:
-                    inbox.put_nowait(r)
+                items = parse_deliveries(raw)[0]
+                refs = [r for r in items if isinstance(r, StoreRef)]
+                if refs:
+                    fetched = iter(await self._fetch(refs))
+                    items = [next(fetched) if isinstance(r, StoreRef) else r for r in items]
+                for r in items:
+                    if r is not None:
+                        inbox.put_nowait(r)
             inbox.put_nowait(TrajectoryClientError("UNAVAILABLE", "pull stream ended"))
         except grpc.aio.AioRpcError as exc:
             inbox.put_nowait(_error(exc))
@@ -169,6 +209,46 @@ class AsyncTrajectoryClient:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to pull()
             inbox.put_nowait(exc)
+
+    async def _fetch(self, refs: list[StoreRef]) -> list[Rollout | None]:
+        """Read and decode referenced deliveries on the fetch thread; None for an entry
+        gone from the store (nacked here, logged, listed in ``missing``)."""
+        if self._store is None:
+            raise TrajectoryClientError("FAILED_PRECONDITION", "the server sent store "
+                                        "references but this client has no store_url")
+        if self._fetch_pool is None:
+            self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="store-fetch")
+        try:
+            got = await asyncio.get_running_loop().run_in_executor(
+                self._fetch_pool, self._fetch_sync, refs)
+        except TrajectoryClientError as exc:
+            if exc.retryable:  # redeliver now rather than after the lease
+                await self._nack_quietly([r.entry_id for r in refs], exc.message)
+            raise
+        gone = [r for r, x in zip(refs, got) if x is None]
+        if gone:
+            ids = [r.entry_id for r in gone]
+            log.error("%d referenced trajectories are no longer in the store (trimmed or "
+                      "deleted before the learner read them); nacked: %s", len(ids),
+                      ", ".join(f"{r.entry_id} ({r.trajectory_id})" for r in gone))
+            self.missing += ids
+            self._credit[0] = max(self._credit[0] - len(gone), 0)
+            self._credit[1] = max(self._credit[1] - sum(r.num_tokens for r in gone), 0)
+            await self._nack_quietly(ids, "trajectory bytes missing from the store")
+        return got
+
+    def _fetch_sync(self, refs: list[StoreRef]) -> list[Rollout | None]:
+        out = [None if d is None else decode_fetched(r, d)
+               for r, d in zip(refs, self._store.fetch(refs))]
+        self.fetched += sum(1 for r in out if r is not None)
+        return out
+
+    async def _nack_quietly(self, ids: list[str], reason: str) -> None:
+        try:
+            await self._unary("Nack", spb.NackRequest(group=self.group, entry_ids=ids,
+                                                      reason=reason))
+        except TrajectoryClientError as exc:  # their leases still expire
+            log.warning("could not nack %d entries: %s", len(ids), exc)
 
     async def _close_stream(self) -> None:
         if self._requests is not None:
@@ -374,6 +454,11 @@ class AsyncTrajectoryClient:
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
+        if self._fetch_pool is not None:
+            self._fetch_pool.shutdown(wait=True)
+            self._fetch_pool = None
+        if self._store is not None:
+            self._store.close()
 
     async def __aenter__(self) -> AsyncTrajectoryClient:
         return self
@@ -422,6 +507,14 @@ class TrajectoryClient:
     @property
     def leases_lost(self) -> list[str]:
         return self._client.leases_lost
+
+    @property
+    def missing(self) -> list[str]:
+        return self._client.missing
+
+    @property
+    def fetched(self) -> int:
+        return self._client.fetched
 
     def create_group(self, from_latest: bool = False) -> bool:
         return self._run(self._client.create_group(from_latest))

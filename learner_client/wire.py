@@ -1,5 +1,7 @@
 """rollout.v1 deliveries as numpy columns: ``rollout_proto.codec`` splits a received Batch
-into zero-copy column views; this module names them for the learner."""
+into zero-copy column views; this module names them for the learner. On a by-reference
+Pull stream a delivery is a :class:`StoreRef` until the learner fetched its bytes from the
+store (``learner_client.store``) and :func:`decode_fetched` made it a Rollout."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 
 from learner_client.errors import DecodeError
 from rollout_proto import codec
+from rollout_proto.rollout.v1 import service_pb2 as spb
 
 
 @dataclass(slots=True)
@@ -80,26 +83,74 @@ class Rollout:
         return int(self.prompt_token_ids.shape[0]) + self.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StoreRef:
+    """A delivery whose trajectory bytes stay in the store (a by-reference Pull stream):
+    leased to this consumer like any delivery; the learner fetches ``size`` bytes."""
+
+    entry_id: str
+    delivery_count: int
+    masked: bool
+    kind: str  # codec.REDIS_STREAM
+    key: str
+    size: int
+    trajectory_id: str
+    num_tokens: int  # prompt + output tokens (credit)
+
+
 _KNOWN = frozenset({"prompt_token_ids", "token_ids", "logprobs", "entropy", "policy_version",
                     "kv_version", "old_logprobs", "routed_experts.data", "loss_mask"})
 
 
 def parse_batch(buf: bytes) -> tuple[list[Rollout], int, int]:
     """A serialized rollout.v1.Batch -> (rollouts, credit_trajectories, credit_tokens).
-    Column arrays are read-only views into ``buf`` (zero copy). DecodeError if malformed."""
+    Column arrays are read-only views into ``buf`` (zero copy). DecodeError if malformed
+    or if a delivery is a reference (see :func:`parse_deliveries`)."""
+    items, n, tok = parse_deliveries(buf)
+    if any(isinstance(r, StoreRef) for r in items):
+        raise DecodeError("the Batch carries store references; use parse_deliveries")
+    return items, n, tok  # type: ignore[return-value]
+
+
+def parse_deliveries(buf: bytes) -> tuple[list[Rollout | StoreRef], int, int]:
+    """Like :func:`parse_batch`; a delivery carrying a reference becomes a StoreRef."""
     try:
         deliveries, batch = codec.parse_batch(buf)
     except codec.CodecError as exc:
         raise DecodeError(f"malformed Batch message: {exc}") from None
-    return ([_rollout(d, t) for d, t in deliveries], batch.credit_trajectories,
-            batch.credit_tokens)
+    return ([_rollout(d.entry_id, d.delivery_count, d.masked, t) if t is not None
+             else _ref(d) for d, t in deliveries],
+            batch.credit_trajectories, batch.credit_tokens)
 
 
-def _rollout(d, t: codec.Decoded) -> Rollout:
+def _ref(d: spb.Delivery) -> StoreRef:
+    r = d.reference
+    return StoreRef(d.entry_id, d.delivery_count, d.masked, r.kind, r.key, r.size,
+                    r.trajectory_id, r.num_tokens)
+
+
+def decode_fetched(ref: StoreRef, data: bytes) -> Rollout:
+    """The Rollout of a reference whose bytes were fetched (views into ``data``).
+    DecodeError if they are not the trajectory the reference names."""
+    if len(data) != ref.size:
+        raise DecodeError(f"entry {ref.entry_id} ({ref.trajectory_id}): fetched "
+                          f"{len(data)} bytes, the reference says {ref.size}")
+    try:
+        t = codec.decode_trajectory(data)
+    except codec.CodecError as exc:
+        raise DecodeError(f"entry {ref.entry_id}: malformed trajectory: {exc}") from None
+    if t.message.trajectory_id != ref.trajectory_id:
+        raise DecodeError(f"entry {ref.entry_id}: fetched trajectory "
+                          f"{t.message.trajectory_id!r}, the reference names "
+                          f"{ref.trajectory_id!r}")
+    return _rollout(ref.entry_id, ref.delivery_count, ref.masked, t)
+
+
+def _rollout(entry_id: str, delivery_count: int, masked: bool, t: codec.Decoded) -> Rollout:
     c, m = t.columns, t.message
     re = m.routed_experts
     return Rollout(
-        entry_id=d.entry_id, delivery_count=d.delivery_count, masked=d.masked,
+        entry_id=entry_id, delivery_count=delivery_count, masked=masked,
         trajectory_id=m.trajectory_id, group_id=m.group_id, sample_index=m.sample_index,
         prompt_token_ids=c["prompt_token_ids"], token_ids=c["token_ids"],
         logprobs=c["logprobs"], entropy=c["entropy"], policy_version=c["policy_version"],

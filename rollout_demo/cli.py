@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how engines take each new version mid-generation (default in_place)")
     p.add_argument("--engines", type=int, default=d.engines, help="reference engines (default 1)")
     p.add_argument("--redis-url", help="use Redis (store + registry) instead of the embedded store")
+    p.add_argument("--by-reference", action="store_true",
+                   help="the learner reads trajectory bytes from Redis itself (gRPC carries "
+                        "references, credit and acks); needs --redis-url")
     p.add_argument("--compare-sync", action="store_true",
                    help="also run the synchronous baseline and report the async/sync ratio")
     p.add_argument("--batch-groups", type=int, default=d.batch_groups,
@@ -53,11 +56,16 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"rollout-gateway demo: --{name.replace('_', '-')} must be >= 1")
             return 2
+    if args.by_reference and not args.redis_url:
+        print("rollout-gateway demo: --by-reference needs --redis-url (the learner reads "
+              "the gateway's Redis)")
+        return 2
     if args.max_lag < 0 or args.lr <= 0:
         print("rollout-gateway demo: --max-lag must be >= 0 and --lr > 0")
         return 2
     cfg = DemoConfig(loss=args.loss, steps=args.steps, out=Path(args.out),
                      swap_mode=args.swap_mode, engines=args.engines, redis_url=args.redis_url,
+                     by_reference=args.by_reference,
                      batch_groups=args.batch_groups, group_size=args.group_size,
                      max_new_tokens=args.max_new_tokens, lr=args.lr, max_lag=args.max_lag,
                      replay=not args.no_replay, learner=args.learner, seed=args.seed, progress=not args.no_progress)

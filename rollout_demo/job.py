@@ -48,6 +48,7 @@ class DemoConfig:
     engines: int = 1
     swap_mode: str = "in_place"
     redis_url: str | None = None
+    by_reference: bool = False  # learner reads trajectory bytes from Redis (needs redis_url)
     batch_groups: int = 4
     group_size: int = 8
     max_new_tokens: int = 8
@@ -86,6 +87,7 @@ class RunResult:
     swap_failures: int = 0
     gateway_metrics: dict = field(default_factory=dict)
     redis_prefix: str | None = None
+    fetched_by_reference: int = 0  # trajectories the learner read from Redis itself
 
 
 def _prefix(url: str) -> str | None:
@@ -356,7 +358,9 @@ def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> Run
         bar = tqdm(total=cfg.steps, desc=f"{'sync' if sync else 'async'} {cfg.loss}",
                    unit="step", dynamic_ncols=True)
     client = TrajectoryClient(f"{cfg.host}:{gw.grpc_port}", group="demo-learner",
-                              learner_version=0, max_lag=cfg.max_lag, stale_policy="mask")
+                              learner_version=0, max_lag=cfg.max_lag, stale_policy="mask",
+                              store_url=gw.store_url if cfg.by_reference else None,
+                              by_reference=True if cfg.by_reference else None)
     try:
         client.create_group()
         t0 = time.monotonic()
@@ -425,6 +429,7 @@ def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> Run
         if bar is not None:
             bar.close()
         producer.join()
+        fetched = client.fetched
         client.close()
         gw.stop()
         for e in engines:
@@ -436,7 +441,8 @@ def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> Run
                      lag_histogram={str(k): v for k, v in sorted(lags.items())},
                      rollouts_trained=trained, producer_429=producer.refused,
                      producer_errors=producer.errors, swap_failures=swap_failures,
-                     gateway_metrics=metrics, redis_prefix=_prefix(gw.store_url), **res)
+                     gateway_metrics=metrics, redis_prefix=_prefix(gw.store_url),
+                     fetched_by_reference=fetched, **res)
 
 
 def _gateway_counters(url: str) -> dict:

@@ -29,6 +29,7 @@ def write_report(cfg, runs: dict, out: Path) -> dict:
     report = {
         "loss": cfg.loss, "learner": cfg.learner, "steps": main.steps, "swap_mode": cfg.swap_mode,
         "store": "redis" if cfg.redis_url else "embedded", "engines": cfg.engines,
+        "by_reference": cfg.by_reference, "fetched_by_reference": main.fetched_by_reference,
         "batch": {"groups": cfg.batch_groups, "group_size": cfg.group_size,
                   "max_new_tokens": cfg.max_new_tokens},
         "routing_replay": cfg.replay, "max_lag": cfg.max_lag, "lr": cfg.lr,

@@ -34,8 +34,9 @@ from rollout_proto.rollout.v1 import service_pb2 as spb
 from rollout_proto.rollout.v1 import trajectory_pb2 as tpb
 
 __all__ = [
-    "COLUMN_DTYPES", "DTYPES", "PER_TOKEN", "REQUIRED", "CodecError", "Decoded", "delivery_size",
-    "decode_trajectory", "encode_batch", "encode_trajectory", "parse_batch",
+    "COLUMN_DTYPES", "DTYPES", "PER_TOKEN", "REDIS_STREAM", "REQUIRED", "CodecError", "Decoded",
+    "decode_trajectory", "delivery_size", "encode_batch", "encode_references",
+    "encode_trajectory", "parse_batch",
 ]
 
 
@@ -139,9 +140,14 @@ _K_MASKED = _key(_D, "masked", 0)
 _K_TRAJ = _key(_D, "trajectory", 2)
 
 
-def delivery_size(entry_id: str, data: bytes) -> int:
-    """Upper bound of one Delivery's encoded size inside a Batch."""
-    return len(data) + len(entry_id) + 32
+def delivery_size(entry_id: str, nbytes: int) -> int:
+    """Upper bound of one Delivery's encoded size inside a Batch, for a trajectory of
+    ``nbytes`` bytes."""
+    return nbytes + len(entry_id) + 32
+
+
+#: StoreReference.kind of a Redis stream entry: ``XRANGE key entry_id entry_id``, field "d"
+REDIS_STREAM = "redis-stream"
 
 
 def encode_batch(deliveries: Iterable[tuple[str, int, bool, bytes]], credit_trajectories: int,
@@ -161,6 +167,17 @@ def encode_batch(deliveries: Iterable[tuple[str, int, bool, bytes]], credit_traj
     if credit_tokens:
         parts += (_K_CREDIT_TOK, _varint(credit_tokens))
     return b"".join(parts)
+
+
+def encode_references(deliveries: Iterable[tuple[str, int, bool, spb.StoreReference]],
+                      credit_trajectories: int, credit_tokens: int) -> bytes:
+    """A serialized rollout.v1.Batch whose deliveries carry a StoreReference each instead
+    of the trajectory (a by-reference Pull stream: small messages, plain protobuf)."""
+    return spb.Batch(deliveries=[spb.Delivery(entry_id=e, delivery_count=n, masked=m,
+                                              reference=ref)
+                                 for e, n, m, ref in deliveries],
+                     credit_trajectories=credit_trajectories,
+                     credit_tokens=credit_tokens).SerializeToString()
 
 
 # ------------------------------------------------------------------------------ decoding
@@ -374,16 +391,18 @@ def _decode_trajectory(data) -> Decoded:
     return Decoded(cols, msg)
 
 
-def parse_batch(data: bytes) -> tuple[list[tuple[spb.Delivery, Decoded]], spb.Batch]:
+def parse_batch(data: bytes) -> tuple[list[tuple[spb.Delivery, Decoded | None]], spb.Batch]:
     """Serialized rollout.v1.Batch -> ([(delivery, trajectory)], batch). ``delivery`` and
     ``batch`` are the generated messages without the trajectories / deliveries (every
     other field, present and future: entry_id, delivery_count, credit, ...); columns are
-    read-only views into ``data`` (zero copy). CodecError if malformed."""
+    read-only views into ``data`` (zero copy). A delivery that carries a ``reference``
+    instead of a trajectory comes with ``None`` (the caller fetches and decodes the bytes
+    with :func:`decode_trajectory`). CodecError if malformed."""
     return _guard(_parse_batch, data)
 
 
-def _parse_batch(buf) -> tuple[list[tuple[spb.Delivery, Decoded]], spb.Batch]:
-    out: list[tuple[spb.Delivery, Decoded]] = []
+def _parse_batch(buf) -> tuple[list[tuple[spb.Delivery, Decoded | None]], spb.Batch]:
+    out: list[tuple[spb.Delivery, Decoded | None]] = []
     rest: list = []
     i, end = 0, len(buf)
     while i < end:
@@ -429,7 +448,12 @@ def _parse_batch(buf) -> tuple[list[tuple[spb.Delivery, Decoded]], spb.Batch]:
         if j != stop:
             raise CodecError("truncated delivery")
         if traj is None:
-            raise CodecError("delivery without a trajectory")
+            d = _parse(spb.Delivery, b"".join(d_rest))
+            if not d.HasField("reference"):
+                raise CodecError("delivery without a trajectory or a reference")
+            out.append((d, None))
+            i = stop
+            continue
         cols: dict[str, np.ndarray] = {}
         t_rest: list = []
         _split(buf, traj[0], traj[1], _TRAJ_PLAN, cols, t_rest)

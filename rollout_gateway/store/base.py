@@ -68,6 +68,14 @@ class StoredEntry:
     #: output tokens per policy version, "v:count;v:count" (see version_tokens); "" when
     #: the entry predates the field (then its tokens count at min_version)
     version_tokens: str = ""
+    #: bytes of the stored trajectory once ``data`` was dropped (a by-reference Pull
+    #: stream sends only a reference); -1: ``data`` holds them
+    nbytes: int = -1
+
+    @property
+    def size(self) -> int:
+        """Bytes of the serialized trajectory (read or not)."""
+        return self.nbytes if self.nbytes >= 0 else len(self.data)
 
     def tokens_by_version(self) -> dict[int, int]:
         """Output tokens per policy version (dashboards: lag of delivered tokens)."""
@@ -170,10 +178,17 @@ class TrajectoryStore(abc.ABC):
 
     @abc.abstractmethod
     async def read(self, group: str, consumer: str, count: int, *,
-                   block_ms: int = 0) -> list[StoredEntry]:
+                   block_ms: int = 0, payload: bool = True) -> list[StoredEntry]:
         """Lease up to ``count`` entries to ``consumer``: first entries whose lease
         expired (or that were nacked), then new ones. Blocks up to block_ms when there
-        is nothing. Raises NotFound for an unknown group."""
+        is nothing. Raises NotFound for an unknown group. ``payload=False``: the caller
+        sends only references, so the store may leave ``data`` empty (``nbytes`` set)."""
+
+    def reference_key(self) -> str | None:
+        """Where learners can read stored trajectories themselves (by-reference Pull
+        streams): a Redis stream key (``XRANGE key id id``, field ``d``); None when the
+        store cannot serve references (embedded store)."""
+        return None
 
     @abc.abstractmethod
     async def ack(self, group: str, entry_ids: list[str]) -> int:
@@ -204,7 +219,8 @@ class TrajectoryStore(abc.ABC):
 
     @abc.abstractmethod
     async def _push_recycled(self, entries: list[StoredEntry]) -> None:
-        """Queue recycled entries' bytes for take_recycled."""
+        """Queue recycled entries' bytes for take_recycled (an entry read without its
+        payload: the store reads it now)."""
 
     @abc.abstractmethod
     async def _count(self, **counters: int) -> None:
@@ -212,8 +228,8 @@ class TrajectoryStore(abc.ABC):
 
     async def pull(self, group: str, consumer: str, count: int, *, learner_version: int,
                    max_lag: int | None, policy: StalePolicy, block_ms: int = 0,
-                   ) -> list[StoredEntry]:
-        """read() plus the staleness filter. An entry is stale when
+                   payload: bool = True) -> list[StoredEntry]:
+        """read() (``payload`` passed on) plus the staleness filter. An entry is stale when
         learner_version - min_version > max_lag. DROP: acked, counted, not returned;
         MASK: returned with masked=True, counted; RECYCLE: prompt queued for
         take_recycled, acked, counted. Returns at most ``count`` entries."""
@@ -221,7 +237,7 @@ class TrajectoryStore(abc.ABC):
         first = True
         while len(out) < count:
             got = await self.read(group, consumer, count - len(out),
-                                  block_ms=block_ms if first else 0)
+                                  block_ms=block_ms if first else 0, payload=payload)
             first = False
             if not got:
                 break

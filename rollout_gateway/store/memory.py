@@ -251,7 +251,7 @@ class MemoryStore(TrajectoryStore):
                            delivery_count=deliveries, version_tokens=e.vt)
 
     async def read(self, group: str, consumer: str, count: int, *,
-                   block_ms: int = 0) -> list[StoredEntry]:
+                   block_ms: int = 0, payload: bool = True) -> list[StoredEntry]:
         self._check_open()
         check_name("consumer", consumer)
         g = self._group(group)

@@ -14,7 +14,9 @@ Lua scripts so the backlog bound and counters stay exact across replicas.
 Bulk reads of new entries (XREADGROUP without BLOCK) run on a small thread pool with a
 blocking redis-py client: its reply parsing (hiredis, recv_into a reused buffer) costs
 about half the CPU of the asyncio connection for multi-MB replies, and the socket wait
-runs without the GIL. Only when nothing is ready does a read wait with BLOCK, on the
+runs without the GIL. For by-reference Pull streams (``payload=False``) the same read
+skips the payloads as they arrive (``rollout_proto.resp``: only their sizes are kept);
+XREADGROUP cannot lease an entry without sending it. Only when nothing is ready does a read wait with BLOCK, on the
 asyncio connection. A read abandoned by cancellation releases what it leased at once.
 """
 
@@ -29,8 +31,8 @@ from contextlib import asynccontextmanager
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry as SyncRetry
 from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import wire
 from rollout_gateway.core.trajectory import Trajectory
@@ -48,6 +50,7 @@ from rollout_gateway.store.base import (
     version_tokens,
 )
 from rollout_gateway.store.redis_client import blocking_client
+from rollout_proto.resp import Replies, RespError, Skipped
 
 _PUBLISH = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -249,14 +252,17 @@ class RedisStore(TrajectoryStore):
 
     @staticmethod
     def _entry(eid: bytes, fields: dict[bytes, bytes], deliveries: int) -> StoredEntry:
+        d = fields[b"d"]
+        skipped = isinstance(d, Skipped)
         return StoredEntry(entry_id=eid.decode(), trajectory_id=fields[b"tid"].decode(),
-                           data=fields[b"d"], num_tokens=int(fields[b"n"]),
+                           data=b"" if skipped else d, nbytes=int(d) if skipped else -1,
+                           num_tokens=int(fields[b"n"]),
                            min_version=int(fields[b"lo"]), max_version=int(fields[b"hi"]),
                            delivery_count=deliveries,
                            version_tokens=fields.get(b"vt", b"").decode())
 
     async def read(self, group: str, consumer: str, count: int, *,
-                   block_ms: int = 0) -> list[StoredEntry]:
+                   block_ms: int = 0, payload: bool = True) -> list[StoredEntry]:
         check_name("group", group)
         check_name("consumer", consumer)
         if count <= 0:
@@ -265,9 +271,11 @@ class RedisStore(TrajectoryStore):
         lease_ms = int(self.config.lease_seconds * 1000)
         async with self._io("read"):
             cursor = self._claim_cursor.get(group, "0-0")
-            nxt, claimed, *_ = await self._r.xautoclaim(self._k_stream, group, consumer,
-                                                        lease_ms, cursor, count=count)
+            nxt, claimed, *rest = await self._r.xautoclaim(self._k_stream, group, consumer,
+                                                           lease_ms, cursor, count=count)
             self._claim_cursor[group] = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
+            if rest and rest[0]:  # deleted while pending: Redis dropped them from the group
+                await self._lost(group, [_s(i) for i in rest[0]])
             claimed = [(eid, f) for eid, f in claimed if f]
             if claimed:
                 ids = [eid for eid, _ in claimed]
@@ -278,7 +286,7 @@ class RedisStore(TrajectoryStore):
                 out = [self._entry(eid, f, counts.get(eid, 2)) for eid, f in claimed]
             want = count - len(out)
             if want > 0:
-                res = await self._read_new(group, consumer, want)
+                res = await self._read_new(group, consumer, want, payload)
                 if not res and block_ms > 0 and not out:  # nothing ready: wait for new entries
                     res = await self._r.xreadgroup(group, consumer, {self._k_stream: ">"},
                                                    count=want, block=block_ms)
@@ -286,18 +294,55 @@ class RedisStore(TrajectoryStore):
                     out.extend(self._entry(eid, f, 1) for eid, f in entries if f)
         return out
 
-    async def _read_new(self, group: str, consumer: str, count: int):
+    def reference_key(self) -> str:
+        return self._k_stream
+
+    async def _lost(self, group: str, ids: list[str]) -> None:
+        """Entries deleted from the stream (XDEL, a trim by hand) while leased: Redis has
+        removed them from the group's pending list; count them as acknowledged so the
+        group's backlog stays exact, and say so."""
+        await self._r.hincrby(self._k_acked, group, len(ids))
+        log.error("group %s: %d leased entries were deleted from the stream before they "
+                  "were acknowledged (counted as acked): %s", group, len(ids), ", ".join(ids))
+
+    async def _read_new(self, group: str, consumer: str, count: int, payload: bool = True):
         """XREADGROUP > without BLOCK, on the bulk thread pool."""
         if self._bulk is None:
             return await self._r.xreadgroup(group, consumer, {self._k_stream: ">"}, count=count)
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._bulk.xreadgroup, group, consumer, {self._k_stream: ">"}, count)
+        if payload:
+            fut = asyncio.get_running_loop().run_in_executor(
+                self._pool, self._bulk.xreadgroup, group, consumer, {self._k_stream: ">"},
+                count)
+        else:
+            fut = asyncio.get_running_loop().run_in_executor(
+                self._pool, self._xreadgroup_sizes, group, consumer, count)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             # the read goes on in its thread; whatever it leases must not wait out a lease
             fut.add_done_callback(lambda f: self._release_abandoned(f, group))
             raise
+
+    def _xreadgroup_sizes(self, group: str, consumer: str, count: int):
+        """XREADGROUP > COUNT n on the blocking client, payloads skipped (their sizes kept,
+        ``Skipped``); the reply shaped like redis-py's."""
+        pool = self._bulk.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command("XREADGROUP", "GROUP", group, consumer, "COUNT", count,
+                              "STREAMS", self._k_stream, ">")
+            res = Replies(conn._sock).read()
+        except RespError as exc:  # in sync: the connection stays usable
+            pool.release(conn)
+            raise ResponseError(str(exc)) from None
+        except BaseException:
+            conn.disconnect()
+            pool.release(conn)
+            raise
+        pool.release(conn)
+        streams = res.items() if isinstance(res, dict) else res or []  # RESP3: a map
+        return [(stream, [(eid, dict(zip(f[::2], f[1::2])) if isinstance(f, list) else f)
+                          for eid, f in entries]) for stream, entries in streams]
 
     def _release_abandoned(self, fut: Future, group: str) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -364,10 +409,15 @@ class RedisStore(TrajectoryStore):
                     requeue.append((eid, max(times - 1, 0)))
                 else:
                     (dead if times >= self.config.max_deliveries else requeue).append((eid, times))
+            lost = []
             for eid, times in requeue:
-                await self._r.xclaim(self._k_stream, group, "__nacked__", 0, [eid],
-                                     idle=int(self.config.lease_seconds * 1000) + 1,
-                                     retrycount=times, justid=True)
+                if not await self._r.xclaim(self._k_stream, group, "__nacked__", 0, [eid],
+                                            idle=int(self.config.lease_seconds * 1000) + 1,
+                                            retrycount=times, justid=True):
+                    lost.append(eid)  # deleted from the stream: Redis dropped it
+            if lost:
+                await self._lost(group, lost)
+                requeue = [(e, t) for e, t in requeue if e not in lost]
             if dead:
                 await self._ack(keys=[self._k_stream, self._k_acked],
                                 args=[group, *[e for e, _ in dead]])
@@ -438,7 +488,18 @@ class RedisStore(TrajectoryStore):
 
     async def _push_recycled(self, entries: list[StoredEntry]) -> None:
         async with self._io("recycle"):
-            await self._r.rpush(self._k_recycled, *[e.data for e in entries])
+            data = [e.data for e in entries]
+            unread = [i for i, e in enumerate(entries) if e.nbytes >= 0]
+            if unread:  # read without the payload (a by-reference stream): read it now
+                pipe = self._r.pipeline(transaction=False)
+                for i in unread:
+                    pipe.xrange(self._k_stream, entries[i].entry_id, entries[i].entry_id,
+                                count=1)
+                for i, res in zip(unread, await pipe.execute()):
+                    data[i] = res[0][1][b"d"] if res and res[0][1] else b""
+            data = [d for d in data if d]  # an entry deleted meanwhile left no prompt
+            if data:
+                await self._r.rpush(self._k_recycled, *data)
 
     async def _count(self, **counters: int) -> None:
         async with self._io("count"):

@@ -18,7 +18,7 @@ import grpc
 
 from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
-from rollout_gateway.errors import GatewayError, InvalidArgument, NotFound
+from rollout_gateway.errors import FailedPrecondition, GatewayError, InvalidArgument, NotFound
 from rollout_gateway.redact import clean_message
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
 from rollout_gateway.transport.control import ControlPlane, WeightSource
@@ -58,7 +58,10 @@ def _unary(fn):
 
 
 def _size(e: StoredEntry) -> int:
-    return codec.delivery_size(e.entry_id, e.data)
+    """A delivery's share of one Pull message: its trajectory's bytes, also when only a
+    reference is sent (a by-reference message then names ~target_batch_bytes of payload:
+    what the learner fetches in one go)."""
+    return codec.delivery_size(e.entry_id, e.size)
 
 
 def _ids(ids) -> list[str]:
@@ -155,11 +158,19 @@ class TrajectoryServicer:
                 raise InvalidArgument("max_lag must be >= 0")
             if o.stale_policy and o.stale_policy not in _POLICIES:
                 raise InvalidArgument(f"unknown stale_policy {o.stale_policy}")
+            if o.payload not in spb.PayloadMode.values():
+                raise InvalidArgument(f"unknown payload mode {o.payload}")
+            ref_key = None if o.payload == spb.PAYLOAD_BYTES else self.store.reference_key()
+            if ref_key is None and o.payload == spb.PAYLOAD_REFERENCE:
+                raise FailedPrecondition(
+                    "this server's trajectory store cannot serve references (only a Redis "
+                    "store can); pull the bytes over gRPC (PAYLOAD_BYTES) or "
+                    "PAYLOAD_PREFER_REFERENCE")
             if not await self.store.has_group(group):
                 raise NotFound(f"consumer group {group!r} does not exist; call CreateGroup")
             stream = _PullStream(self, group, consumer, o.learner_version,
                                  o.max_lag if o.HasField("max_lag") else None,
-                                 _POLICIES.get(o.stale_policy, self.default_policy))
+                                 _POLICIES.get(o.stale_policy, self.default_policy), ref_key)
             async with contextlib.aclosing(stream.run(request_iterator)) as blobs:
                 async for blob in blobs:
                     yield blob
@@ -260,12 +271,15 @@ class TrajectoryServicer:
 class _PullStream:
     """One Pull stream: a producer leases entries from the store ahead of sending (up to
     the granted credit), the sender frames what fits the credit; requests move credit.
-    Reading the store overlaps with sending the previous batch."""
+    Reading the store overlaps with sending the previous batch. With ``ref_key`` (a
+    by-reference stream) each delivery carries a StoreReference instead of the
+    trajectory; the learner reads the bytes from the store itself."""
 
     def __init__(self, svc: TrajectoryServicer, group: str, consumer: str, version: int,
-                 max_lag: int | None, policy: StalePolicy):
+                 max_lag: int | None, policy: StalePolicy, ref_key: str | None = None):
         self.svc, self.group, self.consumer = svc, group, consumer
         self.version, self.max_lag, self.policy = version, max_lag, policy
+        self.ref_key = ref_key
         self.credit = _Credit()
         self.held: deque[StoredEntry] = deque()
         self.held_tokens = 0
@@ -291,7 +305,8 @@ class _PullStream:
                 self.wake.clear()
                 if self.failure:
                     raise self.failure[0]
-                if self.held and _size(self.held[0]) > self.svc.max_batch_bytes:
+                if (self.held and self.ref_key is None
+                        and _size(self.held[0]) > self.svc.max_batch_bytes):
                     await self.svc._reject_oversize(self.group, self._pop())
                     continue
                 batch, size = [], 0
@@ -306,15 +321,24 @@ class _PullStream:
                     self.wake.set()  # room for the producer
                     if self.svc.on_deliver is not None:
                         self.svc.on_deliver(batch, self.version)
-                    yield codec.encode_batch(
-                        ((e.entry_id, e.delivery_count, e.masked, e.data) for e in batch),
-                        self.credit.trajectories or 0, self.credit.tokens or 0)
+                    yield self._frame(batch)
                     continue
                 if self.requests_done and (not self.credit.open() or self.drained):
                     return
                 await self.wake.wait()
         finally:
             await self._stop_tasks()
+
+    def _frame(self, batch: list[StoredEntry]) -> bytes:
+        left = (self.credit.trajectories or 0, self.credit.tokens or 0)
+        if self.ref_key is None:
+            return codec.encode_batch(
+                ((e.entry_id, e.delivery_count, e.masked, e.data) for e in batch), *left)
+        return codec.encode_references(
+            ((e.entry_id, e.delivery_count, e.masked, spb.StoreReference(
+                kind=codec.REDIS_STREAM, key=self.ref_key, size=e.size,
+                trajectory_id=e.trajectory_id, num_tokens=e.num_tokens)) for e in batch),
+            *left)
 
     async def _stop_tasks(self) -> None:
         for t in self.tasks:
@@ -336,11 +360,16 @@ class _PullStream:
                     continue
                 got = await self.svc.store.pull(
                     self.group, self.consumer, room, learner_version=self.version,
-                    max_lag=self.max_lag, policy=self.policy, block_ms=self.svc.poll_ms)
+                    max_lag=self.max_lag, policy=self.policy, block_ms=self.svc.poll_ms,
+                    payload=self.ref_key is None)
+                if self.ref_key is not None:  # only references leave: do not hold the bytes
+                    for e in got:
+                        if e.nbytes < 0:
+                            e.nbytes, e.data = len(e.data), b""
                 self.held.extend(got)
                 self.held_tokens += sum(e.num_tokens for e in got)
                 if got:  # small reads of large entries: the first message leaves sooner
-                    avg = sum(len(e.data) for e in got) / len(got)
+                    avg = max(sum(e.size for e in got) / len(got), 1)
                     self.read_hint = max(1, min(self.svc.max_read,
                                                 int(self.svc.target_batch_bytes // avg)))
                 if not got and self.requests_done:

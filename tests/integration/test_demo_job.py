@@ -58,17 +58,20 @@ def test_demo_trains_hot_swaps_and_writes_the_report(tmp_path):
 
 def test_demo_megatron_learner_on_redis_with_decoupled_ppo(tmp_path):
     """The megatron-core learner's checkpoints are what the engines hot-swap (accepted,
-    every step), with Redis as store and registry."""
+    every step), with Redis as store and registry, the learner reading the trajectory
+    bytes from Redis by reference."""
     pytest.importorskip("megatron.core")
     import redis
 
     out = tmp_path / "demo"
     p = _demo(out, "--steps", "2", "--loss", "decoupled_ppo", "--swap-mode", "abort_resume",
-              "--redis-url", "redis://127.0.0.1:6379/0", "--learner", "megatron")
+              "--redis-url", "redis://127.0.0.1:6379/0", "--learner", "megatron",
+              "--by-reference")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     assert rep["store"] == "redis" and rep["loss"] == "decoupled_ppo"
     assert rep["learner"] == "megatron"
+    assert rep["by_reference"] and rep["fetched_by_reference"] >= rep["rollouts_trained"] > 0
     assert len(rep["reward_curve"]) == 2 and rep["swap_failures"] == 0
     assert [w["version"] for w in rep["pause_windows"]] == [1, 2]
     prefix = rep["redis_prefix"]
@@ -84,4 +87,10 @@ def test_demo_refuses_an_unknown_loss(tmp_path):
     p = _demo(tmp_path / "x", "--loss", "nope", "--steps", "1", timeout=60)
     assert p.returncode == 2
     assert "unknown --loss 'nope'" in p.stdout and "sat" in p.stdout
+    assert not (tmp_path / "x").exists()
+
+
+def test_demo_by_reference_needs_redis(tmp_path):
+    p = _demo(tmp_path / "x", "--by-reference", "--steps", "1", timeout=60)
+    assert p.returncode == 2 and "--by-reference needs --redis-url" in p.stdout
     assert not (tmp_path / "x").exists()

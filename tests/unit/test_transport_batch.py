@@ -131,3 +131,22 @@ def test_learner_client_never_imports_rollout_gateway():
             "bad = [m for m in sys.modules if m.startswith('rollout_gateway')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_routed_experts_buffer_is_reused_only_after_the_batch_is_dropped():
+    import gc
+
+    rs = rollouts(SPECS)
+    first = collate(rs, learner_version=6, layout="packed")
+    expected = first.routed_experts.clone()
+    held = first.routed_experts[1:]  # a view keeps the buffer alive
+    del first
+    gc.collect()
+    second = collate(rs[::-1], learner_version=6, layout="packed")
+    assert second.routed_experts.data_ptr() != held.data_ptr() - held.stride(0)
+    assert torch.equal(held, expected[1:])  # untouched by the second batch
+    ptr = second.routed_experts.data_ptr()
+    del second
+    gc.collect()
+    third = collate(rs[::-1], learner_version=6, layout="packed")
+    assert third.routed_experts.data_ptr() == ptr  # dropped: its buffer is reused

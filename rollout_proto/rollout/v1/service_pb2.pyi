@@ -14,24 +14,35 @@ class StalePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STALE_POLICY_DROP: _ClassVar[StalePolicy]
     STALE_POLICY_MASK: _ClassVar[StalePolicy]
     STALE_POLICY_RECYCLE: _ClassVar[StalePolicy]
+
+class PayloadMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_BYTES: _ClassVar[PayloadMode]
+    PAYLOAD_PREFER_REFERENCE: _ClassVar[PayloadMode]
+    PAYLOAD_REFERENCE: _ClassVar[PayloadMode]
 STALE_POLICY_UNSPECIFIED: StalePolicy
 STALE_POLICY_DROP: StalePolicy
 STALE_POLICY_MASK: StalePolicy
 STALE_POLICY_RECYCLE: StalePolicy
+PAYLOAD_BYTES: PayloadMode
+PAYLOAD_PREFER_REFERENCE: PayloadMode
+PAYLOAD_REFERENCE: PayloadMode
 
 class OpenStream(_message.Message):
-    __slots__ = ("group", "consumer", "learner_version", "max_lag", "stale_policy")
+    __slots__ = ("group", "consumer", "learner_version", "max_lag", "stale_policy", "payload")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_LAG_FIELD_NUMBER: _ClassVar[int]
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     group: str
     consumer: str
     learner_version: int
     max_lag: int
     stale_policy: StalePolicy
-    def __init__(self, group: _Optional[str] = ..., consumer: _Optional[str] = ..., learner_version: _Optional[int] = ..., max_lag: _Optional[int] = ..., stale_policy: _Optional[_Union[StalePolicy, str]] = ...) -> None: ...
+    payload: PayloadMode
+    def __init__(self, group: _Optional[str] = ..., consumer: _Optional[str] = ..., learner_version: _Optional[int] = ..., max_lag: _Optional[int] = ..., stale_policy: _Optional[_Union[StalePolicy, str]] = ..., payload: _Optional[_Union[PayloadMode, str]] = ...) -> None: ...
 
 class CreditGrant(_message.Message):
     __slots__ = ("trajectories", "tokens", "learner_version", "max_lag")
@@ -54,16 +65,32 @@ class PullRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., credit: _Optional[_Union[CreditGrant, _Mapping]] = ...) -> None: ...
 
 class Delivery(_message.Message):
-    __slots__ = ("entry_id", "delivery_count", "masked", "trajectory")
+    __slots__ = ("entry_id", "delivery_count", "masked", "trajectory", "reference")
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_COUNT_FIELD_NUMBER: _ClassVar[int]
     MASKED_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     entry_id: str
     delivery_count: int
     masked: bool
     trajectory: _trajectory_pb2.Trajectory
-    def __init__(self, entry_id: _Optional[str] = ..., delivery_count: _Optional[int] = ..., masked: _Optional[bool] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ...) -> None: ...
+    reference: StoreReference
+    def __init__(self, entry_id: _Optional[str] = ..., delivery_count: _Optional[int] = ..., masked: _Optional[bool] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., reference: _Optional[_Union[StoreReference, _Mapping]] = ...) -> None: ...
+
+class StoreReference(_message.Message):
+    __slots__ = ("kind", "key", "size", "trajectory_id", "num_tokens")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    key: str
+    size: int
+    trajectory_id: str
+    num_tokens: int
+    def __init__(self, kind: _Optional[str] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., trajectory_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("deliveries", "credit_trajectories", "credit_tokens")
