@@ -25,7 +25,8 @@ from rollout_gateway.swap.models import SwapRequest
 log = logging.getLogger(__name__)
 
 
-def gateway(request: Request) -> Gateway:
+async def gateway(request: Request) -> Gateway:
+    # async: FastAPI runs a plain def dependency in its thread pool (a thread hop per call)
     return request.app.state.gateway
 
 
