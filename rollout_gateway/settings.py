@@ -256,6 +256,12 @@ class GatewaySettings(BaseSettings):
     stream_from_engines: bool = Field(
         default=True, description="Read engine output as a stream so tokens generated before an "
         "engine dies are kept and resumed elsewhere (costs some parsing).")
+    max_large_answers: int = Field(
+        default=16, ge=0, le=1_000_000, description="Large engine answers (the final "
+        "streamed chunk with routed experts, or a body, of 64 KiB or more) read and decoded "
+        "at once, over all engines; the others wait unread in their sockets (TCP "
+        "backpressure), so many rollouts finishing together do not all sit in the gateway's "
+        "memory at once. 0: no bound (every answer is read as it arrives).")
     fast_io: bool = Field(
         default=True, description="Serve on the uvloop event loop with uvicorn's httptools "
         "HTTP parser (both C; base dependencies). false: the stdlib asyncio loop and h11, "

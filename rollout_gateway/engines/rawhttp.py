@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from rollout_gateway.errors import EngineError, Timeout
 
-_HEAD_LIMIT = 1 << 16  # status line + headers
-_STREAM_LIMIT = 1 << 22  # asyncio StreamReader buffer
+#: asyncio StreamReader limit: the longest head / chunk-size line, and the buffering bound
+#: (the transport stops reading past 2x this until the body is read on), so an answer the
+#: gateway is not reading yet waits in the socket, not in the gateway (TCP backpressure)
+_BUFFER_LIMIT = 1 << 16
+_READ_MAX = 1 << 22  # largest single read of a body
 
 
 @dataclass(slots=True, eq=False)
@@ -76,8 +79,11 @@ class RawResponse:
                 raise EngineError(f"engine {self._pool.name}: {why}",
                                   details={"engine_id": self._pool.name, "dropped": True}) from exc
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunked framing removed)."""
+    async def iter_bytes(self, before_read: Callable[[], Awaitable[None]] | None = None
+                         ) -> AsyncIterator[bytes]:
+        """The body as it arrives (chunked framing removed). ``before_read()`` is awaited
+        before each read once the previous piece was taken (this frame holds no reference
+        to it then): a caller may hold the body back there (it waits in the socket)."""
         r = self._conn.reader
         try:
             te = self.headers.get(b"transfer-encoding", b"").lower()
@@ -89,21 +95,42 @@ class RawResponse:
                         while (await self._read(r.readuntil, b"\r\n")) != b"\r\n":
                             pass  # trailers
                         break
-                    data = await self._read(r.readexactly, size)
-                    await self._read(r.readexactly, 2)
-                    yield data
+                    while size > 0:  # in pieces: one chunk may be a whole multi-MB event
+                        if before_read is not None:
+                            await before_read()
+                        data = await self._read(r.read, min(size, _READ_MAX))
+                        if not data:
+                            raise EngineError(f"engine {self._pool.name}: chunk cut short",
+                                              details={"engine_id": self._pool.name,
+                                                       "dropped": True})
+                        size -= len(data)
+                        yield data
+                        data = None
+                    if await self._read(r.readexactly, 2) != b"\r\n":
+                        raise EngineError(f"engine {self._pool.name}: malformed chunked body",
+                                          details={"engine_id": self._pool.name,
+                                                   "dropped": True})
             elif b"content-length" in self.headers:
                 left = int(self.headers[b"content-length"])
                 while left > 0:
-                    data = await self._read(r.read, min(left, _STREAM_LIMIT))
+                    if before_read is not None:
+                        await before_read()
+                    data = await self._read(r.read, min(left, _READ_MAX))
                     if not data:
                         raise EngineError(f"engine {self._pool.name}: body cut short",
                                           details={"engine_id": self._pool.name, "dropped": True})
                     left -= len(data)
                     yield data
+                    data = None
             else:  # delimited by close
-                while data := await self._read(r.read, _STREAM_LIMIT):
+                while True:
+                    if before_read is not None:
+                        await before_read()
+                    data = await self._read(r.read, _READ_MAX)
+                    if not data:
+                        break
                     yield data
+                    data = None
                 self.headers[b"connection"] = b"close"
             self._done = True
         finally:
@@ -137,7 +164,7 @@ class RawHttpPool:
     async def _connect(self) -> _Conn:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=_STREAM_LIMIT),
+                asyncio.open_connection(self.host, self.port, limit=_BUFFER_LIMIT),
                 self.connect_timeout)
         except asyncio.TimeoutError as exc:
             raise Timeout(f"engine {self.name}: connect timed out") from exc
