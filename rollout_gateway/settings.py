@@ -262,6 +262,11 @@ class GatewaySettings(BaseSettings):
         "at once, over all engines; the others wait unread in their sockets (TCP "
         "backpressure), so many rollouts finishing together do not all sit in the gateway's "
         "memory at once. 0: no bound (every answer is read as it arrives).")
+    heap_trim_s: float = Field(
+        default=5.0, ge=0, le=3600, description="Every this many seconds, when the "
+        "gateway's resident memory grew by 32 MiB or more since the last check, give the "
+        "heap's freed memory back to the OS (glibc malloc_trim; after a burst of answers "
+        "it would stay resident otherwise). 0: never.")
     fast_io: bool = Field(
         default=True, description="Serve on the uvloop event loop with uvicorn's httptools "
         "HTTP parser (both C; base dependencies). false: the stdlib asyncio loop and h11, "
