@@ -335,8 +335,8 @@ class EngineClient:
         """Raw body chunks of a streamed /generate (non-200 -> EngineError with status).
         Deadlines: ``first_byte_s`` to the response head and to the first chunk, then
         ``stream_idle_s`` of silence between chunks, waived while ``patience()``.
-        ``before_read()`` is awaited before reading on, once the last chunk was taken and
-        no frame here still holds it."""
+        ``before_read(unread)`` is awaited before reading on, once the last chunk was taken
+        and no frame here still holds it (``unread``: bytes received, not read yet)."""
         if self._raw is not None:
             resp = await self._raw.post("/generate", body, read_timeout=self.t.stream_idle_s,
                                         first_timeout=self.t.first_byte_s, patience=patience)
@@ -368,7 +368,7 @@ class EngineClient:
                     yield chunk
                     del chunk
                     if before_read is not None:
-                        await before_read()
+                        await before_read(0)
         except httpx.TimeoutException as exc:
             raise Timeout(f"engine {self.engine_id} /generate stream timed out",
                           details={"engine_id": self.engine_id}) from exc
@@ -388,15 +388,17 @@ class EngineClient:
         gate, held = self.gate, False
         split = SSEPayloads()
 
-        async def before_read() -> None:
-            """The consumer took every complete payload: a large event still incomplete
-            reads on only with a slot of the gate (else it waits in the socket); a slot
-            held for one that is complete now is given back."""
+        async def before_read(unread: int) -> None:
+            """The consumer took every complete payload. This answer's bytes in the
+            gateway (an incomplete event, plus those received and not read yet) past the
+            gate's threshold read on only with a slot (else the rest waits in the socket);
+            a slot held while there were that many is given back once there are fewer."""
             nonlocal held
-            if held and split.pending < gate.large:
+            here = split.pending + unread
+            if held and here < gate.large:
                 gate.release()
                 held = False
-            elif not held and split.pending >= gate.large:
+            elif not held and here >= gate.large:
                 await gate.acquire()
                 held = True
 

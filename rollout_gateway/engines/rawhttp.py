@@ -79,11 +79,19 @@ class RawResponse:
                 raise EngineError(f"engine {self._pool.name}: {why}",
                                   details={"engine_id": self._pool.name, "dropped": True}) from exc
 
-    async def iter_bytes(self, before_read: Callable[[], Awaitable[None]] | None = None
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not read yet (at most ~2 x 64 KiB plus one socket read: the
+        connection stops reading past that until they are read)."""
+        conn = self._conn
+        return len(getattr(conn.reader, "_buffer", b"")) if conn is not None else 0
+
+    async def iter_bytes(self, before_read: Callable[[int], Awaitable[None]] | None = None
                          ) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunked framing removed). ``before_read()`` is awaited
-        before each read once the previous piece was taken (this frame holds no reference
-        to it then): a caller may hold the body back there (it waits in the socket)."""
+        """The body as it arrives (chunked framing removed). ``before_read(buffered)`` is
+        awaited before each read once the previous piece was taken (this frame holds no
+        reference to it then), with the bytes already received unread: a caller may hold
+        the body back there (the rest waits in the socket)."""
         r = self._conn.reader
         try:
             te = self.headers.get(b"transfer-encoding", b"").lower()
@@ -97,7 +105,7 @@ class RawResponse:
                         break
                     while size > 0:  # in pieces: one chunk may be a whole multi-MB event
                         if before_read is not None:
-                            await before_read()
+                            await before_read(self.buffered)
                         data = await self._read(r.read, min(size, _READ_MAX))
                         if not data:
                             raise EngineError(f"engine {self._pool.name}: chunk cut short",
@@ -114,7 +122,7 @@ class RawResponse:
                 left = int(self.headers[b"content-length"])
                 while left > 0:
                     if before_read is not None:
-                        await before_read()
+                        await before_read(self.buffered)
                     data = await self._read(r.read, min(left, _READ_MAX))
                     if not data:
                         raise EngineError(f"engine {self._pool.name}: body cut short",
@@ -125,7 +133,7 @@ class RawResponse:
             else:  # delimited by close
                 while True:
                     if before_read is not None:
-                        await before_read()
+                        await before_read(self.buffered)
                     data = await self._read(r.read, _READ_MAX)
                     if not data:
                         break

@@ -76,11 +76,11 @@ async def test_a_second_large_answer_waits_unread_until_the_first_is_taken(serve
             got_b.append(p)
 
     task = asyncio.create_task(read_b())
-    for _ in range(200):  # B reads its small events, then waits for the slot
+    for _ in range(200):  # B gets at most its small events, then waits for the slot
         await asyncio.sleep(0.01)
         if gate.waiting:
             break
-    assert gate.waiting == 1 and len(got_b) == 3
+    assert gate.waiting == 1 and len(got_b) < 4
     assert [p async for p in sa] == []  # A asks for more: [DONE], its slot comes back
     await asyncio.wait_for(task, 5)
     assert len(got_b) == 4 and got_b[-1] == got_a[-1]
