@@ -368,7 +368,7 @@ class EngineClient:
                     yield chunk
                     del chunk
                     if before_read is not None:
-                        await before_read(0)
+                        await before_read(0)  # httpx buffers on its own
         except httpx.TimeoutException as exc:
             raise Timeout(f"engine {self.engine_id} /generate stream timed out",
                           details={"engine_id": self.engine_id}) from exc
@@ -388,11 +388,12 @@ class EngineClient:
         gate, held = self.gate, False
         split = SSEPayloads()
 
-        async def before_read(unread: int) -> None:
+        async def before_read(unread: int) -> bool:
             """The consumer took every complete payload. This answer's bytes in the
             gateway (an incomplete event, plus those received and not read yet) past the
             gate's threshold read on only with a slot (else the rest waits in the socket);
-            a slot held while there were that many is given back once there are fewer."""
+            a slot held while there were that many is given back once there are fewer.
+            Returns whether a slot is held (then the answer is buffered freely)."""
             nonlocal held
             here = split.pending + unread
             if held and here < gate.large:
@@ -401,6 +402,7 @@ class EngineClient:
             elif not held and here >= gate.large:
                 await gate.acquire()
                 held = True
+            return held
 
         source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)), patience,
                                     before_read if gate is not None else None)

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from rollout_gateway.errors import EngineError, Timeout
 
 #: asyncio StreamReader limit: the longest head / chunk-size line, and the buffering bound
-#: (the transport stops reading past 2x this until the body is read on), so an answer the
-#: gateway is not reading yet waits in the socket, not in the gateway (TCP backpressure)
+#: (the transport stops reading past 2x this until the body is read on) of a body held
+#: back by ``before_read``: it waits in the socket, not in the gateway (TCP backpressure)
 _BUFFER_LIMIT = 1 << 16
-_READ_MAX = 1 << 22  # largest single read of a body
+#: the limit while a body is read on (fewer event-loop rounds per multi-MB answer), and
+#: the largest single read
+_READ_MAX = 1 << 22
 
 
 @dataclass(slots=True, eq=False)
@@ -86,13 +88,16 @@ class RawResponse:
         conn = self._conn
         return len(getattr(conn.reader, "_buffer", b"")) if conn is not None else 0
 
-    async def iter_bytes(self, before_read: Callable[[int], Awaitable[None]] | None = None
+    async def iter_bytes(self, before_read: Callable[[int], Awaitable[bool]] | None = None
                          ) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked framing removed). ``before_read(buffered)`` is
         awaited before each read once the previous piece was taken (this frame holds no
         reference to it then), with the bytes already received unread: a caller may hold
-        the body back there (the rest waits in the socket)."""
+        the body back there; it returns whether the body may be buffered freely for now
+        (else the connection stops reading past ~2 x 64 KiB: the rest waits in the
+        socket). Without ``before_read`` it always may."""
         r = self._conn.reader
+        r._limit = _BUFFER_LIMIT if before_read is not None else _READ_MAX
         try:
             te = self.headers.get(b"transfer-encoding", b"").lower()
             if b"chunked" in te:
@@ -105,7 +110,8 @@ class RawResponse:
                         break
                     while size > 0:  # in pieces: one chunk may be a whole multi-MB event
                         if before_read is not None:
-                            await before_read(self.buffered)
+                            r._limit = _READ_MAX if await before_read(self.buffered) \
+                                else _BUFFER_LIMIT
                         data = await self._read(r.read, min(size, _READ_MAX))
                         if not data:
                             raise EngineError(f"engine {self._pool.name}: chunk cut short",
@@ -122,7 +128,8 @@ class RawResponse:
                 left = int(self.headers[b"content-length"])
                 while left > 0:
                     if before_read is not None:
-                        await before_read(self.buffered)
+                        r._limit = _READ_MAX if await before_read(self.buffered) \
+                            else _BUFFER_LIMIT
                     data = await self._read(r.read, min(left, _READ_MAX))
                     if not data:
                         raise EngineError(f"engine {self._pool.name}: body cut short",
@@ -133,7 +140,8 @@ class RawResponse:
             else:  # delimited by close
                 while True:
                     if before_read is not None:
-                        await before_read(self.buffered)
+                        r._limit = _READ_MAX if await before_read(self.buffered) \
+                            else _BUFFER_LIMIT
                     data = await self._read(r.read, _READ_MAX)
                     if not data:
                         break
@@ -151,6 +159,7 @@ class RawResponse:
         conn, self._conn = self._conn, None  # type: ignore[assignment]
         if conn is None:
             return
+        conn.reader._limit = _BUFFER_LIMIT  # the next head is read narrow
         keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
         self._pool._give_back(conn, keep)
 
