@@ -7,6 +7,7 @@ Every transport failure or unusable answer becomes :class:`EngineError` (or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import orjson
 
 from rollout_gateway.engines.rawhttp import RawHttpPool
 from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
-from rollout_gateway.errors import EngineError, Timeout
+from rollout_gateway.errors import EngineError, GatewayError, Timeout
 from rollout_gateway.settings import Timeouts
 
 #: first SGLang version with begin/end_weight_update and weight_versions spans
@@ -194,6 +195,11 @@ class AnswerGate:
 
     def release(self) -> None:
         self._sem.release()
+
+
+async def _drain(source: AsyncIterator[bytes]) -> None:
+    async for _ in source:
+        pass
 
 
 class EngineClient:
@@ -412,6 +418,11 @@ class EngineClient:
                 del chunk  # copied into split: only the socket and split hold the event
                 for data in payloads:
                     if data == b"[DONE]":
+                        # the body's end follows at once (a chunked body's terminator):
+                        # read it, so the connection is reused; one that does not come
+                        # soon costs the connection, not the answer
+                        with contextlib.suppress(GatewayError, asyncio.TimeoutError):
+                            await asyncio.wait_for(_drain(source), 1.0)
                         return
                     if data.startswith(b'{"error"'):
                         raise EngineError(f"engine {self.engine_id} stream error: "

@@ -26,8 +26,10 @@ class Server:
     def __init__(self, chunked: bool) -> None:
         self.chunked = chunked
         self.sent = 0
+        self.connections = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -110,3 +112,12 @@ async def test_slots_come_back_after_a_stream_cut_mid_event_and_after_a_large_bo
 def test_a_gate_needs_a_slot():
     with pytest.raises(ValueError):
         AnswerGate(0)
+
+
+async def test_a_stream_read_to_its_end_gives_its_connection_back(server):
+    c = EngineClient("c", server.url, gate=AnswerGate(2))
+    for rid in ("one", "two", "three"):
+        assert len([p async for p in c.generate_stream({"rid": rid})]) == 4
+        assert len(c._raw._idle) == 1 and not c._raw._busy
+    assert server.connections == 1  # one kept-alive connection, not one per stream
+    await c.close()
