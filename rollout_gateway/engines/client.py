@@ -163,10 +163,11 @@ class AnswerGate:
     """How many large engine answers are read and decoded at once, over every engine that
     shares the gate (the pool's).
 
-    Large: a streamed event (the final chunk, which carries the routed experts) or a
-    non-streamed body of at least ``large`` bytes. An answer past that size reads on only
-    with a slot; without one it waits unread in its socket (the reader buffers at most
-    ~2 x 64 KiB plus one socket read, then stops reading: TCP backpressure to the engine).
+    Large: an answer with at least ``large`` bytes in the gateway (streamed: an event not
+    complete yet, e.g. the final chunk with the routed experts, plus the bytes received
+    and not read yet; non-streamed: the body's Content-Length). Such an answer reads on
+    only with a slot; without one it waits unread in its socket (the reader buffers at
+    most ~2 x 64 KiB plus one socket read, then stops reading: TCP backpressure).
     When many rollouts finish together, the gateway thus holds a bounded number of raw
     answers and their decoded rows, not every answer at once. A slot is given back once
     the consumer has taken the payload (streamed: when it asks for the next one; a body:
@@ -311,8 +312,8 @@ class EngineClient:
             resp = await self._raw.post("/generate", orjson.dumps(payload),
                                         read_timeout=self.t.generate_s)
             gate = self.gate
-            size = resp.headers.get(b"content-length")
-            if gate is not None and (size is None or int(size) >= gate.large):
+            size = resp.headers.get(b"content-length", b"")
+            if gate is not None and not (size.isdigit() and int(size) < gate.large):
                 await gate.acquire()
                 try:
                     content = await resp.read()
