@@ -264,9 +264,9 @@ class GatewaySettings(BaseSettings):
         "memory at once. 0: no bound (every answer is read as it arrives).")
     heap_trim_s: float = Field(
         default=5.0, ge=0, le=3600, description="Every this many seconds, when the "
-        "gateway's resident memory grew by 32 MiB or more since the last check, give the "
-        "heap's freed memory back to the OS (glibc malloc_trim; after a burst of answers "
-        "it would stay resident otherwise). 0: never.")
+        "gateway's resident memory grew 32 MiB more than malloc's bytes in use since the "
+        "last trim, give the heap's freed memory back to the OS (glibc malloc_trim; after "
+        "a burst of answers it would stay resident otherwise). 0: never.")
     gc_young_threshold: int = Field(
         default=50_000, ge=0, le=10_000_000, description="Container allocations between "
         "two young-generation garbage collections (CPython's default is 700; set at "
