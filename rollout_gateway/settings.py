@@ -256,6 +256,24 @@ class GatewaySettings(BaseSettings):
     stream_from_engines: bool = Field(
         default=True, description="Read engine output as a stream so tokens generated before an "
         "engine dies are kept and resumed elsewhere (costs some parsing).")
+    max_large_answers: int = Field(
+        default=16, ge=0, le=1_000_000, description="Large engine answers (the final "
+        "streamed chunk with routed experts, or a body, of 64 KiB or more) read and decoded "
+        "at once, over all engines; the others wait unread in their sockets (TCP "
+        "backpressure), so many rollouts finishing together do not all sit in the gateway's "
+        "memory at once. 0: no bound (every answer is read as it arrives).")
+    heap_trim_s: float = Field(
+        default=5.0, ge=0, le=3600, description="Every this many seconds, when the "
+        "gateway's resident memory grew 32 MiB more than malloc's bytes in use since the "
+        "last trim, give the heap's freed memory back to the OS (glibc malloc_trim; after "
+        "a burst of answers it would stay resident otherwise). 0: never.")
+    gc_young_threshold: int = Field(
+        default=50_000, ge=0, le=10_000_000, description="Container allocations between "
+        "two young-generation garbage collections (CPython's default is 700; set at "
+        "start-up of serve / up, with the start-up objects frozen out of later collections). "
+        "With 700, rows that live across a request's awaits reach the old generation and "
+        "trigger full collections over every live object: 30-45% of the gateway's CPU when "
+        "1000 rollouts finish together. 0: leave Python's setting alone.")
     fast_io: bool = Field(
         default=True, description="Serve on the uvloop event loop with uvicorn's httptools "
         "HTTP parser (both C; base dependencies). false: the stdlib asyncio loop and h11, "

@@ -73,6 +73,9 @@ class Gateway:
         self.discovery = None  # DnsDiscovery when settings.engine_discovery.dns_name
         self.serving = False
         self._watch_task: asyncio.Task[None] | None = None
+        from rollout_gateway.heaptrim import HeapTrimmer
+
+        self.heap = HeapTrimmer(settings.heap_trim_s)
 
     async def start(self) -> None:
         if self.oldlogits is not None:  # the scorer must answer before rollouts need it
@@ -105,6 +108,7 @@ class Gateway:
         self.gatekeeper.start()
         self.history.start()
         self.sessions.start()
+        self.heap.start()
         self.serving = True
 
     async def _follow_registry(self) -> None:
@@ -156,6 +160,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.serving = False
+        await self.heap.stop()
         await self.sessions.stop()  # open sessions are published (ended_by=shutdown)
         await self.history.stop()
         if self.discovery is not None:

@@ -121,6 +121,11 @@ class SSEPayloads:
         self._scan = 0  # bytes of _buf already searched for the event separator
         self._multi = False  # the pending event has a lone newline (several lines)
 
+    @property
+    def pending(self) -> int:
+        """Bytes of the event still incomplete."""
+        return len(self._buf)
+
     def feed(self, chunk: bytes) -> list[bytes]:
         buf = self._buf
         if not buf and chunk.startswith(b"data:") and chunk.find(b"\n") == len(chunk) - 2 \
@@ -164,6 +169,45 @@ class SSEPayloads:
             scan, multi = 0, False
 
 
+class AnswerGate:
+    """How many large engine answers are read and decoded at once, over every engine that
+    shares the gate (the pool's).
+
+    Large: an answer with at least ``large`` bytes in the gateway (streamed: an event not
+    complete yet, e.g. the final chunk with the routed experts, plus the bytes received
+    and not read yet; non-streamed: the body's Content-Length). Such an answer reads on
+    only with a slot; without one it waits unread in its socket (the reader buffers at
+    most ~2 x 64 KiB plus one socket read, then stops reading: TCP backpressure).
+    When many rollouts finish together, the gateway thus holds a bounded number of raw
+    answers and their decoded rows, not every answer at once. A slot is given back once
+    the consumer has taken the payload (streamed: when it asks for the next one; a body:
+    when :meth:`EngineClient.generate` returns, the caller decoding it before it awaits).
+    """
+
+    def __init__(self, slots: int, large: int = 1 << 16) -> None:
+        if slots < 1:
+            raise ValueError("an AnswerGate needs at least one slot")
+        self.slots = slots
+        self.large = large
+        self._sem = asyncio.Semaphore(slots)
+
+    @property
+    def waiting(self) -> int:
+        """Answers waiting for a slot now."""
+        return len(self._sem._waiters or ())
+
+    @property
+    def busy(self) -> int:
+        """Slots held now."""
+        return self.slots - self._sem._value
+
+    async def acquire(self) -> None:
+        await self._sem.acquire()
+
+    def release(self) -> None:
+        self._sem.release()
+
+
 #: bytes read past ``data: [DONE]`` to finish a body, so its connection is kept alive
 _DRAIN_LIMIT = 1 << 16
 _DRAIN_S = 1.0
@@ -188,8 +232,10 @@ class EngineClient:
     """Async client for one SGLang-protocol engine."""
 
     def __init__(self, engine_id: str, url: str, *, timeouts: Timeouts | None = None,
-                 api_key: str | None = None, use_raw: bool = True) -> None:
+                 api_key: str | None = None, use_raw: bool = True,
+                 gate: AnswerGate | None = None) -> None:
         self.engine_id = engine_id
+        self.gate = gate  # bounds the large answers read at once (shared by the pool)
         self.url = url.rstrip("/")
         self.t = timeouts or Timeouts()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -285,11 +331,21 @@ class EngineClient:
 
     # ---- generation ------------------------------------------------------------------
     async def generate(self, payload: dict[str, Any]) -> bytes:
-        """Non-streaming /generate; returns the raw JSON body."""
+        """Non-streaming /generate; returns the raw JSON body. A large body is read with a
+        slot of the gate, given back on return: decode it before awaiting anything."""
         if self._raw is not None:
             resp = await self._raw.post("/generate", orjson.dumps(payload),
                                         read_timeout=self.t.generate_s)
-            content = await resp.read()
+            gate = self.gate
+            size = resp.headers.get(b"content-length", b"")
+            if gate is not None and not (size.isdigit() and int(size) < gate.large):
+                await gate.acquire()
+                try:
+                    content = await resp.read()
+                finally:
+                    gate.release()
+            else:
+                content = await resp.read()
             status = resp.status
         else:
             r = await self._call("POST", "/generate", read=self.t.generate_s, body=payload,
@@ -306,10 +362,13 @@ class EngineClient:
         the gateway resumes them elsewhere from their partial output)."""
         return self._raw.abort_active(why) if self._raw is not None else 0
 
-    async def _stream_bytes(self, body: bytes, patience=None) -> AsyncIterator[bytes]:
+    async def _stream_bytes(self, body: bytes, patience=None,
+                            before_read=None) -> AsyncIterator[bytes]:
         """Raw body chunks of a streamed /generate (non-200 -> EngineError with status).
         Deadlines: ``first_byte_s`` to the response head and to the first chunk, then
-        ``stream_idle_s`` of silence between chunks, waived while ``patience()``."""
+        ``stream_idle_s`` of silence between chunks, waived while ``patience()``.
+        ``before_read(unread)`` is awaited before reading on, once the last chunk was taken
+        and no frame here still holds it (``unread``: bytes received, not read yet)."""
         if self._raw is not None:
             resp = await self._raw.post("/generate", body, read_timeout=self.t.stream_idle_s,
                                         first_timeout=self.t.first_byte_s, patience=patience)
@@ -318,10 +377,11 @@ class EngineClient:
                 raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
                                   f"{text}", details={"engine_id": self.engine_id,
                                                       "status": resp.status})
-            chunks = resp.iter_bytes()
+            chunks = resp.iter_bytes(before_read)
             try:
                 async for chunk in chunks:
                     yield chunk
+                    del chunk  # before iter_bytes awaits before_read
             finally:
                 await chunks.aclose()
             return
@@ -338,6 +398,9 @@ class EngineClient:
                                                "status": resp.status_code})
                 async for chunk in resp.aiter_bytes():
                     yield chunk
+                    del chunk
+                    if before_read is not None:
+                        await before_read(0)  # httpx buffers on its own
         except httpx.TimeoutException as exc:
             raise Timeout(f"engine {self.engine_id} /generate stream timed out",
                           details={"engine_id": self.engine_id}) from exc
@@ -354,11 +417,32 @@ class EngineClient:
         yielded, so the caller keeps the partial output of a cumulative stream.
         ``patience()`` true: silence is expected (the engine is paused for a swap).
         """
-        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)), patience)
+        gate, held = self.gate, False
+        split = SSEPayloads()
+
+        async def before_read(unread: int) -> bool:
+            """The consumer took every complete payload. This answer's bytes in the
+            gateway (an incomplete event, plus those received and not read yet) past the
+            gate's threshold read on only with a slot (else the rest waits in the socket);
+            a slot held while there were that many is given back once there are fewer.
+            Returns whether a slot is held (then the answer is buffered freely)."""
+            nonlocal held
+            here = split.pending + unread
+            if held and here < gate.large:
+                gate.release()
+                held = False
+            elif not held and here >= gate.large:
+                await gate.acquire()
+                held = True
+            return held
+
+        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)), patience,
+                                    before_read if gate is not None else None)
         try:
-            split = SSEPayloads()
             async for chunk in source:
-                for data in split.feed(chunk):
+                payloads = split.feed(chunk)
+                del chunk  # copied into split: only the socket and split hold the event
+                for data in payloads:
                     if data == b"[DONE]":
                         await _drain(source)
                         return
@@ -367,7 +451,10 @@ class EngineClient:
                                           f"{data[:300].decode('utf-8', 'replace')}",
                                           details={"engine_id": self.engine_id})
                     yield data
+                payloads = data = None  # taken: not held while before_read waits
         finally:
+            if held:
+                gate.release()
             await source.aclose()
         raise EngineError(f"engine {self.engine_id} /generate stream ended without [DONE]",
                           details={"engine_id": self.engine_id, "dropped": True})

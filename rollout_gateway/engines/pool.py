@@ -27,7 +27,7 @@ from typing import Any
 
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.trajectory import Transition
-from rollout_gateway.engines.client import EngineClient, Health
+from rollout_gateway.engines.client import AnswerGate, EngineClient, Health
 from rollout_gateway.engines.shape import routing_problem
 from rollout_gateway.errors import AlreadyExists, GatewayError, NotFound, Unavailable
 from rollout_gateway.settings import GatewaySettings
@@ -105,6 +105,9 @@ class EnginePool:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
+        #: large answers read at once, over every engine (EngineClient's gate)
+        self.answers = (AnswerGate(settings.max_large_answers)
+                        if settings.max_large_answers > 0 else None)
         self._engines: dict[str, Engine] = {}
         self._changed = asyncio.Condition()
         self._health_task: asyncio.Task[None] | None = None
@@ -116,7 +119,8 @@ class EnginePool:
         if engine_id in self._engines:
             raise AlreadyExists(f"engine {engine_id!r} is already registered",
                                 details={"engine_id": engine_id})
-        client = EngineClient(engine_id, url, timeouts=self.settings.timeouts, api_key=api_key)
+        client = EngineClient(engine_id, url, timeouts=self.settings.timeouts, api_key=api_key,
+                              gate=self.answers)
         try:
             info = await client.detect()
         except GatewayError:
@@ -137,7 +141,8 @@ class EnginePool:
         """Register an engine that does not answer yet; the health loop brings it in."""
         if engine_id in self._engines:
             raise AlreadyExists(f"engine {engine_id!r} is already registered")
-        client = EngineClient(engine_id, url, timeouts=self.settings.timeouts, api_key=api_key)
+        client = EngineClient(engine_id, url, timeouts=self.settings.timeouts, api_key=api_key,
+                              gate=self.answers)
         eng = Engine(id=engine_id, client=client, state=EngineState.UNHEALTHY, last_error=why)
         self._engines[engine_id] = eng
         return eng

@@ -55,7 +55,9 @@ class RawConnection(asyncio.BufferedProtocol):
     """Reader and writer of one TCP connection (created by ``loop.create_connection``)."""
 
     def __init__(self, limit: int) -> None:
-        self._limit = limit  # pause reading beyond 2x this many unread bytes
+        #: pause reading beyond 2x this many unread bytes (and the longest readuntil);
+        #: the owner may change it between reads (as a StreamReader's limit)
+        self.limit = limit
         self._buf = bytearray(_SMALL)
         self._start = 0  # unread bytes are _buf[_start:_end]
         self._end = 0
@@ -65,6 +67,11 @@ class RawConnection(asyncio.BufferedProtocol):
         self._paused = False
         self._drain: asyncio.Future[None] | None = None  # set while writing is paused
         self.transport: asyncio.Transport | None = None
+
+    @property
+    def unread(self) -> int:
+        """Bytes received and not read yet."""
+        return self._end - self._start
 
     # ---- protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -76,7 +83,7 @@ class RawConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
-        if not self._paused and self._end - self._start > 2 * self._limit \
+        if not self._paused and self._end - self._start > 2 * self.limit \
                 and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -145,7 +152,7 @@ class RawConnection(asyncio.BufferedProtocol):
         self._start += n
         if self._start == self._end:
             self._start = self._end = 0
-        if self._paused and self._end - self._start <= self._limit and self.transport:
+        if self._paused and self._end - self._start <= self.limit and self.transport:
             self._paused = False
             self.transport.resume_reading()
         return data
@@ -162,7 +169,7 @@ class RawConnection(asyncio.BufferedProtocol):
             i = self._buf.find(sep, scanned, self._end)
             if i >= 0:
                 return self._take(i + len(sep) - self._start)
-            if self._end - self._start > self._limit:
+            if self._end - self._start > self.limit:
                 raise asyncio.LimitOverrunError("separator not found within the limit",
                                                 self._end - self._start)
             if self._at_end():
@@ -177,7 +184,7 @@ class RawConnection(asyncio.BufferedProtocol):
             if self._at_end():
                 raise asyncio.IncompleteReadError(self._take(self._end - self._start), n)
             # the rest lands in place (reserved as it comes for an absurd length)
-            self._reserve(min(n - (self._end - self._start), 2 * self._limit))
+            self._reserve(min(n - (self._end - self._start), 2 * self.limit))
             await self._wait()
         return self._take(n)
 

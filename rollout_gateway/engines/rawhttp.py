@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from rollout_gateway.engines.rawconn import RawConnection
 from rollout_gateway.errors import EngineError, Timeout
 
-_HEAD_LIMIT = 1 << 16  # status line + headers
-_STREAM_LIMIT = 1 << 22  # unread bytes beyond 2x this pause the socket (as StreamReader)
+#: a connection's limit: the longest head / chunk-size line, and how much of a body held
+#: back by ``before_read`` is buffered (reading pauses past 2x this until the body is read
+#: on: the rest waits in the socket, not in the gateway: TCP backpressure)
+_BUFFER_LIMIT = 1 << 16
+#: the limit while a body is read on (fewer event-loop rounds per multi-MB answer), and
+#: the largest single read
+_READ_MAX = 1 << 22
 _IDLE_BUFFER = 1 << 20  # receive buffer an idle keep-alive connection may keep
 
 
@@ -79,9 +84,24 @@ class RawResponse:
                 raise EngineError(f"engine {self._pool.name}: {why}",
                                   details={"engine_id": self._pool.name, "dropped": True}) from exc
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunked framing removed)."""
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not read yet (at most ~2 x 64 KiB plus one socket read while
+        held back: the connection stops reading past that until they are read)."""
+        conn = self._conn
+        return conn.io.unread if conn is not None else 0
+
+    async def iter_bytes(self, before_read: Callable[[int], Awaitable[bool]] | None = None
+                         ) -> AsyncIterator[bytes]:
+        """The body as it arrives (chunked framing removed; a chunk whole, as uvicorn sends
+        one per SSE event). ``before_read(bytes)`` is awaited before each read once the
+        previous piece was taken (this frame holds no reference to it then), with the
+        bytes the read will hold (received and not read yet; for a chunk, its size): a
+        caller may hold the body back there; it returns whether the body may be buffered
+        freely for now (else the connection stops reading past ~2 x 64 KiB: the rest
+        waits in the socket). Without ``before_read`` it always may."""
         r = self._conn.io
+        r.limit = _BUFFER_LIMIT if before_read is not None else _READ_MAX
         try:
             te = self.headers.get(b"transfer-encoding", b"").lower()
             if b"chunked" in te:
@@ -92,9 +112,16 @@ class RawResponse:
                         while (await self._read(r.readuntil, b"\r\n")) != b"\r\n":
                             pass  # trailers
                         break
+                    if before_read is not None:  # a large chunk waits for a slot
+                        r.limit = _READ_MAX if await before_read(max(self.buffered, size)) \
+                            else _BUFFER_LIMIT
                     data = await self._read(r.readexactly, size)
-                    await self._read(r.readexactly, 2)
                     yield data
+                    data = None
+                    if await self._read(r.readexactly, 2) != b"\r\n":
+                        raise EngineError(f"engine {self._pool.name}: malformed chunked body",
+                                          details={"engine_id": self._pool.name,
+                                                   "dropped": True})
             elif b"content-length" in self.headers:
                 if not self.headers[b"content-length"].isdigit():
                     raise EngineError(f"engine {self._pool.name}: bad Content-Length "
@@ -102,15 +129,26 @@ class RawResponse:
                                       details={"engine_id": self._pool.name})
                 left = int(self.headers[b"content-length"])
                 while left > 0:
-                    data = await self._read(r.read, min(left, _STREAM_LIMIT))
+                    if before_read is not None:
+                        r.limit = _READ_MAX if await before_read(self.buffered) \
+                            else _BUFFER_LIMIT
+                    data = await self._read(r.read, min(left, _READ_MAX))
                     if not data:
                         raise EngineError(f"engine {self._pool.name}: body cut short",
                                           details={"engine_id": self._pool.name, "dropped": True})
                     left -= len(data)
                     yield data
+                    data = None
             else:  # delimited by close
-                while data := await self._read(r.read, _STREAM_LIMIT):
+                while True:
+                    if before_read is not None:
+                        r.limit = _READ_MAX if await before_read(self.buffered) \
+                            else _BUFFER_LIMIT
+                    data = await self._read(r.read, _READ_MAX)
+                    if not data:
+                        break
                     yield data
+                    data = None
                 self.headers[b"connection"] = b"close"
             self._done = True
         finally:
@@ -135,6 +173,7 @@ class RawResponse:
         conn, self._conn = self._conn, None  # type: ignore[assignment]
         if conn is None:
             return
+        conn.io.limit = _BUFFER_LIMIT  # the next head is read narrow
         keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
         self._pool._give_back(conn, keep)
 
@@ -156,7 +195,7 @@ class RawHttpPool:
     async def _connect(self) -> _Conn:
         try:
             _, io = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
-                lambda: RawConnection(_STREAM_LIMIT), self.host, self.port),
+                lambda: RawConnection(_BUFFER_LIMIT), self.host, self.port),
                 self.connect_timeout)
         except asyncio.TimeoutError as exc:
             raise Timeout(f"engine {self.name}: connect timed out") from exc
