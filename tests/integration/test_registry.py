@@ -67,7 +67,9 @@ async def test_concurrent_advances_end_at_the_max(replicas):
             pass
 
     await asyncio.gather(*(bump(regs[v % 3], v) for v in range(1, 30)))
-    assert await regs[0].learner_version() == 29
+    # a fresh view: each replica may serve its own last write from its short read cache
+    # (version_cache_s) for a moment, which is not what this test is about
+    assert await replicas().learner_version() == 29
 
 
 async def test_engine_versions_and_snapshot_lag(replicas):
