@@ -74,6 +74,24 @@ def load_malloc_in_use() -> Callable[[], int] | None:
     return in_use
 
 
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
+    """Large blocks from the heap, and freed heap kept on free (glibc ``mallopt``): a
+    multi-megabyte answer buffer then reuses memory already paged in, instead of a fresh
+    ``mmap`` (a page fault per 4 KiB, about as costly as the copy itself) per response.
+    Only with a :class:`HeapTrimmer` running, which gives the memory back after a burst.
+    Returns whether glibc took both settings (False elsewhere)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
 _LIBC = object()  # HeapTrimmer's default: glibc's functions
 
 

@@ -266,7 +266,10 @@ class GatewaySettings(BaseSettings):
         default=5.0, ge=0, le=3600, description="Every this many seconds, when the "
         "gateway's resident memory grew 32 MiB more than malloc's bytes in use since the "
         "last trim, give the heap's freed memory back to the OS (glibc malloc_trim; after "
-        "a burst of answers it would stay resident otherwise). 0: never.")
+        "a burst of answers it would stay resident otherwise). While it runs, malloc keeps "
+        "freed heap and serves large blocks from it (mallopt: no page faults per "
+        "multi-megabyte answer buffer), and this trim is what gives the memory back. 0: "
+        "never (and malloc's defaults stay).")
     gc_young_threshold: int = Field(
         default=50_000, ge=0, le=10_000_000, description="Container allocations between "
         "two young-generation garbage collections (CPython's default is 700; set at "

@@ -169,6 +169,10 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     http_port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.http_port
     await grpc_server.set_serving(True)
     tune_gc(settings.gc_young_threshold)
+    if gw.heap.enabled:  # the trimmer gives back what the heap keeps
+        from rollout_gateway.heaptrim import keep_freed_heap
+
+        keep_freed_heap()
     log.info("gateway HTTP on %s:%d, learner gRPC on %s:%d", settings.http_host, http_port,
              settings.grpc_host, grpc_port)
     if ready:

@@ -82,3 +82,12 @@ async def test_the_real_malloc_trim_runs():
     del junk
     t._base = (0, 0)  # everything resident counts as grown since
     assert await t.check() and t.trims == 1
+
+
+def test_keep_freed_heap_takes_on_glibc():
+    from rollout_gateway.heaptrim import keep_freed_heap, load_malloc_trim
+
+    if load_malloc_trim() is None:  # not glibc: nothing to tune, and it says so
+        assert keep_freed_heap() is False
+        return
+    assert keep_freed_heap() is True
