@@ -21,6 +21,7 @@ import asyncio
 
 _MIN_FREE = 1 << 16  # free space offered to each socket read
 _SMALL = _MIN_FREE * 4  # a connection's buffer to begin with (and when idle)
+_MAX_RESERVE = 64 << 20  # readexactly reserves the rest of a body up to this at once
 
 
 class _BufferPool:
@@ -183,8 +184,9 @@ class RawConnection(asyncio.BufferedProtocol):
         while self._end - self._start < n:
             if self._at_end():
                 raise asyncio.IncompleteReadError(self._take(self._end - self._start), n)
-            # the rest lands in place (reserved as it comes for an absurd length)
-            self._reserve(min(n - (self._end - self._start), 2 * self.limit))
+            # the rest lands in place, in one buffer (not grown and copied in doublings);
+            # an absurd length is reserved as it comes
+            self._reserve(min(n - (self._end - self._start), _MAX_RESERVE))
             await self._wait()
         return self._take(n)
 
