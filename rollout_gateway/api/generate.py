@@ -42,14 +42,13 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from orjson import Fragment
 from pydantic import ValidationError
 
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway, sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
-from rollout_gateway.api.serialize import segment_to_json
+from rollout_gateway.api.serialize import RawString, segment_to_json
 from rollout_gateway.api.state import Gateway
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
@@ -267,7 +266,7 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         if b64 is None or opts.get("routed_start", 0):
             b64 = b64encode(np.ascontiguousarray(
                 t.routed_experts.data[opts.get("routed_start", 0):], dtype="<i4"))
-        meta["routed_experts"] = Fragment(b'"%b"' % b64)
+        meta["routed_experts"] = RawString(b64)
     out: dict[str, Any] = {"text": text, "output_ids": c.token_ids, "meta_info": meta}
     if t.sample_index or opts.get("n", 1) > 1:
         out["index"] = index

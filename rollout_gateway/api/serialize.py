@@ -9,6 +9,7 @@ them by :func:`json_default`."""
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any
 
 import numpy as np
@@ -26,15 +27,51 @@ except ImportError:  # pragma: no cover
 JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
+class RawString:
+    """A JSON string's content given as bytes (or a view of them, e.g. of an engine's
+    response body) that need no escaping (base64, ASCII digits): :func:`dumps` writes it
+    between quotes with one copy, where an ``orjson.Fragment`` costs two (its own bytes,
+    then orjson's output buffer). Only for content the gateway validated as such."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = data
+
+
 def json_default(obj: Any) -> Any:
     """orjson's ``default`` for the gateway's answers: logprob rows kept as columns."""
     if isinstance(obj, LogprobRows):
         return orjson.Fragment(obj.to_json())
+    if isinstance(obj, RawString):  # outside dumps(): a plain copy
+        return orjson.Fragment(b'"%b"' % obj.data)
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj, default=json_default, option=JSON_OPTS)
+    """JSON of an answer; each :class:`RawString` is spliced into orjson's output by a
+    placeholder (a per-call nonce that no content can guess), in one join."""
+    raws: list[bytes | memoryview] = []
+    nonce = secrets.token_hex(8)
+
+    def default(o: Any) -> Any:
+        if isinstance(o, RawString):
+            raws.append(o.data)
+            return f"\x00{nonce}:{len(raws) - 1}"
+        return json_default(o)
+
+    out = orjson.dumps(obj, default=default, option=JSON_OPTS)
+    if not raws:
+        return out
+    parts: list[bytes | memoryview] = []
+    pos = 0
+    for i, data in enumerate(raws):
+        mark = b'"\\u0000%b:%d"' % (nonce.encode(), i)
+        at = out.find(mark, pos)
+        parts += [out[pos:at], b'"', data, b'"']
+        pos = at + len(mark)
+    parts.append(out[pos:])
+    return b"".join(parts)
 
 
 def segment_to_json(s: Segment) -> dict[str, Any]:

@@ -45,3 +45,18 @@ def test_the_engines_routed_experts_text_is_forwarded_when_it_is_the_answer():
                                            {"routed_experts": view})))
     want = np.ascontiguousarray(t.routed_experts.data[2:], dtype="<i4")
     assert base64.b64decode(out["meta_info"]["routed_experts"]) == want.tobytes()
+
+
+def test_raw_strings_are_spliced_once_and_text_that_looks_like_a_placeholder_stays():
+    from rollout_gateway.api.serialize import RawString, dumps, json_default
+
+    body = b'{"routed_experts":"QUJDRA=="}'
+    view = memoryview(body)[19:-2]
+    obj = {"meta": [{"r": RawString(view)}, {"r": RawString(b"Zg==")}],
+           "text": "\x00" + "0" * 16 + ":0", "n": np.arange(3)}
+    out = dumps(obj)
+    assert orjson.loads(out) == {"meta": [{"r": "QUJDRA=="}, {"r": "Zg=="}],
+                                 "text": "\x00" + "0" * 16 + ":0", "n": [0, 1, 2]}
+    # with plain orjson and the shared default: the same JSON
+    assert orjson.loads(orjson.dumps(obj, default=json_default,
+                                     option=orjson.OPT_SERIALIZE_NUMPY)) == orjson.loads(out)
