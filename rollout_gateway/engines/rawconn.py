@@ -79,7 +79,9 @@ class RawConnection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        self._reserve(max(sizehint, _MIN_FREE))
+        # the transport's hint (often 256 KiB) is not a need: growing for it would copy
+        # what is unread; 64 KiB free is enough for one read, the rest comes next round
+        self._reserve(_MIN_FREE)
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
