@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 
 from rollout_demo import task
+from rollout_gateway.proc import wait_healthy
 
 log = logging.getLogger("rollout_demo")
 
@@ -128,18 +129,11 @@ class GatewayProc:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        why = wait_healthy(self.proc, self.url + "/health", timeout)
+        if why is None:
+            return self
         self.stop()
-        raise RuntimeError(f"gateway not healthy within {timeout}s; see {self.log_path}")
+        raise RuntimeError(f"gateway {why}; see {self.log_path}")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

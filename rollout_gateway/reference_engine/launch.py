@@ -14,12 +14,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 
 import rollout_gateway
+from rollout_gateway.proc import wait_healthy
 
 
 def free_port() -> int:
@@ -96,20 +95,11 @@ class EngineProcess:
         self._log = tempfile.NamedTemporaryFile("w+", prefix="engine-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "rollout_gateway", "engine", *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineStartError(f"engine exited with code {self.proc.returncode}:\n"
-                                       f"{self._stderr_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        why = wait_healthy(self.proc, self.url + "/health", self.startup_timeout)
+        if why is None:
+            return self
         self.kill()
-        raise EngineStartError(f"engine did not answer /health within {self.startup_timeout}s:\n"
-                               f"{self._stderr_tail()}")
+        raise EngineStartError(f"engine {why}:\n{self._stderr_tail()}")
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc and self.proc.poll() is None:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import numpy as np
 
 import rollout_gateway
+from rollout_gateway.proc import wait_healthy
 from rollout_gateway.reference_engine.launch import free_port
 
 REDIS_URL = os.environ.get("ROLLOUT_GATEWAY_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -59,18 +59,11 @@ class GatewayProcess:
     def start(self, timeout: float = 60.0) -> GatewayProcess:
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code in (200, 503):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        why = wait_healthy(self.proc, self.url + "/health", timeout, ok=(200, 503))
+        if why is None:
+            return self
         self.stop()
-        raise RuntimeError(f"gateway did not start:\n{self.log_tail()}")
+        raise RuntimeError(f"gateway {why}:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 20.0) -> int | None:
         if self.proc and self.proc.poll() is None:

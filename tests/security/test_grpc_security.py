@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 
 import grpc
 import httpx
@@ -18,6 +17,7 @@ from _support import PATIENT_HEALTH
 from learner_client import TrajectoryClient
 from learner_client.client import TlsOptions
 from learner_client.errors import TrajectoryClientError
+from rollout_gateway.proc import wait_healthy
 from rollout_proto.rollout.v1 import service_pb2 as spb
 from rollout_proto.rollout.v1 import service_pb2_grpc
 
@@ -43,18 +43,12 @@ class TlsGateway(GatewayProcess):
 
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                httpx.get(self.url + "/health", timeout=1.0, verify=ssl.create_default_context(
-                    cafile=self.ca))
-                return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        why = wait_healthy(self.proc, self.url + "/health", timeout, ok=None,
+                           verify=ssl.create_default_context(cafile=self.ca))
+        if why is None:
+            return self
         self.stop()
-        raise RuntimeError(f"gateway did not start:\n{self.log_tail()}")
+        raise RuntimeError(f"gateway {why}:\n{self.log_tail()}")
 
 
 @pytest.fixture(scope="module")
