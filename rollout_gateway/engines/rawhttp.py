@@ -112,9 +112,7 @@ class RawResponse:
                         while (await self._read(r.readuntil, b"\r\n")) != b"\r\n":
                             pass  # trailers
                         break
-                    if before_read is not None:  # a large chunk waits for a slot
-                        r.limit = _READ_MAX if await before_read(max(self.buffered, size)) \
-                            else _BUFFER_LIMIT
+                    await self._ask(before_read, max(self.buffered, size))  # may wait
                     data = await self._read(r.readexactly, size)
                     yield data
                     data = None
@@ -129,9 +127,7 @@ class RawResponse:
                                       details={"engine_id": self._pool.name})
                 left = int(self.headers[b"content-length"])
                 while left > 0:
-                    if before_read is not None:
-                        r.limit = _READ_MAX if await before_read(self.buffered) \
-                            else _BUFFER_LIMIT
+                    await self._ask(before_read, self.buffered)
                     data = await self._read(r.read, min(left, _READ_MAX))
                     if not data:
                         raise EngineError(f"engine {self._pool.name}: body cut short",
@@ -141,9 +137,7 @@ class RawResponse:
                     data = None
             else:  # delimited by close
                 while True:
-                    if before_read is not None:
-                        r.limit = _READ_MAX if await before_read(self.buffered) \
-                            else _BUFFER_LIMIT
+                    await self._ask(before_read, self.buffered)
                     data = await self._read(r.read, _READ_MAX)
                     if not data:
                         break
@@ -153,6 +147,13 @@ class RawResponse:
             self._done = True
         finally:
             self.release()
+
+    async def _ask(self, before_read: Callable[[int], Awaitable[bool]] | None,
+                   held: int) -> None:
+        """Before a read: may the body be buffered freely (``before_read(held)``, which
+        may wait for it)? The connection's limit follows the answer."""
+        if before_read is not None:
+            self._conn.io.limit = _READ_MAX if await before_read(held) else _BUFFER_LIMIT
 
     async def read(self) -> bytes:
         """The whole body. A Content-Length body is taken in one read once it is all
