@@ -149,25 +149,31 @@ def build_gpt(mc: ModelConfig, **overrides: Any):
                     share_embeddings_and_output_weights=False)
 
 
+#: one-to-one renames (Hub name, GPTModel name): the whole model, then per layer (after
+#: ``model.layers.{i}.`` / ``decoder.layers.{i}.``); used both ways
+_RENAMES = (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+            ("model.norm.weight", "decoder.final_layernorm.weight"),
+            ("lm_head.weight", "output_layer.weight"))
+_LAYER_RENAMES = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+                  ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                  ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+                  ("input_layernorm.weight", "input_layernorm.weight"),
+                  ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+                  ("mlp.gate.weight", "mlp.router.weight"))
+
+
 def engine_to_mcore(hub: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
     """Hub-named engine weights -> GPTModel state-dict names (parameters only)."""
     g, d, h = mc.num_key_value_heads, mc.head_dim, mc.hidden_size
     hpg = mc.num_attention_heads // g
-    out = {"embedding.word_embeddings.weight": hub["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hub["model.norm.weight"],
-           "output_layer.weight": hub["lm_head.weight"]}
+    out = {mcore: hub[name] for name, mcore in _RENAMES}
     for i in range(mc.num_hidden_layers):
         a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         q = hub[a + "self_attn.q_proj.weight"].reshape(g, hpg * d, h)
         k = hub[a + "self_attn.k_proj.weight"].reshape(g, d, h)
         v = hub[a + "self_attn.v_proj.weight"].reshape(g, d, h)
         out[m + "self_attention.linear_qkv.weight"] = torch.cat((q, k, v), 1).reshape(-1, h)
-        out[m + "self_attention.linear_proj.weight"] = hub[a + "self_attn.o_proj.weight"]
-        out[m + "self_attention.q_layernorm.weight"] = hub[a + "self_attn.q_norm.weight"]
-        out[m + "self_attention.k_layernorm.weight"] = hub[a + "self_attn.k_norm.weight"]
-        out[m + "input_layernorm.weight"] = hub[a + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hub[a + "post_attention_layernorm.weight"]
-        out[m + "mlp.router.weight"] = hub[a + "mlp.gate.weight"]
+        out.update({m + mcore: hub[a + name] for name, mcore in _LAYER_RENAMES})
         for e in range(mc.num_experts):
             x = f"{a}mlp.experts.{e}."
             y = f"{m}mlp.experts.local_experts.{e}."
@@ -182,21 +188,14 @@ def mcore_to_engine(state: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str
     g, d, h = mc.num_key_value_heads, mc.head_dim, mc.hidden_size
     hpg = mc.num_attention_heads // g
     inter = mc.moe_intermediate_size
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-           "model.norm.weight": state["decoder.final_layernorm.weight"],
-           "lm_head.weight": state["output_layer.weight"]}
+    out = {name: state[mcore] for name, mcore in _RENAMES}
     for i in range(mc.num_hidden_layers):
         a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = state[m + "self_attention.linear_qkv.weight"].reshape(g, (hpg + 2) * d, h)
         out[a + "self_attn.q_proj.weight"] = qkv[:, :hpg * d].reshape(-1, h)
         out[a + "self_attn.k_proj.weight"] = qkv[:, hpg * d:(hpg + 1) * d].reshape(-1, h)
         out[a + "self_attn.v_proj.weight"] = qkv[:, (hpg + 1) * d:].reshape(-1, h)
-        out[a + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
-        out[a + "self_attn.q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
-        out[a + "self_attn.k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
-        out[a + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
-        out[a + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
-        out[a + "mlp.gate.weight"] = state[m + "mlp.router.weight"]
+        out.update({a + name: state[m + mcore] for name, mcore in _LAYER_RENAMES})
         for e in range(mc.num_experts):
             x = f"{a}mlp.experts.{e}."
             fc1 = state[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"]
