@@ -102,6 +102,16 @@ def _json(resp: httpx.Response, what: str) -> Any:
 _WS = frozenset(b" \t\n\r\x0b\x0c")  # what bytes.strip() strips
 
 
+def _stripped(buf: bytes | bytearray, a: int, e: int) -> tuple[int, int]:
+    """``buf[a:e]``'s bounds without its leading and trailing whitespace (as
+    ``bytes.strip``), found without copying the span."""
+    while a < e and buf[a] in _WS:
+        a += 1
+    while e > a and buf[e - 1] in _WS:
+        e -= 1
+    return a, e
+
+
 class SSEPayloads:
     """Splits an SSE byte stream into its ``data:`` payloads (stripped bytes), in order.
 
@@ -132,11 +142,7 @@ class SSEPayloads:
                 and chunk.endswith(b"\n\n"):
             # exactly one one-line event, as uvicorn streams them (a chunk per event): its
             # payload is sliced out of the chunk once, nothing is buffered
-            a, e = 5, len(chunk) - 2
-            while a < e and chunk[a] in _WS:
-                a += 1
-            while e > a and chunk[e - 1] in _WS:
-                e -= 1
+            a, e = _stripped(chunk, 5, len(chunk) - 2)
             return [chunk[a:e]]
         buf += chunk
         out: list[bytes] = []
@@ -158,11 +164,7 @@ class SSEPayloads:
             elif cut < large:  # small (a per-token delta): C-level copies beat index loops
                 out.append(bytes(buf[5:cut]).strip())
             else:  # large (the final payload with routed experts): copy it once
-                a, e = 5, cut
-                while a < e and buf[a] in _WS:
-                    a += 1
-                while e > a and buf[e - 1] in _WS:
-                    e -= 1
+                a, e = _stripped(buf, 5, cut)
                 with memoryview(buf) as mv:
                     out.append(bytes(mv[a:e]))
             del buf[:cut + 2]
