@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import httpx  # noqa: E402
 
-from rollout_gateway.reference_engine.launch import EngineProcess  # noqa: E402
+from rollout_gateway.commands.engine_process import EngineProcess  # noqa: E402
 
 
 async def run_level(url: str, n: int, new_tokens: int, prompt_len: int) -> float:

@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         rep.row("per rollout", "last wave's peak minus the first's (not compared: timing)",
                 peaks[-1] - peaks[0], "MiB")
         rep.row("per rollout", "RSS after the last wave minus after the first", growth, "MiB")
-        from rollout_gateway.core import wire
+        from rollout_gateway.core import trajectory_codec
         from rollout_gateway.transport.synthetic import make_trajectory
 
-        stored = 0.0 if args.redis else len(wire.encode(make_trajectory(
+        stored = 0.0 if args.redis else len(trajectory_codec.encode(make_trajectory(
             "m", num_tokens=args.out, prompt_len=args.prompt, num_layers=48, top_k=8,
             num_experts=128))) * args.in_flight * (args.waves - 1) / 2**20
         rep.row("per rollout", "trajectories the embedded store retained meanwhile", stored,

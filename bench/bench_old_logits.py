@@ -38,9 +38,9 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rollout_gateway.reference_engine.checkpoint import init_checkpoint, load_model  # noqa: E402
-from rollout_gateway.reference_engine.launch import EngineProcess, free_port  # noqa: E402
-from rollout_gateway.reference_engine.reference import score  # noqa: E402
+from reference_engine.checkpoint import init_checkpoint, load_model  # noqa: E402
+from rollout_gateway.commands.engine_process import EngineProcess, free_port  # noqa: E402
+from reference_engine.reference import score  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:

@@ -22,8 +22,8 @@ _EXPORTS: dict[str, str] = {
     "LOSSES": "learner_client.corrections",
     "LossInputs": "learner_client.corrections",
     "compute_loss": "learner_client.corrections",
-    "StalenessMonitor": "learner_client.staleness",
-    "StalenessMonitorConfig": "learner_client.staleness",
+    "StalenessMonitor": "learner_client.staleness_monitor",
+    "StalenessMonitorConfig": "learner_client.staleness_monitor",
     "token_logprobs_entropy": "learner_client.logprobs",
 }
 

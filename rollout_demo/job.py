@@ -100,7 +100,7 @@ def _prefix(url: str) -> str | None:
 
 
 def _free_port() -> int:
-    from rollout_gateway.reference_engine.launch import free_port
+    from rollout_gateway.commands.engine_process import free_port
 
     return free_port()
 
@@ -280,7 +280,7 @@ def delete_redis_prefix(url: str) -> int:
 
 
 def _services(cfg: DemoConfig, work: Path, ckpt0: Path):
-    from rollout_gateway.reference_engine.launch import EngineProcess
+    from rollout_gateway.commands.engine_process import EngineProcess
 
     engines = []
     try:
@@ -311,7 +311,7 @@ def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
     import torch
 
     from rollout_demo.learner import Learner
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return resummarize(Path(args.summarize), Path(args.out), args.stable_reward)
     import torch
 
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging

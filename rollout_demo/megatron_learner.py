@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from rollout_demo.learner import Sample, StepResult, make_optimizer, pack_batch, step_result
-from rollout_gateway.reference_engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_config
-from rollout_gateway.reference_engine.config import ModelConfig
+from reference_engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_config
+from reference_engine.config import ModelConfig
 
 
 @contextlib.contextmanager

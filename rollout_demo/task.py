@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rollout_gateway.reference_engine.tokenizer import BOS_ID
+from reference_engine.tokenizer import BOS_ID
 
 CLASSES: dict[str, frozenset[int]] = {
     "digits": frozenset(range(ord("0"), ord("9") + 1)),

@@ -13,11 +13,11 @@ import sys
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("rollout_gateway.service.up", "run everything on one machine: reference engine(s), "
+    "up": ("rollout_gateway.commands.up", "run everything on one machine: reference engine(s), "
            "gateway HTTP + gRPC, embedded store (serving only; the main job is demo)"),
-    "serve": ("rollout_gateway.service.cli", "run the gateway (HTTP API + learner gRPC service)"),
-    "engine": ("rollout_gateway.reference_engine.cli", "run the reference engine (toy Qwen3-MoE, SGLang protocol)"),
-    "status": ("rollout_gateway.service.status", "show a running gateway's version lag "
+    "serve": ("rollout_gateway.commands.serve", "run the gateway (HTTP API + learner gRPC service)"),
+    "engine": ("reference_engine.cli", "run the reference engine (toy Qwen3-MoE, SGLang protocol)"),
+    "status": ("rollout_gateway.commands.status", "show a running gateway's version lag "
                "(engines, token lag in flight / unconsumed / delivered, pause windows)"),
     "demo": ("rollout_demo.cli", "the main job: engines + gateway + a learner training the toy "
              "MoE over gRPC with a chosen correction and a hot-swap every step"),

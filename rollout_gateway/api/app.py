@@ -39,13 +39,13 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     s = gateway.settings
     app.add_middleware(RequestGuard, max_body_bytes=s.max_body_bytes,
                        max_pending=s.max_pending_requests, retry_after_s=s.retry_after_s)
-    from rollout_gateway.api import observe, routes
+    from rollout_gateway.api import ops, routes
     from rollout_gateway.api.generate import router as generate_router
     from rollout_gateway.api.metrics import HTTPMetricsMiddleware
     from rollout_gateway.api.openai import router as openai_router
 
     for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router,
-              observe.router, openai_router):
+              ops.router, openai_router):
         app.include_router(r)
     from rollout_gateway.api.schemas import apply_limits
 

@@ -14,7 +14,7 @@ from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
-from rollout_gateway.rollouts.service import RolloutService
+from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 from rollout_gateway.swap.orchestrator import SwapOrchestrator
@@ -50,7 +50,7 @@ class Gateway:
         self.gatekeeper = Gatekeeper(settings.admission, store, registry)
         self.oldlogits = None
         if settings.old_logits.mode != "off":
-            from rollout_gateway.oldlogits import OldLogitService
+            from rollout_gateway.old_logits import OldLogitService
 
             self.oldlogits = OldLogitService(settings, registry)
         self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper,
@@ -58,7 +58,7 @@ class Gateway:
         holder = f"{socket.gethostname()}:{os.getpid()}"
         self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder,
                                       oldlogits=self.oldlogits)
-        from rollout_gateway.swap.control import GatewayControlPlane
+        from rollout_gateway.swap.learner_control import GatewayControlPlane
 
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
         from rollout_gateway.observe.tracker import install

@@ -1,5 +1,5 @@
 """Agent sessions over the rollout machinery: each OpenAI-style call is one engine request
-run by :class:`~rollout_gateway.rollouts.service.RolloutService` (admission, the staleness
+run by :class:`~rollout_gateway.rollouts.rollout.RolloutService` (admission, the staleness
 policy, failover, swaps, stamping), then appended to its session's branch; a session is
 published when it ends (``end``, idle timeout, a new branch, shutdown)."""
 

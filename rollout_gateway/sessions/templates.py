@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_gateway.errors import InvalidArgument
-from rollout_gateway.reference_engine.tokenizer import BOS_ID, EOS_ID, SPECIAL_NAMES, ByteTokenizer
+from reference_engine.tokenizer import BOS_ID, EOS_ID, SPECIAL_NAMES, ByteTokenizer
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 

@@ -14,7 +14,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
@@ -152,7 +152,7 @@ class MemoryStore(TrajectoryStore):
             raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
                                     f"{self.config.max_backlog}; learners are behind")
         ntok, vmin, vmax = entry_facts(trajectory)
-        entry = _Entry(self._next_seq, tid, wire.encode(trajectory), ntok, vmin, vmax, now,
+        entry = _Entry(self._next_seq, tid, trajectory_codec.encode(trajectory), ntok, vmin, vmax, now,
                        version_tokens(trajectory))
         with self._tx():
             self._write("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -367,7 +367,7 @@ class MemoryStore(TrajectoryStore):
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         taken, self._recycled = self._recycled[:max_n], self._recycled[max_n:]
         self._write("DELETE FROM recycled WHERE id=?", [(i,) for i, _ in taken])
-        return [wire.decode(d) for _, d in taken]
+        return [trajectory_codec.decode(d) for _, d in taken]
 
     async def _push_recycled(self, entries: list[StoredEntry]) -> None:
         for e in entries:

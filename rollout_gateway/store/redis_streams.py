@@ -34,7 +34,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry as SyncRetry
 
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
@@ -169,7 +169,7 @@ class RedisStore(TrajectoryStore):
     async def publish(self, trajectory: Trajectory) -> bool:
         n, lo, hi = entry_facts(trajectory)
         tid = trajectory.trajectory_id
-        data = wire.encode(trajectory)
+        data = trajectory_codec.encode(trajectory)
         async with self._io("publish"):
             res = await self._publish(
                 keys=[f"{self.prefix}:id:{tid}", self._k_stream, self._k_counters,
@@ -484,7 +484,7 @@ class RedisStore(TrajectoryStore):
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         async with self._io("take_recycled"):
             got = await self._r.lpop(self._k_recycled, max_n) if max_n > 0 else None
-        return [wire.decode(d) for d in got or []]
+        return [trajectory_codec.decode(d) for d in got or []]
 
     async def _push_recycled(self, entries: list[StoredEntry]) -> None:
         async with self._io("recycle"):

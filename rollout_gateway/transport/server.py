@@ -22,7 +22,7 @@ from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.store.base import TrajectoryStore
-from rollout_gateway.transport.control import ControlPlane, InProcessControlPlane
+from rollout_gateway.transport.control_plane import ControlPlane, InProcessControlPlane
 from rollout_gateway.transport.servicer import SERVICE_NAME, TrajectoryServicer, generic_handler
 
 log = logging.getLogger(__name__)

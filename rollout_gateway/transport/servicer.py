@@ -21,7 +21,7 @@ from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import FailedPrecondition, GatewayError, InvalidArgument, NotFound
 from rollout_gateway.redact import clean_message
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
-from rollout_gateway.transport.control import ControlPlane, WeightSource
+from rollout_gateway.transport.control_plane import ControlPlane, WeightSource
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 
-from rollout_gateway.reference_engine.launch import free_port  # noqa: E402
+from rollout_gateway.commands.engine_process import free_port  # noqa: E402
 
 
 class RedisServer:

@@ -23,8 +23,8 @@ def fault_models():
     """version -> reference model of the engines built with seed FAULT_SEED + version."""
     import torch
 
-    from rollout_gateway.reference_engine.config import ModelConfig
-    from rollout_gateway.reference_engine.reference import model_from
+    from reference_engine.config import ModelConfig
+    from reference_engine.reference import model_from
 
     torch.set_num_threads(1)
 

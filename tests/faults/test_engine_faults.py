@@ -21,7 +21,7 @@ import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
 from _faults_support import FAULT_SEED, FaultProxy, create_group, drain, wait_for
 
-from rollout_gateway.reference_engine.launch import EngineProcess
+from rollout_gateway.commands.engine_process import EngineProcess
 
 pytestmark = pytest.mark.integration
 
@@ -138,7 +138,7 @@ def test_garbage_answers_fail_over_keeping_the_output_before_them(cluster, fault
 
 def test_a_swap_one_engine_fails_to_load_aborts_nothing_and_stamps_true(cluster, fault_models,
                                                                        tmp_path):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     gw, _, _, proxy = cluster
     all_healthy(gw)

@@ -20,7 +20,7 @@ from _faults_support import FAULT_SEED, create_group, drain, wait_for
 from _gateway_support import GatewayProcess, check_against_ground_truth
 
 import rollout_gateway
-from rollout_gateway.reference_engine.launch import EngineProcess
+from rollout_gateway.commands.engine_process import EngineProcess
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import numpy as np
 
 import rollout_gateway
 from rollout_gateway.proc import wait_healthy
-from rollout_gateway.reference_engine.launch import free_port
+from rollout_gateway.commands.engine_process import free_port
 
 REDIS_URL = os.environ.get("ROLLOUT_GATEWAY_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
@@ -97,7 +97,7 @@ def rollout(url: str, prompt_ids: list[int], *, n: int = 1, max_new_tokens: int 
 def check_against_ground_truth(traj: dict, models: dict[int, object], *, atol: float = 2e-3) -> None:
     """Every token's policy_version, kv_version and logprob match fresh forward passes of
     the versions' weights (in_place segments: old KV before the switch, new weights after)."""
-    from rollout_gateway.reference_engine.reference import score, score_mixed
+    from reference_engine.reference import score, score_mixed
 
     prompt = traj["prompt_token_ids"]
     out = traj["token_ids"]

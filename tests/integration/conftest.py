@@ -3,7 +3,7 @@
 Stable names:
 
 ``engine`` (session)
-    One shared :class:`~rollout_gateway.reference_engine.launch.EngineProcess` (seed 1, weight
+    One shared :class:`~rollout_gateway.commands.engine_process.EngineProcess` (seed 1, weight
     version "0", toy config). Do not change its weights or pause it; use ``make_engine``.
 ``make_engine`` (function)
     Factory ``make_engine(**kwargs) -> EngineProcess`` (kwargs of ``EngineProcess``:
@@ -14,7 +14,7 @@ Stable names:
     and 2 (different weights, e.g. to hot-swap to).
 ``reference_model`` (session)
     ``reference_model(source)`` -> a cached :class:`Qwen3MoeLM` for a checkpoint dir or a
-    ``(ModelConfig, seed)`` pair; score with ``rollout_gateway.reference_engine.reference.score`` /
+    ``(ModelConfig, seed)`` pair; score with ``reference_engine.reference.score`` /
     ``score_mixed`` to check what an engine stamped.
 ``ENGINE_SEED`` = 1 is the seed of ``engine``'s weights.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_gateway.reference_engine.launch import EngineProcess
+from rollout_gateway.commands.engine_process import EngineProcess
 
 ENGINE_SEED = 1
 
@@ -50,14 +50,14 @@ def make_engine():
 
 @pytest.fixture(scope="session")
 def checkpoint_v1(tmp_path_factory):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt_v1"), seed=ENGINE_SEED)
 
 
 @pytest.fixture(scope="session")
 def checkpoint_v2(tmp_path_factory):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt_v2"), seed=2)
 
@@ -66,7 +66,7 @@ def checkpoint_v2(tmp_path_factory):
 def reference_model():
     import torch
 
-    from rollout_gateway.reference_engine.reference import model_from
+    from reference_engine.reference import model_from
 
     torch.set_num_threads(1)
     cache: dict = {}

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def two_engines():
-    from rollout_gateway.reference_engine.launch import EngineProcess
+    from rollout_gateway.commands.engine_process import EngineProcess
 
     with EngineProcess(seed=1) as a, EngineProcess(seed=1) as b:
         yield a, b

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from rollout_gateway.reference_engine.checkpoint import init_checkpoint
-from rollout_gateway.reference_engine.config import ModelConfig
+from reference_engine.checkpoint import init_checkpoint
+from reference_engine.config import ModelConfig
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.reference import score
+from reference_engine.config import ModelConfig
+from reference_engine.reference import score
 
 pytestmark = pytest.mark.integration
 CFG = ModelConfig()

@@ -12,10 +12,10 @@ import orjson
 import pytest
 import torch
 
-from rollout_gateway.reference_engine.checkpoint import build_model, to_hub_state_dict
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.launch import free_port
-from rollout_gateway.reference_engine.reference import score, score_mixed
+from reference_engine.checkpoint import build_model, to_hub_state_dict
+from reference_engine.config import ModelConfig
+from rollout_gateway.commands.engine_process import free_port
+from reference_engine.reference import score, score_mixed
 
 pytestmark = pytest.mark.integration
 CFG = ModelConfig()
@@ -201,7 +201,7 @@ async def test_abort_request_by_rid_prefix(make_engine):
 
 def test_distributed_update_over_gloo(make_engine, reference_model):
     """This test process plays the learner: rank 0 of a gloo group, broadcasting weights."""
-    from rollout_gateway.reference_engine.distributed import init_custom_process_group
+    from reference_engine.distributed import init_custom_process_group
 
     eng = make_engine(seed=1)
     greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0},

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
 
-from rollout_gateway.reference_engine.config import ModelConfig
+from reference_engine.config import ModelConfig
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, referen
 
 
 def test_the_only_engine_restarting_mid_rollout_resumes_on_it(make_engine, reference_model):
-    from rollout_gateway.reference_engine.launch import EngineProcess
+    from rollout_gateway.commands.engine_process import EngineProcess
 
     a = make_engine(seed=SEED, step_delay_ms=30)
     models = {0: reference_model((ModelConfig(), SEED))}

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
 
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.launch import EngineProcess
+from reference_engine.config import ModelConfig
+from rollout_gateway.commands.engine_process import EngineProcess
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ SEED0 = 21  # version v has seed SEED0 + v
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     root = tmp_path_factory.mktemp("replica_ckpts")
     ckpts = {v: init_checkpoint(root / f"v{v}", seed=SEED0 + v) for v in range(4)}

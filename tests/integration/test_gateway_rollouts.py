@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_gateway.reference_engine.launch import free_port
+from rollout_gateway.commands.engine_process import free_port
 
 from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
 
@@ -29,7 +29,7 @@ def urls():
 
 @pytest.fixture(scope="module")
 def gateway(engine, urls):
-    from rollout_gateway.reference_engine.launch import EngineProcess
+    from rollout_gateway.commands.engine_process import EngineProcess
 
     with EngineProcess(seed=SEED, weight_version="0") as second:
         with GatewayProcess({"e0": engine.url, "e1": second.url}, store_url=urls[0],
@@ -39,7 +39,7 @@ def gateway(engine, urls):
 
 @pytest.fixture(scope="module")
 def models(reference_model):
-    from rollout_gateway.reference_engine.config import ModelConfig
+    from reference_engine.config import ModelConfig
 
     return {0: reference_model((ModelConfig(), SEED))}
 

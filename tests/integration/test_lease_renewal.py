@@ -13,7 +13,7 @@ from _redis_support import delete_prefix
 from learner_client.client import AsyncTrajectoryClient
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.control import InProcessControlPlane
+from rollout_gateway.transport.control_plane import InProcessControlPlane
 from rollout_gateway.transport.server import GrpcServer
 from rollout_gateway.transport.synthetic import make_trajectory
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from _gateway_support import GatewayProcess, rollout
 
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.launch import EngineProcess
-from rollout_gateway.reference_engine.reference import score
+from reference_engine.config import ModelConfig
+from rollout_gateway.commands.engine_process import EngineProcess
+from reference_engine.reference import score
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     root = tmp_path_factory.mktemp("oldlogit_ckpts")
     return {v: init_checkpoint(root / f"v{v}", seed=BASE_SEED + v) for v in range(3)}

@@ -47,7 +47,7 @@ def ops(checkpoint_v1, checkpoint_v2):
     """Two engines (slowed so a swap lands mid-sequence), a gateway, rollouts through an
     in_place swap 0 -> 1, a learner that pulls (and acks) half of what was published."""
     from learner_client import TrajectoryClient
-    from rollout_gateway.reference_engine.launch import EngineProcess
+    from rollout_gateway.commands.engine_process import EngineProcess
 
     # incremental streams (as deploy/ runs SGLang): in-flight tokens are counted as they arrive
     kw = {"checkpoint": checkpoint_v1, "weight_version": "0", "step_delay_ms": 25,

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
 
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.launch import EngineProcess
-from rollout_gateway.reference_engine.reference import score
-from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
+from reference_engine.config import ModelConfig
+from rollout_gateway.commands.engine_process import EngineProcess
+from reference_engine.reference import score
+from reference_engine.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
 
-from rollout_gateway.reference_engine.config import ModelConfig
+from reference_engine.config import ModelConfig
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ NEW_TOKENS = 14
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     root = tmp_path_factory.mktemp("strict_ckpts")
     return {v: init_checkpoint(root / f"v{v}", seed=BASE_SEED + v) for v in range(3)}

@@ -12,7 +12,7 @@ from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.transport.synthetic import make_trajectory
 
 pytestmark = pytest.mark.integration
@@ -72,8 +72,8 @@ async def test_publish_is_idempotent_and_delivers_once(make):
     got = await s.read("job", "c1", 10)
     assert [e.trajectory_id for e in got] == ["t1"]
     assert got[0].delivery_count == 1
-    assert wire.decode(got[0].data).trajectory_id == "t1"
-    assert got[0].data == wire.encode(t1)  # byte-identical to what was published
+    assert trajectory_codec.decode(got[0].data).trajectory_id == "t1"
+    assert got[0].data == trajectory_codec.encode(t1)  # byte-identical to what was published
     assert await s.read("job", "c1", 10) == []
     st = await s.stats()
     assert (st.published, st.duplicates) == (1, 1)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
 
-from rollout_gateway.reference_engine.checkpoint import build_model, to_hub_state_dict
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.distributed import init_custom_process_group
-from rollout_gateway.reference_engine.launch import free_port
+from reference_engine.checkpoint import build_model, to_hub_state_dict
+from reference_engine.config import ModelConfig
+from reference_engine.distributed import init_custom_process_group
+from rollout_gateway.commands.engine_process import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
 
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.launch import EngineProcess
+from reference_engine.config import ModelConfig
+from rollout_gateway.commands.engine_process import EngineProcess
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     root = tmp_path_factory.mktemp("swap_ckpts")
     return {v: init_checkpoint(root / f"v{v}", seed=BASE_SEED + v) for v in range(0, 7)}

@@ -27,7 +27,7 @@ GATEWAY = r"""
 import asyncio, sys
 from pathlib import Path
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.control import InProcessControlPlane
+from rollout_gateway.transport.control_plane import InProcessControlPlane
 from rollout_gateway.transport.server import GrpcServer
 from rollout_gateway.transport.synthetic import make_trajectory
 

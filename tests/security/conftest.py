@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 
-from rollout_gateway.reference_engine.launch import EngineProcess  # noqa: E402
+from rollout_gateway.commands.engine_process import EngineProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from rollout_gateway.api.security import public_view
 from rollout_gateway.auth import Authenticator, Role, bearer
 from rollout_gateway.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from rollout_gateway.redact import clean_message
-from rollout_gateway.service.cli import check_bind, is_loopback
+from rollout_gateway.commands.serve import check_bind, is_loopback
 from rollout_gateway.settings import load_settings
 
 ADMIN, LEARNER, CLIENT, JOB_A = "a" * 20, "l" * 20, "c" * 20, "j" * 20

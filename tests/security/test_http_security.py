@@ -57,7 +57,7 @@ def test_each_route_needs_its_role(gw):
 
 
 def test_versions_hide_checkpoint_paths_from_non_admins(gw, tmp_path):
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     ckpt = str(init_checkpoint(tmp_path / "secret-ckpt-v5", seed=1))
     r = httpx.post(gw.url + "/v1/weights", headers=h(ADMIN), timeout=120,

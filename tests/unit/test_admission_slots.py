@@ -32,7 +32,7 @@ from rollout_gateway.errors import (
 from rollout_gateway.registry import InMemoryRegistry
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.service import RolloutService
+from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.memory import MemoryStore
 

@@ -334,14 +334,14 @@ def test_codec_learner_decode_and_collate_honour_the_mask():
 
     from learner_client.batch import collate
     from learner_client.wire import parse_batch
-    from rollout_gateway.core import wire
+    from rollout_gateway.core import trajectory_codec
     from rollout_proto import codec
 
     t = session_traj()
-    back = wire.decode(wire.encode(t))
+    back = trajectory_codec.decode(trajectory_codec.encode(t))
     assert back.loss_mask.tolist() == t.loss_mask.tolist()
     assert back.turns == t.turns
-    data = wire.encode(t)
+    data = trajectory_codec.encode(t)
     fast, _, _ = parse_batch(codec.encode_batch([("1-0", 1, False, data)], 0, 0))
     for r in fast:
         assert r.loss_mask.dtype == np.uint8 and r.loss_mask.tolist() == t.loss_mask.tolist()
@@ -357,7 +357,7 @@ def test_codec_learner_decode_and_collate_honour_the_mask():
     assert ps[0].columns["loss_mask"].tolist() == t.loss_mask.astype(np.float32).tolist()
     # a plain rollout (no mask on the wire) still trains on every output token
     plain = Trajectory("p", t.prompt_token_ids, t.tokens, t.finish_reason, t.segments)
-    r = parse_batch(codec.encode_batch([("2-0", 1, False, wire.encode(plain))], 0, 0))[0][0]
+    r = parse_batch(codec.encode_batch([("2-0", 1, False, trajectory_codec.encode(plain))], 0, 0))[0][0]
     assert r.loss_mask is None and r.turns == []
     assert collate([r], 1).loss_mask[0, p:].sum() == t.num_tokens
 
@@ -417,11 +417,11 @@ def _manager(**settings):
 async def _stored(gw) -> dict:
     import uuid
 
-    from rollout_gateway.core import wire
+    from rollout_gateway.core import trajectory_codec
 
     g = f"g{uuid.uuid4().hex[:8]}"  # a fresh group sees everything stored
     await gw.store.create_group(g)
-    return {e.trajectory_id: wire.decode(e.data) for e in await gw.store.read(g, "c", 100)}
+    return {e.trajectory_id: trajectory_codec.decode(e.data) for e in await gw.store.read(g, "c", 100)}
 
 
 async def test_manager_end_reward_later_and_errors():

@@ -14,7 +14,7 @@ def test_help_is_fast_and_does_not_import_torch():
 def test_gateway_side_never_imports_torch():
     code = ("import sys\n"
             "from rollout_gateway.api.app import create_app\n"
-            "from rollout_gateway.service import cli\n"
+            "from rollout_gateway.commands import serve\n"
             "from rollout_gateway.transport import server\n"
             "from rollout_gateway.store import memory, redis_streams\n"
             "from rollout_gateway.registry import redis_registry\n"

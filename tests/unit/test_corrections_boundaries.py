@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_learner_side_does_not_import_the_gateway():
     code = ("import sys; import learner_client.corrections, learner_client.old_logits, "
-            "learner_client.staleness; "
+            "learner_client.staleness_monitor; "
             "bad = [m for m in sys.modules if m.startswith('rollout_gateway')]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -15,9 +15,9 @@ from learner_client.batch import collate
 from learner_client.corrections import LOSSES, LossInputError, LossInputs, compute_loss
 from learner_client.old_logits import (FillContext, WeightSnapshotStore, fill_old_logprobs,
                                        snapshot_strategy)
-from learner_client.staleness import StalenessMonitor, batch_lags
+from learner_client.staleness_monitor import StalenessMonitor, batch_lags
 from learner_client.wire import parse_batch
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.transport.synthetic import make_trajectory
 from rollout_proto import codec
 
@@ -31,7 +31,7 @@ def _rollouts(old_for=(0,)):
         tr = make_trajectory(f"t{i}", prompt_len=p, num_tokens=t, versions=versions,
                              num_layers=2, top_k=2, num_experts=8, seed=i,
                              old_logprobs=i in old_for, reward=float(i))
-        entries.append((str(i + 1), 1, False, wire.encode(tr)))
+        entries.append((str(i + 1), 1, False, trajectory_codec.encode(tr)))
     return parse_batch(codec.encode_batch(entries, 0, 0))[0]
 
 

@@ -13,7 +13,7 @@ import torch
 
 from learner_client.corrections import LossInputError, LossInputs, compute_loss
 from learner_client.old_logits import RevisedPPOEWMA
-from learner_client.staleness import StalenessMonitor, StalenessMonitorConfig
+from learner_client.staleness_monitor import StalenessMonitor, StalenessMonitorConfig
 
 
 def _data(n=300, seed=0):

@@ -29,7 +29,7 @@ def test_learner_learns_the_task_with_lag(tmp_path):
 
     from rollout_demo.learner import Learner
     from rollout_demo.sampler import sample_group
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
+    from reference_engine.checkpoint import init_checkpoint
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -59,7 +59,7 @@ def test_learner_learns_the_task_with_lag(tmp_path):
 def test_checkpoint_round_trip_is_the_engines_model(tmp_path):
     """What the learner saves loads in the reference engine with identical logits."""
     from rollout_demo.learner import Learner
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint, load_model
+    from reference_engine.checkpoint import init_checkpoint, load_model
 
     learner = Learner(init_checkpoint(tmp_path / "v0", seed=3), loss="grpo")
     ids = torch.tensor([256, *b"digits:"])

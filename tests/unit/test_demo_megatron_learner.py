@@ -23,7 +23,7 @@ from rollout_demo.megatron_learner import (
     mcore_to_engine,
     single_process_parallel_state,
 )
-from rollout_gateway.reference_engine.checkpoint import init_checkpoint, load_model, read_config
+from reference_engine.checkpoint import init_checkpoint, load_model, read_config
 
 torch.set_num_threads(1)
 

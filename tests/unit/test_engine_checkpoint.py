@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout_gateway.reference_engine.checkpoint import (
+from reference_engine.checkpoint import (
     CheckpointError,
     apply_named_tensors,
     build_model,
@@ -17,7 +17,7 @@ from rollout_gateway.reference_engine.checkpoint import (
     load_state_dict,
     to_hub_state_dict,
 )
-from rollout_gateway.reference_engine.config import ModelConfig
+from reference_engine.config import ModelConfig
 
 
 def test_roundtrip_and_hub_keys(tmp_path):
@@ -75,7 +75,7 @@ def test_partial_expert_update_touches_only_that_expert():
 
 
 def test_config_accepts_transformers5_expert_count_key():
-    from rollout_gateway.reference_engine.config import ModelConfig
+    from reference_engine.config import ModelConfig
 
     d = ModelConfig(num_experts=16, num_experts_per_tok=4).to_hf_dict()
     d.pop("num_experts")

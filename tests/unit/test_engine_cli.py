@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollout_gateway.reference_engine import cli
+from reference_engine import cli
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def test_weight_version_default_follows_the_mode(monkeypatch):
 
     import uvicorn
 
-    from rollout_gateway.reference_engine import server
+    from reference_engine import server
     monkeypatch.setattr(server, "create_app", fake_create_app)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     assert cli.run(parse([])) == 0 and seen["s"].weight_version == "0"

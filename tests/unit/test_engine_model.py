@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_gateway.reference_engine.checkpoint import build_model, init_checkpoint, load_model
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.model import KVCache
+from reference_engine.checkpoint import build_model, init_checkpoint, load_model
+from reference_engine.config import ModelConfig
+from reference_engine.model import KVCache
 
 torch.set_num_threads(1)
 IDS = torch.tensor([256, *b"Hello, world! MoE"], dtype=torch.long)

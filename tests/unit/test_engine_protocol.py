@@ -7,10 +7,10 @@ import base64
 import numpy as np
 import pytest
 
-from rollout_gateway.reference_engine.protocol import ProtocolError, format_output, parse_generate
-from rollout_gateway.reference_engine.request import GenParams, Request, VersionEvent
-from rollout_gateway.reference_engine.scheduler_spans import weight_version_spans
-from rollout_gateway.reference_engine.tokenizer import VOCAB_SIZE, ByteTokenizer
+from reference_engine.protocol import ProtocolError, format_output, parse_generate
+from reference_engine.request import GenParams, Request, VersionEvent
+from reference_engine.scheduler_spans import weight_version_spans
+from reference_engine.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from rollout_gateway.reference_engine.sampling import SamplingSpec, entropy_of, filtered_probs, sample
-from rollout_gateway.reference_engine.tokenizer import EOS_ID, ByteTokenizer
+from reference_engine.sampling import SamplingSpec, entropy_of, filtered_probs, sample
+from reference_engine.tokenizer import EOS_ID, ByteTokenizer
 
 
 def test_logprobs_and_entropy_are_temperature_scaled_and_unfiltered():

@@ -13,8 +13,8 @@ import pytest
 from rollout_gateway.core.trajectory import (FinishReason, Segment, TokenColumns, Trajectory,
                                              Transition)
 from rollout_gateway.errors import EngineError, FailedPrecondition
-from rollout_gateway.oldlogits.scorer import parse_scores, score_payload
-from rollout_gateway.oldlogits.service import OldLogitService
+from rollout_gateway.old_logits.scorer import parse_scores, score_payload
+from rollout_gateway.old_logits.strategies import OldLogitService
 from rollout_gateway.settings import load_settings
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapMode, SwapRequest
 
@@ -176,7 +176,7 @@ def test_interruption_sync_does_not_wait_forever_for_a_stuck_request():
 def test_serve_flags_and_env_reach_the_settings(monkeypatch):
     import argparse
 
-    from rollout_gateway.service.cli import add_arguments, settings_from_args
+    from rollout_gateway.commands.serve import add_arguments, settings_from_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)

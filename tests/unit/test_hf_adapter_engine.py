@@ -13,8 +13,8 @@ from learner_client.hf import load_model, packed_logprobs, record_routing, save_
 from learner_client.megatron.packing import PackSample, pack_samples
 
 torch.set_num_threads(1)
-engine_ckpt = pytest.importorskip("rollout_gateway.reference_engine.checkpoint")
-from rollout_gateway.reference_engine.config import ModelConfig  # noqa: E402
+engine_ckpt = pytest.importorskip("reference_engine.checkpoint")
+from reference_engine.config import ModelConfig  # noqa: E402
 
 CFG = ModelConfig(num_hidden_layers=3, mlp_only_layers=[1], hidden_size=32, num_experts=6)
 

@@ -67,7 +67,7 @@ def test_status_table_renders_a_report():
         StaleHandling,
         Unconsumed,
     )
-    from rollout_gateway.service.status import render
+    from rollout_gateway.commands.status import render
 
     rep = LagReport(
         at=0, replica="r", learner_version=3, max_engine_lag=1,
@@ -101,7 +101,7 @@ async def test_get_status_reports_lag_or_says_why_not():
         Unconsumed,
     )
     from rollout_gateway.store.memory import MemoryStore
-    from rollout_gateway.transport.control import InProcessControlPlane
+    from rollout_gateway.transport.control_plane import InProcessControlPlane
     from rollout_gateway.transport.servicer import TrajectoryServicer
     from rollout_proto.rollout.v1 import service_pb2 as spb
 

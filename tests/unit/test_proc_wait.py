@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from rollout_gateway.proc import wait_healthy
-from rollout_gateway.reference_engine.launch import free_port
+from rollout_gateway.commands.engine_process import free_port
 
 SERVER = ("import http.server, sys\n"
           "class H(http.server.BaseHTTPRequestHandler):\n"

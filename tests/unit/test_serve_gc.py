@@ -3,7 +3,7 @@ leaves Python's settings alone."""
 
 import gc
 
-from rollout_gateway.service.cli import tune_gc
+from rollout_gateway.commands.serve import tune_gc
 from rollout_gateway.settings import GatewaySettings
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner_client.staleness import StalenessMonitor, StalenessMonitorConfig, batch_lags
+from learner_client.staleness_monitor import StalenessMonitor, StalenessMonitorConfig, batch_lags
 
 
 def test_max_lag_over_active_tokens_only():

@@ -6,7 +6,7 @@ import torch
 
 from learner_client.batch import collate
 from learner_client.wire import parse_batch
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.transport.synthetic import make_trajectory
 from rollout_proto import codec
 
@@ -17,7 +17,7 @@ def rollouts(specs, masked=()):
         tr = make_trajectory(f"t{i}", prompt_len=p, num_tokens=t, versions=versions,
                              num_layers=layers, top_k=2, num_experts=16, seed=i,
                              old_logprobs=(i == 0), reward=None if i == 1 else float(i))
-        entries.append((str(i + 1), 1, i in masked, wire.encode(tr)))
+        entries.append((str(i + 1), 1, i in masked, trajectory_codec.encode(tr)))
     return parse_batch(codec.encode_batch(entries, 0, 0))[0]
 
 

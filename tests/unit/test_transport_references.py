@@ -8,7 +8,7 @@ import pytest
 from learner_client.errors import DecodeError
 from learner_client.store import redis_url
 from learner_client.wire import Rollout, StoreRef, decode_fetched, parse_batch, parse_deliveries
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.transport.synthetic import make_trajectory
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
@@ -29,7 +29,7 @@ def test_reference_batch_parses_to_store_refs_and_credit():
 
 
 def test_mixed_batch_and_the_bytes_only_parser():
-    data = wire.encode(make_trajectory("x"))
+    data = trajectory_codec.encode(make_trajectory("x"))
     raw = codec.encode_batch([("1-0", 1, False, data)], 0, 0) + codec.encode_references(
         [("2-0", 1, False, _ref("y", 10))], 0, 0)
     items, _, _ = parse_deliveries(raw)
@@ -45,7 +45,7 @@ def test_a_delivery_with_neither_bytes_nor_reference_is_malformed():
 
 
 def test_decode_fetched_checks_size_and_identity():
-    data = wire.encode(make_trajectory("x", num_layers=2))
+    data = trajectory_codec.encode(make_trajectory("x", num_layers=2))
     ref = StoreRef("1-0", 2, True, codec.REDIS_STREAM, "k", len(data), "x", 24)
     r = decode_fetched(ref, data)
     assert (r.entry_id, r.delivery_count, r.masked, r.trajectory_id) == ("1-0", 2, True, "x")

@@ -7,7 +7,7 @@ import pytest
 
 from learner_client.errors import DecodeError
 from learner_client.wire import parse_batch
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.transport.synthetic import make_trajectory
 from rollout_proto import codec
@@ -26,7 +26,7 @@ def test_gateway_roundtrip_preserves_every_field():
                         old_logprobs=True, reward=None)
     t.metadata["k"] = "v"
     t.finish_reason.matched = 151643
-    back = wire.decode(wire.encode(t))
+    back = trajectory_codec.decode(trajectory_codec.encode(t))
     assert back.trajectory_id == "x" and back.group_id == t.group_id
     assert back.reward is None and back.metadata == t.metadata
     assert back.finish_reason == t.finish_reason
@@ -41,7 +41,7 @@ def test_gateway_roundtrip_preserves_every_field():
 
 def test_stored_bytes_are_a_generated_trajectory_with_packed_columns():
     t = make_trajectory("x", num_tokens=7, num_layers=48, top_k=8, num_experts=128)
-    msg = tpb.Trajectory.FromString(wire.encode(t))
+    msg = tpb.Trajectory.FromString(trajectory_codec.encode(t))
     assert (msg.token_ids.dtype, list(msg.token_ids.shape)) == ("<i4", [7])
     assert len(msg.token_ids.data) == 28
     assert msg.routed_experts.data.dtype == "|u1"
@@ -53,9 +53,9 @@ def test_stored_bytes_are_a_generated_trajectory_with_packed_columns():
 def test_text_stop_string_and_empty_trajectory():
     t = make_trajectory("x", reward=None)
     t.finish_reason.matched = "</s>"
-    back = wire.decode(wire.encode(t))
+    back = trajectory_codec.decode(trajectory_codec.encode(t))
     assert back.finish_reason.matched == "</s>" and back.reward is None
-    e = wire.decode(wire.encode(make_trajectory("e", num_tokens=0)))
+    e = trajectory_codec.decode(trajectory_codec.encode(make_trajectory("e", num_tokens=0)))
     assert e.num_tokens == 0 and e.min_version == -1
 
 
@@ -71,7 +71,7 @@ def test_every_array_field_of_the_descriptor_is_a_column():
 
 
 def _entries(trajs, masked=()):
-    return [(f"{i}-1", i + 1, i in masked, wire.encode(t)) for i, t in enumerate(trajs)]
+    return [(f"{i}-1", i + 1, i in masked, trajectory_codec.encode(t)) for i, t in enumerate(trajs)]
 
 
 def test_batch_store_to_learner_matches_the_generated_classes():
@@ -85,7 +85,7 @@ def test_batch_store_to_learner_matches_the_generated_classes():
     assert (ref.credit_trajectories, ref.credit_tokens) == (5, 70000)
     assert [d.entry_id for d in ref.deliveries] == ["0-1", "1-1", "2-1"]
     assert (ref.deliveries[0].trajectory.SerializeToString(deterministic=True)
-            == wire.encode(trajs[0]))
+            == trajectory_codec.encode(trajs[0]))
     got, n, tok = parse_batch(blob)
     assert (n, tok) == (5, 70000)
     for r, d, t in zip(got, ref.deliveries, trajs, strict=True):
@@ -127,14 +127,14 @@ def test_empty_batch_is_empty_bytes():
     (lambda m: setattr(m, "trajectory_id", ""), "trajectory_id"),
 ])
 def test_one_dtype_and_shape_policy_on_both_sides(mutate, match):
-    msg = tpb.Trajectory.FromString(wire.encode(make_trajectory("x", num_layers=2,
+    msg = tpb.Trajectory.FromString(trajectory_codec.encode(make_trajectory("x", num_layers=2,
                                                                  num_experts=16)))
     mutate(msg)
     data = msg.SerializeToString()
     with pytest.raises(codec.CodecError, match=match):
         codec.decode_trajectory(data)
     with pytest.raises(InvalidArgument, match=match):
-        wire.decode(data)
+        trajectory_codec.decode(data)
     with pytest.raises(DecodeError, match=match):
         parse_batch(codec.encode_batch([("1-0", 1, False, data)], 0, 0))
 
@@ -144,15 +144,15 @@ def test_one_dtype_and_shape_policy_on_both_sides(mutate, match):
     (lambda m: setattr(m.segments[0], "end", 99), "segments cover"),
 ])
 def test_gateway_semantic_checks(mutate, match):
-    msg = tpb.Trajectory.FromString(wire.encode(make_trajectory("x")))
+    msg = tpb.Trajectory.FromString(trajectory_codec.encode(make_trajectory("x")))
     mutate(msg)
     with pytest.raises(InvalidArgument, match=match):
-        wire.decode(msg.SerializeToString())
+        trajectory_codec.decode(msg.SerializeToString())
 
 
 def test_garbage_and_unencodable_input():
     with pytest.raises(InvalidArgument):
-        wire.decode(b"\xff\xff\xff\xff")
+        trajectory_codec.decode(b"\xff\xff\xff\xff")
     with pytest.raises(DecodeError):
         parse_batch(b"\x0a\x05abc")
     with pytest.raises(codec.CodecError, match="no field"):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from learner_client.wire import parse_batch as learner_parse
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.transport.synthetic import make_trajectory
 from rollout_proto import codec
@@ -24,7 +24,7 @@ def _blob(n_tokens=(40, 0, 3), layers=(3, 0, 2)):
                              old_logprobs=i == 0, seed=i, versions=(1, 2) if t > 1 else (1,))
              for i, (t, lay) in enumerate(zip(n_tokens, layers))]
     trajs[0].metadata["q"] = "ü"
-    return codec.encode_batch([(f"{i}-0", i + 1, bool(i % 2), wire.encode(t))
+    return codec.encode_batch([(f"{i}-0", i + 1, bool(i % 2), trajectory_codec.encode(t))
                                for i, t in enumerate(trajs)], 7, 123)
 
 
@@ -69,7 +69,7 @@ def _decode_all(data: bytes) -> None:
     except Exception as exc:  # noqa: BLE001 - the property: only the documented error
         assert type(exc).__name__ == "DecodeError", repr(exc)
     try:
-        wire.decode(data)
+        trajectory_codec.decode(data)
     except InvalidArgument:
         pass
 
@@ -116,7 +116,7 @@ def _array(dtype, shape, data):
     _array("V4", [1], b"\x00" * 4),                   # numpy-valid, not in the policy
 ])
 def test_hostile_arrays_are_clean_errors(arr):
-    msg = tpb.Trajectory.FromString(wire.encode(make_trajectory("h", num_tokens=3)))
+    msg = tpb.Trajectory.FromString(trajectory_codec.encode(make_trajectory("h", num_tokens=3)))
     msg.token_ids.CopyFrom(arr)
     data = msg.SerializeToString()
     with pytest.raises(codec.CodecError):
@@ -150,10 +150,10 @@ def test_roundtrip_through_every_path(tokens, prompt, layers, experts, nver, rew
     t = make_trajectory("r", num_tokens=tokens, prompt_len=max(prompt, 1), num_layers=layers,
                         num_experts=experts, versions=versions, reward=reward, top_k=2)
     t.metadata.update(meta)
-    data = wire.encode(t)
-    back = wire.decode(data)
+    data = trajectory_codec.encode(t)
+    back = trajectory_codec.decode(data)
     # store -> decode -> store gives the same message (map order may differ)
-    assert tpb.Trajectory.FromString(wire.encode(back)) == tpb.Trajectory.FromString(data)
+    assert tpb.Trajectory.FromString(trajectory_codec.encode(back)) == tpb.Trajectory.FromString(data)
     [r], n, tok = learner_parse(codec.encode_batch([("9-9", count, masked, data)], 1, 2))
     assert (r.delivery_count, r.masked, n, tok) == (count, masked, 1, 2)
     assert r.metadata == t.metadata and r.reward == t.reward

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.model import Qwen3MoeLM
+from reference_engine.config import ModelConfig
+from reference_engine.model import Qwen3MoeLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

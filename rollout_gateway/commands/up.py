@@ -58,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     if args.engines < 1:
         print("rollout-gateway up: --engines must be >= 1")
         return 2
-    from rollout_gateway.reference_engine.checkpoint import init_checkpoint
-    from rollout_gateway.reference_engine.launch import EngineProcess
+    from reference_engine.checkpoint import init_checkpoint
+    from rollout_gateway.commands.engine_process import EngineProcess
     from rollout_gateway.errors import GatewayError
-    from rollout_gateway.service.cli import check_bind, serve_async
+    from rollout_gateway.commands.serve import check_bind, serve_async
     from rollout_gateway.settings import load_settings
 
     over = {"http_host": args.host, "grpc_host": args.host}

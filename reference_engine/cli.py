@@ -42,13 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rollout_gateway.reference_engine.config import ModelConfig
-    from rollout_gateway.reference_engine.server import EngineSettings, create_app
+    from reference_engine.config import ModelConfig
+    from reference_engine.server import EngineSettings, create_app
 
     try:
         model = ModelConfig.from_arg(args.model_config)
         if args.checkpoint:
-            from rollout_gateway.reference_engine.checkpoint import read_config
+            from reference_engine.checkpoint import read_config
 
             read_config(args.checkpoint)  # fail fast with one clear line
         settings = EngineSettings(

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_gateway.reference_engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from reference_engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 
 class ModelConfig(BaseModel):

@@ -16,6 +16,6 @@ missing-old-logits paper (arXiv 2605.12070; strategy (1), weight snapshots, live
 """
 
 from .scorer import OldLogitScorer, score_payload
-from .service import OldLogitService
+from .strategies import OldLogitService
 
 __all__ = ["OldLogitScorer", "OldLogitService", "score_payload"]

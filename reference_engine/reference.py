@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollout_gateway.reference_engine.checkpoint import build_model, load_model
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.model import KVCache, Qwen3MoeLM
-from rollout_gateway.reference_engine.sampling import GREEDY_EPS, entropy_of, scaled_logprobs
+from reference_engine.checkpoint import build_model, load_model
+from reference_engine.config import ModelConfig
+from reference_engine.model import KVCache, Qwen3MoeLM
+from reference_engine.sampling import GREEDY_EPS, entropy_of, scaled_logprobs
 
 
 @dataclass

@@ -13,7 +13,7 @@ from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapMode, SwapRequest
 from rollout_gateway.swap.orchestrator import SwapOrchestrator
-from rollout_gateway.transport.control import (
+from rollout_gateway.transport.control_plane import (
     AnnounceResult,
     ControlStatus,
     EngineVersion,
@@ -55,7 +55,7 @@ def swap_request_from(version: int, source: WeightSource, mode: str, rolling: bo
 
 
 class GatewayControlPlane:
-    """Implements rollout_gateway.transport.control.ControlPlane."""
+    """Implements rollout_gateway.transport.control_plane.ControlPlane."""
 
     def __init__(self, pool: EnginePool, registry: VersionRegistry, swaps: SwapOrchestrator) -> None:
         self.pool = pool

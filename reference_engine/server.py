@@ -24,14 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import ORJSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_gateway.reference_engine import checkpoint as ckpt
-from rollout_gateway.reference_engine import distributed as dist_update
-from rollout_gateway.reference_engine.config import ModelConfig
-from rollout_gateway.reference_engine.protocol import ProtocolError, format_output, parse_generate
-from rollout_gateway.reference_engine.request import GenParams
-from rollout_gateway.reference_engine.request import Request as GenRequest
-from rollout_gateway.reference_engine.scheduler import Scheduler
-from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
+from reference_engine import checkpoint as ckpt
+from reference_engine import distributed as dist_update
+from reference_engine.config import ModelConfig
+from reference_engine.protocol import ProtocolError, format_output, parse_generate
+from reference_engine.request import GenParams
+from reference_engine.request import Request as GenRequest
+from reference_engine.scheduler import Scheduler
+from reference_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"

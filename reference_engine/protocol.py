@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_gateway.reference_engine.request import GenParams, Request
-from rollout_gateway.reference_engine.scheduler_spans import weight_version_spans
-from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
+from reference_engine.request import GenParams, Request
+from reference_engine.scheduler_spans import weight_version_spans
+from reference_engine.tokenizer import ByteTokenizer
 
 #: sglang.api.v1.SamplingParams fields, in schema order (unknown keys are rejected).
 SAMPLING_FIELDS: tuple[str, ...] = (

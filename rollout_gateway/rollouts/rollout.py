@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_gateway.core import wire
+from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.admission import Verdict
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.pool import EnginePool
@@ -122,7 +122,7 @@ class RolloutService:
             data = (await self.store.lookup([traj.trajectory_id])).get(traj.trajectory_id)
         except GatewayError:
             return None
-        return wire.decode(data) if data else None
+        return trajectory_codec.decode(data) if data else None
 
     def _count(self, traj: Trajectory) -> None:
         self.counters["samples"] += 1
@@ -217,7 +217,7 @@ class RolloutService:
                 f"request {req.request_id} finished earlier and its trajectories were "
                 f"consumed and are no longer retained ({', '.join(gone[:8])}); use a new "
                 "request_id to generate again", details={"trajectory_ids": gone})
-        stored = {i: wire.decode(found[t]) for i, t in enumerate(ids) if t in found}
+        stored = {i: trajectory_codec.decode(found[t]) for i, t in enumerate(ids) if t in found}
         if stored:
             self.counters["replayed"] += len(stored)
             group = next(iter(stored.values())).group_id or group

@@ -3,7 +3,7 @@
 Parameter names equal transformers 5's in-memory ``Qwen3MoeForCausalLM`` names
 (``model.layers.{i}.mlp.experts.gate_up_proj`` is ``[E, 2*I, H]``, ``down_proj`` is
 ``[E, H, I]``, the router is ``model.layers.{i}.mlp.gate.weight``). The on-disk format
-(per-expert Hub keys) is handled by :mod:`rollout_gateway.reference_engine.checkpoint`.
+(per-expert Hub keys) is handled by :mod:`reference_engine.checkpoint`.
 
 :meth:`Qwen3MoeLM.forward_chunks` runs several sequences at once: every new token of
 every sequence goes through the linear and MoE layers as one batch; attention runs per
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from rollout_gateway.reference_engine.config import ModelConfig
+from reference_engine.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

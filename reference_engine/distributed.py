@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rollout_gateway.reference_engine.protocol import ProtocolError
+from reference_engine.protocol import ProtocolError
 
 TIMEOUT = timedelta(seconds=120)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_gateway.reference_engine.request import VersionEvent
+from reference_engine.request import VersionEvent
 
 
 def weight_version_spans(events: list[VersionEvent], current: str, n_out: int) -> list[dict]:

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout_gateway.reference_engine import checkpoint as ckpt
-from rollout_gateway.reference_engine.model import KVCache, Qwen3MoeLM
-from rollout_gateway.reference_engine.request import Request, VersionEvent
-from rollout_gateway.reference_engine.scheduler_spans import weight_version_spans  # noqa: F401 (re-export)
-from rollout_gateway.reference_engine.sampling import SamplingSpec, sample, scaled_logprobs
-from rollout_gateway.reference_engine.tokenizer import ByteTokenizer
+from reference_engine import checkpoint as ckpt
+from reference_engine.model import KVCache, Qwen3MoeLM
+from reference_engine.request import Request, VersionEvent
+from reference_engine.scheduler_spans import weight_version_spans  # noqa: F401 (re-export)
+from reference_engine.sampling import SamplingSpec, sample, scaled_logprobs
+from reference_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 

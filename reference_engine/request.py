@@ -11,7 +11,7 @@ import numpy as np
 
 @dataclass
 class GenParams:
-    """Validated per-request parameters (see :mod:`rollout_gateway.reference_engine.protocol`)."""
+    """Validated per-request parameters (see :mod:`reference_engine.protocol`)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
