@@ -35,6 +35,7 @@ import orjson
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))  # doubles.trajectories
 sys.path.insert(0, str(HERE))
 
 from bench_gateway import _free_port, _stop, _wait_http  # noqa: E402
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 peaks[-1] - peaks[0], "MiB")
         rep.row("per rollout", "RSS after the last wave minus after the first", growth, "MiB")
         from rollout_gateway.core import trajectory_codec
-        from rollout_gateway.transport.synthetic import make_trajectory
+        from doubles.trajectories import make_trajectory
 
         stored = 0.0 if args.redis else len(trajectory_codec.encode(make_trajectory(
             "m", num_tokens=args.out, prompt_len=args.prompt, num_layers=48, top_k=8,

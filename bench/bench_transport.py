@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # doubles: synthetic trajectories, the gRPC service alone
 
 
 def pin(cpu: int) -> None:
@@ -51,7 +52,7 @@ def pin(cpu: int) -> None:
 async def fill(url: str, prefix: str, args) -> int:
     from rollout_gateway.store.base import StoreConfig
     from rollout_gateway.store.redis_streams import RedisStore
-    from rollout_gateway.transport.synthetic import make_trajectory
+    from doubles.trajectories import make_trajectory
 
     store = RedisStore(url, prefix=prefix, config=StoreConfig(max_backlog=10**6))
     await store.create_group("bench")
@@ -155,11 +156,11 @@ def start_server(args, prefix: str, cpu: int, tmp: str, name: str) -> tuple[subp
     port_file = Path(tmp) / f"port-{name}"
     server = subprocess.Popen(
         ["taskset", "-c", str(cpu), sys.executable, "-m",
-         "rollout_gateway.transport.server", "--store",
+         "doubles.grpc_server", "--store",
          f"{args.redis}?prefix={prefix}&max_backlog=1000000", "--port", "0",
          "--port-file", str(port_file), "--grace", "1", "--message-kb", str(args.message_kb)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])},
+            [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])},
         stderr=subprocess.DEVNULL)
     while not port_file.exists():
         if server.poll() is not None:

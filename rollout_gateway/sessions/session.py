@@ -94,10 +94,6 @@ class Branch:
     def sequence(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, *(c.token_ids for c in self.cols)]).astype(np.int32)
 
-    @property
-    def num_model_turns(self) -> int:
-        return len(self.calls)
-
     def add_turn(self, context_ids: list[int], turn: Trajectory) -> None:
         """Append context tokens (read by this call) and the call's stamped model tokens."""
         seq_len = int(self.prompt_ids.shape[0]) + self.output_len

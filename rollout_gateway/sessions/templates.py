@@ -28,7 +28,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_gateway.errors import InvalidArgument
-from reference_engine.tokenizer import BOS_ID, EOS_ID, SPECIAL_NAMES, ByteTokenizer
+
+#: The reference model's vocabulary (the contract with ``reference_engine.tokenizer``, a
+#: separate program: ``tests/unit/test_agent_sessions.py`` checks both agree): ids 0-255 are
+#: the UTF-8 bytes, then BOS, EOS, PAD.
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+SPECIAL_NAMES = {BOS_ID: "<|bos|>", EOS_ID: "<|eos|>", PAD_ID: "<|pad|>"}
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -112,9 +117,6 @@ class ReferenceTemplate(ChatTemplate):
     _split = re.compile("(" + "|".join(re.escape(SPECIAL_NAMES[i]) for i in (BOS_ID, EOS_ID)) + ")")
     _ids = {SPECIAL_NAMES[BOS_ID]: BOS_ID, SPECIAL_NAMES[EOS_ID]: EOS_ID}
 
-    def __init__(self) -> None:
-        self.tok = ByteTokenizer()
-
     def render(self, messages, *, tools, add_generation_prompt):
         out = ["<|bos|>"]
         if tools:
@@ -140,10 +142,23 @@ class ReferenceTemplate(ChatTemplate):
         return ids
 
     def decode(self, ids, *, skip_special_tokens=True):
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        # specials are ASCII names, so one UTF-8 decode of the joined bytes replaces a
+        # truncated character before a special exactly as decoding each run apart would
+        return b"".join(self._bytes(int(t), skip_special_tokens) for t in ids).decode(
+            "utf-8", errors="replace")
+
+    @staticmethod
+    def _bytes(t: int, skip_special: bool) -> bytes:
+        if 0 <= t < 256:
+            return bytes((t,))
+        name = SPECIAL_NAMES.get(t)
+        return name.encode() if name and not skip_special else b""
 
     def token_text(self, token_id: int) -> str:
-        return self.tok.token_text(token_id)
+        t = int(token_id)
+        if t in SPECIAL_NAMES:
+            return SPECIAL_NAMES[t]
+        return bytes((t,)).decode("utf-8", errors="replace") if 0 <= t < 256 else ""
 
     def token_bytes(self, token_id: int) -> list[int]:
         t = int(token_id)

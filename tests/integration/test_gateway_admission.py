@@ -12,7 +12,7 @@ import pytest
 from _gateway_support import GatewayProcess, redis_urls
 
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 pytestmark = pytest.mark.integration
 

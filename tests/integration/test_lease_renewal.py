@@ -13,9 +13,9 @@ from _redis_support import delete_prefix
 from learner_client.client import AsyncTrajectoryClient
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.control_plane import InProcessControlPlane
+from doubles.control_plane import InProcessControlPlane
 from rollout_gateway.transport.server import GrpcServer
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 pytestmark = pytest.mark.integration
 

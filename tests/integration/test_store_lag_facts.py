@@ -13,7 +13,7 @@ from _redis_support import delete_prefix
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.store.base import StoreConfig, parse_version_tokens, version_tokens
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 pytestmark = pytest.mark.integration
 

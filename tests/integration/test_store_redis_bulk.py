@@ -10,7 +10,7 @@ import pytest
 from _redis_support import delete_prefix
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.redis_streams import RedisStore
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 pytestmark = pytest.mark.integration
 

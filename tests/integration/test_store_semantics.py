@@ -13,7 +13,7 @@ from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.factory import store_from_url
 from rollout_gateway.core import trajectory_codec
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 pytestmark = pytest.mark.integration
 

@@ -17,9 +17,9 @@ from learner_client.errors import TrajectoryClientError
 from learner_client.wire import Rollout
 from rollout_gateway.store.base import StoreConfig
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.control_plane import InProcessControlPlane
+from doubles.control_plane import InProcessControlPlane
 from rollout_gateway.transport.server import GrpcServer
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
 

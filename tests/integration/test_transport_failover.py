@@ -27,9 +27,9 @@ GATEWAY = r"""
 import asyncio, sys
 from pathlib import Path
 from rollout_gateway.store.factory import store_from_url
-from rollout_gateway.transport.control_plane import InProcessControlPlane
+from doubles.control_plane import InProcessControlPlane
 from rollout_gateway.transport.server import GrpcServer
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 async def main(url, n, port, ready):
     store = store_from_url(url)
@@ -62,7 +62,7 @@ def free_port() -> int:
 
 
 def spawn(code: str, *args: str, stdout=None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env,
                             stdout=stdout, stderr=subprocess.DEVNULL)
 
@@ -158,9 +158,9 @@ async def test_gateway_killed_and_restarted_loses_nothing(start_gateway):
 
 def test_sigterm_drains_gracefully(tmp_path):
     port_file = tmp_path / "port"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_gateway.transport.server", "--store", "memory://",
+        [sys.executable, "-m", "doubles.grpc_server", "--store", "memory://",
          "--port", "0", "--port-file", str(port_file), "--grace", "2"],
         cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     try:

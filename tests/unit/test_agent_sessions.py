@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout_gateway.core.trajectory import (
     FinishReason,
@@ -21,6 +23,7 @@ from rollout_gateway.core.trajectory import (
 from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.sessions.messages import assistant_message, canonical_messages
 from rollout_gateway.sessions.session import Branch, Call, plan_chat, plan_completion
+from rollout_gateway.sessions import templates
 from rollout_gateway.sessions.templates import ReferenceTemplate, parse_tool_calls
 
 CHATML = (
@@ -150,6 +153,21 @@ def test_reference_template_renders_and_encodes_specials():
     ids = tpl.encode(text)
     assert ids[0] == 256 and ids.count(257) == 2 and ids[-1] == ord("\n")
     assert tpl.decode(ids, skip_special_tokens=False) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=260), max_size=40), st.booleans())
+def test_reference_template_vocabulary_is_the_reference_engines(ids, skip):
+    """The gateway's byte template and the engine's tokenizer are two programs: same ids,
+    same text, same token texts (specials between partial UTF-8 characters included)."""
+    from reference_engine import tokenizer as engine_tok
+
+    tpl, tok = ReferenceTemplate(), engine_tok.ByteTokenizer()
+    assert tpl.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    assert [tpl.token_text(t) for t in ids] == [tok.token_text(t) for t in ids]
+    assert {templates.BOS_ID, templates.EOS_ID, templates.PAD_ID} == {
+        engine_tok.BOS_ID, engine_tok.EOS_ID, engine_tok.PAD_ID}
+    assert templates.SPECIAL_NAMES == engine_tok.SPECIAL_NAMES
 
 
 def test_continue_keeps_model_ids_and_tokenizes_only_the_new_context():

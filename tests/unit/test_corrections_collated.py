@@ -18,7 +18,7 @@ from learner_client.old_logits import (FillContext, WeightSnapshotStore, fill_ol
 from learner_client.staleness_monitor import StalenessMonitor, batch_lags
 from learner_client.wire import parse_batch
 from rollout_gateway.core import trajectory_codec
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 from rollout_proto import codec
 
 README = Path(__file__).resolve().parents[2] / "README.md"

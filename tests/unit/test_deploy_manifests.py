@@ -160,7 +160,7 @@ def test_grpc_health_probe_service_is_the_one_the_server_sets():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from rollout_gateway.store.memory import MemoryStore
-    from rollout_gateway.transport.control_plane import InProcessControlPlane
+    from doubles.control_plane import InProcessControlPlane
     from rollout_gateway.transport.server import GrpcServer
 
     svc = _gateway_container()["readinessProbe"]["grpc"].get("service", "")

@@ -83,7 +83,7 @@ async def test_a_recycled_sample_with_no_slot_in_time_fails_loudly_and_is_counte
 
 async def test_judging_without_a_learner_version_releases_the_slot_and_raises():
     from rollout_gateway.errors import Unavailable
-    from rollout_gateway.transport.synthetic import make_trajectory
+    from doubles.trajectories import make_trajectory
 
     a, _, registry = pair()
     await a.admit(1)

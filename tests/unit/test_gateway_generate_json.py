@@ -12,7 +12,7 @@ import orjson
 
 def test_sglang_output_routed_experts_and_logprob_pairs():
     from rollout_gateway.api.generate import sglang_output
-    from rollout_gateway.transport.synthetic import make_trajectory
+    from doubles.trajectories import make_trajectory
 
     t = make_trajectory("t", num_tokens=5, prompt_len=3, num_layers=4, top_k=2)
     from rollout_gateway.api.serialize import dumps
@@ -31,7 +31,7 @@ def test_sglang_output_routed_experts_and_logprob_pairs():
 def test_the_engines_routed_experts_text_is_forwarded_when_it_is_the_answer():
     from rollout_gateway.api.generate import sglang_output
     from rollout_gateway.api.serialize import dumps
-    from rollout_gateway.transport.synthetic import make_trajectory
+    from doubles.trajectories import make_trajectory
 
     t = make_trajectory("t", num_tokens=5, prompt_len=3, num_layers=4, top_k=2)
     engine_text = base64.b64encode(np.ascontiguousarray(t.routed_experts.data, dtype="<i4"))

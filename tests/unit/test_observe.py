@@ -11,7 +11,7 @@ from rollout_gateway.api.metrics import LAG_BUCKETS, lag_histogram
 from rollout_gateway.observe.lag import LagDistribution
 from rollout_gateway.observe.tracker import LagTracker
 from rollout_gateway.store.base import StoredEntry
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 
 
 def test_distribution_from_counts():
@@ -101,7 +101,7 @@ async def test_get_status_reports_lag_or_says_why_not():
         Unconsumed,
     )
     from rollout_gateway.store.memory import MemoryStore
-    from rollout_gateway.transport.control_plane import InProcessControlPlane
+    from doubles.control_plane import InProcessControlPlane
     from rollout_gateway.transport.servicer import TrajectoryServicer
     from rollout_proto.rollout.v1 import service_pb2 as spb
 

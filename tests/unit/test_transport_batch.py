@@ -7,7 +7,7 @@ import torch
 from learner_client.batch import collate
 from learner_client.wire import parse_batch
 from rollout_gateway.core import trajectory_codec
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 from rollout_proto import codec
 
 

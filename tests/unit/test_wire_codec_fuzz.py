@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from learner_client.wire import parse_batch as learner_parse
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.errors import InvalidArgument
-from rollout_gateway.transport.synthetic import make_trajectory
+from doubles.trajectories import make_trajectory
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
 from rollout_proto.rollout.v1 import trajectory_pb2 as tpb
