@@ -14,6 +14,15 @@ under one version. Rules:
   the old KV (kv stays at the oldest), ``retract`` re-prefills everything under the new
   weights (kv = new version). A new request (abort_resume, failover) re-prefills prompt +
   output so far, so kv restarts at its first span's version.
+* An engine's in-place labels can run ahead of its weights. Under SGLang's overlap
+  scheduler (its default) one batch is always in flight: at an in-place pause the tokens
+  of that batch were computed by the old weights but are appended to the output only
+  after the update, so the engine labels them new. Once the gateway has quiesced the
+  engine before the pause (every resident request has streamed a token: the batch in
+  flight is a decode batch holding all of them), that is exactly one token per request:
+  the true boundary is one token after the labelled one (``label_lag=1``). Retract
+  pauses process the batch in flight first (exact); requests sent after the pause carry
+  no old span (exact).
 
 No I/O here; numpy in, numpy out.
 """
@@ -81,6 +90,23 @@ def normalize_spans(spans: Sequence[Span], n_tokens: int, fallback_version: int 
     return out
 
 
+def computed_spans(spans: Sequence[Span], installed_by: Mapping[int, Transition],
+                   label_lag: int) -> list[Span]:
+    """The engine's labelled spans moved to the weights that computed each token: every
+    in-place boundary moves ``label_lag`` tokens later (capped at the request's end; a
+    span left empty disappears). Retract boundaries stay where they are."""
+    if label_lag <= 0 or len(spans) < 2:
+        return list(spans)
+    n = spans[-1].end
+    starts = [spans[0].start]
+    for s in spans[1:]:
+        shift = label_lag if installed_by.get(s.version, Transition.IN_PLACE) \
+            is not Transition.RETRACT else 0
+        starts.append(max(min(s.start + shift, n), starts[-1]))
+    ends = [*starts[1:], n]
+    return [Span(s.version, a, b) for s, a, b in zip(spans, starts, ends, strict=True) if b > a]
+
+
 def stamp_request(
     spans: Sequence[Span],
     *,
@@ -91,6 +117,7 @@ def stamp_request(
     started_at: float = 0.0,
     ended_at: float = 0.0,
     cached_floor: int | None = None,
+    label_lag: int = 0,
 ) -> RequestStamp:
     """Stamp one request's tokens (spans already normalized).
 
@@ -102,8 +129,11 @@ def stamp_request(
     ``cached_floor``: when the engine served part of the input from its prefix cache and
     that cache may still hold KV computed by an older version (kept by an in-place swap),
     the oldest such version; the request's KV starts there instead of at its first span.
+    ``label_lag``: tokens by which the engine's in-place labels run ahead of its weights
+    (see the module docstring; :func:`computed_spans`).
     Segment ``ended`` is set to FINISHED here; the caller fixes the last one.
     """
+    spans = computed_spans(spans, installed_by, label_lag)
     n = spans[-1].end if spans else 0
     pv = np.empty(n, dtype=VERSION_DTYPE)
     kv = np.empty(n, dtype=VERSION_DTYPE)

@@ -84,3 +84,37 @@ def test_prefix_cache_hit_after_an_in_place_swap_keeps_the_old_kv_version():
     st = stamp_request(spans, offset=0, engine_id="e0", began=Transition.START, installed_by={},
                        cached_floor=1)
     assert st.policy_version.tolist() == [3, 3] and st.kv_version.tolist() == [1, 1]
+
+
+def test_overlap_scheduler_moves_in_place_boundaries_one_token_later():
+    """SGLang's overlap scheduler labels the token of the batch in flight at the pause with
+    the new version although the old weights computed it (docs/gateway.md: SGLang
+    behaviours the gateway corrects)."""
+    spans = normalize_spans([Span(1, 0, 3), Span(2, 3, 5), Span(3, 5, 7)], 7, None)
+    st = stamp_request(spans, offset=10, engine_id="e0", began=Transition.START,
+                       installed_by={2: Transition.IN_PLACE, 3: Transition.IN_PLACE},
+                       label_lag=1)
+    assert st.policy_version.tolist() == [1, 1, 1, 1, 2, 2, 3]
+    assert st.kv_version.tolist() == [1] * 7
+    assert [(s.start, s.end, s.policy_version) for s in st.segments] == [
+        (10, 14, 1), (14, 16, 2), (16, 17, 3)]
+
+
+def test_overlap_lag_leaves_retract_boundaries_and_caps_at_the_end():
+    spans = normalize_spans([Span(1, 0, 2), Span(2, 2, 4), Span(3, 4, 5)], 5, None)
+    st = stamp_request(spans, offset=0, engine_id="e0", began=Transition.START,
+                       installed_by={2: Transition.RETRACT, 3: Transition.IN_PLACE}, label_lag=1)
+    # retract processed the batch in flight before the pause: exact; the in-place boundary
+    # at 4 moves to 5, the end: the request finished in the batch in flight, all under 2
+    assert st.policy_version.tolist() == [1, 1, 2, 2, 2]
+    assert [s.policy_version for s in st.segments] == [1, 2]
+
+
+def test_overlap_lag_drops_a_one_token_span_between_two_in_place_swaps():
+    spans = normalize_spans([Span(1, 0, 2), Span(2, 2, 3), Span(3, 3, 4)], 4, None)
+    st = stamp_request(spans, offset=0, engine_id="e0", began=Transition.START,
+                       installed_by={2: Transition.IN_PLACE, 3: Transition.IN_PLACE}, label_lag=1)
+    assert st.policy_version.tolist() == [1, 1, 1, 2]
+    no_lag = stamp_request(spans, offset=0, engine_id="e0", began=Transition.START,
+                           installed_by={2: Transition.IN_PLACE, 3: Transition.IN_PLACE})
+    assert no_lag.policy_version.tolist() == [1, 1, 2, 3]
