@@ -4,7 +4,7 @@ Every loss is split into a per-token part and an aggregation, so that an adapter
 (Megatron's loss_func) can either take the scalar or re-aggregate itself:
 
 * ``spec.fn(inputs, config) -> (loss, metrics)``: the scalar loss and diagnostics.
-* ``spec.token_fn(inputs, config) -> TokenLoss``: per-token loss [N] (already weighted by
+* ``spec.per_token(inputs, config) -> TokenLoss``: per-token loss [N] (already weighted by
   the method's masks/weights, 0 on inactive tokens), the denominator mask [N] (which
   tokens count in the normalizer: loss_mask, minus tokens the method rejects where the
   method says they leave the denominator), and the method's diagnostics.
@@ -30,6 +30,12 @@ For Megatron: ``spec.parts(inputs, config) -> (numerator, denominator, metrics)`
 pair whose sums over micro-batches/ranks reproduce the global aggregate (the
 (loss, num_tokens, report) form with calculate_per_token_loss); ``spec.fn`` gives the
 already-normalized per-micro-batch loss (the (loss, report) form).
+
+Backends (``config.backend``): every loss is the readable function of its module (plain
+autograd, the paper's notation, diagnostics beside the math: the definition);
+``backend="fused"`` runs the same loss through the hand-fused kernels of ``fused/`` (one
+autograd node per loss, closed-form backward, fewer [N] buffers), equal in value, gradient
+and metrics (tests/unit/test_corrections_fused_reference.py).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from torch import Tensor
 from .inputs import LossInputError, LossInputs
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
+Backend = Literal["reference", "fused"]
 
 
 class LossConfig(BaseModel):
@@ -61,6 +68,13 @@ class LossConfig(BaseModel):
         None, gt=0,
         description="Divisor for aggregation='constant'; None = number of token slots N "
                     "(B*T for padded input, Dr.GRPO's G*L_max).")
+    backend: Backend = Field(
+        "reference",
+        description="Which implementation computes the loss. 'reference': the readable "
+                    "function of the loss's module (plain autograd, the definition). "
+                    "'fused': the hand-fused kernel of corrections/fused/ (one autograd node, "
+                    "closed-form backward, fewer [N] buffers; faster on large batches), "
+                    "equal to the reference in value, gradient and metrics by test.")
 
 
 @dataclass
@@ -126,11 +140,13 @@ def _metrics(tok: TokenLoss, inputs: LossInputs, den: Tensor) -> dict[str, Tenso
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A registered loss: name, config model (published defaults) and per-token function."""
+    """A registered loss: name, config model (published defaults), the readable per-token
+    function (``reference``) and its fused backend (``fused``, chosen by config.backend)."""
 
     name: str
     config_cls: type[LossConfig]
-    token_fn: TokenFn
+    reference: TokenFn
+    fused: TokenFn
     doc: str = ""
 
     @property
@@ -148,6 +164,10 @@ class LossSpec:
             raise LossInputError(
                 f"loss {self.name!r} takes {self.config_cls.__name__}, got {type(config).__name__}")
         return config
+
+    def token_fn(self, inputs: LossInputs, cfg: LossConfig) -> TokenLoss:
+        """The TokenLoss of the backend ``cfg.backend`` names (cfg already validated)."""
+        return (self.fused if cfg.backend == "fused" else self.reference)(inputs, cfg)
 
     def per_token(self, inputs: LossInputs, config: LossConfig | dict | None = None) -> TokenLoss:
         return self.token_fn(inputs, self.config(config))

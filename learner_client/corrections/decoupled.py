@@ -34,9 +34,8 @@ from torch import Tensor
 
 from .base import LossConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
-from .fused import fused_token_loss, ppo_metrics, ppo_surrogate, safe_exp_
-from .ops import indices_above, masked_mean, safe_exp
-from .ppo import fused_ppo, ppo_token_loss_ex
+from .ops import masked_mean, safe_exp
+from .ppo import ppo_token_loss
 
 
 def version_alpha(versions: Tensor, learner_version: int,
@@ -117,134 +116,42 @@ def proximal_logprobs(inputs: LossInputs, cfg: DecoupledPPOConfig
 
 
 def discrepancy_weight(log_rd: Tensor, cfg: DecoupledPPOConfig) -> tuple[Tensor, Tensor | None]:
-    """(M_d(r_d) detached, dropped indicator 0/1 or None) for the configured rule."""
+    """(M_d(r_d) detached, dropped bool or None) for the configured rule."""
     if cfg.discrepancy == "none":
         return torch.ones_like(log_rd), None
     r_d = safe_exp(log_rd)
-    if cfg.discrepancy == "cap_mask":
+    if cfg.discrepancy == "cap_mask":  # AReaL: r_d, 0 above the cap
         drop = log_rd > math.log(cfg.behav_imp_weight_cap)
-        return r_d.masked_fill_(drop, 0.0), drop.to(r_d.dtype)
+        return r_d.masked_fill_(drop, 0.0), drop
     lc = math.log(cfg.discrepancy_c)
-    if cfg.discrepancy == "mask":
+    if cfg.discrepancy == "mask":  # r_d inside [1/c, c], else 0
         drop = log_rd.abs() > lc
-        return r_d.masked_fill_(drop, 0.0), drop.to(r_d.dtype)
+        return r_d.masked_fill_(drop, 0.0), drop
     return torch.clamp(r_d, 1.0 / cfg.discrepancy_c, cfg.discrepancy_c), None  # truncate
 
 
-def decoupled_ppo_reference(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
-    """Decoupled PPO through eager ops (the weight multiplies the PPO token loss); the
-    registered loss is the fused ``decoupled_ppo`` (tests compare the two)."""
-    m = inputs.mask
-    n_act = inputs.mask_count
-    logp = inputs.flat("logprobs")
-    prox, use_rd, extra = proximal_logprobs(inputs, cfg)
-    pg, clipped, metrics = ppo_token_loss_ex(logp - prox, inputs.flat("advantages"), m,
-                                             cfg.eps_low, cfg.eps_high, cfg.dual_clip, n_act,
-                                             bounds=(torch.tensor(1.0 - cfg.eps_low,
-                                                                  dtype=logp.dtype),
-                                                     torch.tensor(1.0 + cfg.eps_high,
-                                                                  dtype=logp.dtype)))
-    metrics.update(extra)
-    drop = None
-    if use_rd:
-        log_rd = prox - inputs.flat("rollout_logprobs").detach()
-        w, drop = discrepancy_weight(log_rd, cfg)
-        metrics["behav_weight_mean"] = masked_mean(w, m, n_act)
-        pg = pg * w
-    _drop_metrics(metrics, drop, clipped, m, n_act)
-    return TokenLoss(pg, m, metrics)
-
-
-def _drop_metrics(metrics: dict[str, Tensor], drop: Tensor | None, clipped: Tensor,
-                  m: Tensor, n_act: Tensor) -> None:
-    if drop is not None:
-        rate = masked_mean(drop, m, n_act)
-        metrics["behav_mask_rate"] = rate
-        # kept and not clipped = 1 - dropped - clipped + dropped-and-clipped
-        both = masked_mean(drop * clipped, m, n_act)
-        metrics["active_token_fraction"] = 1.0 - rate - metrics["clipfrac"] + both
-    else:
-        metrics["behav_mask_rate"] = torch.zeros((), dtype=m.dtype, device=m.device)
-        metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
-
-
 def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
-    """Fused decoupled PPO: M_d(r_d) * mask is folded into the surrogate's weight (one
-    autograd node, see fused.py). Tokens that M_d zeroes (a rare tail, found from one
-    aminmax over log r_d) get their PPO clip status recomputed on that subset, so clipfrac
-    and active_token_fraction count them as the eager form does. Dual clip: eager form."""
-    if cfg.dual_clip is not None:
-        return decoupled_ppo_reference(inputs, cfg)
+    """loss_t = -M_d(r_d,t) * S(r_s,t, A_t; eps_low, eps_high), r_s = pi/pi_prox, r_d =
+    pi_prox/mu (M_d = 1 where the mode applies no r_d). Diagnostics: PPO's on r_s,
+    behav_weight_mean (mean M_d), behav_mask_rate (share M_d zeroes) and
+    active_token_fraction (share neither zeroed by M_d nor clipped)."""
     m = inputs.mask
-    n_act = inputs.mask_count
-    prox, use_rd, extra = proximal_logprobs(inputs, cfg)
-    mu = inputs.flat("rollout_logprobs").detach()
-    adv = inputs.flat("advantages").detach()
-    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    if not use_rd or cfg.discrepancy == "none":
-        pg, s = fused_ppo(inputs.flat("logprobs"), prox, adv, m, n_act, cfg.eps_low,
-                          cfg.eps_high)
-        metrics = ppo_metrics(s, n_act)
-        metrics.update(extra)
-        if use_rd:
-            metrics["behav_weight_mean"] = torch.ones((), dtype=m.dtype) * (n_act > 0)
-        _drop_metrics(metrics, None, s.clipped, m, n_act)
-        return TokenLoss(pg, m, metrics)
-    box: dict[str, Tensor] = {}
-
-    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
-        a = adv.to(x.dtype)
-        log_rd = prox - mu
-        lo_rd, hi_rd = ((float(v) for v in torch.aminmax(log_rd)) if log_rd.numel()
-                        else (0.0, 0.0))
-        drop = None
-        if cfg.discrepancy == "cap_mask":
-            lc = math.log(cfg.behav_imp_weight_cap)
-            drop = indices_above(log_rd, lc) if hi_rd > lc else _EMPTY
-        elif cfg.discrepancy == "mask":
-            lc = math.log(cfg.discrepancy_c)
-            drop = indices_above(log_rd.abs(), lc) if max(-lo_rd, hi_rd) > lc else _EMPTY
-        w = safe_exp_(log_rd, (lo_rd, hi_rd))
-        if cfg.discrepancy == "truncate":
-            w.clamp_(1.0 / cfg.discrepancy_c, cfg.discrepancy_c)
-        if drop is not None and drop.numel():
-            w.index_fill_(0, drop, 0.0)
-        wm = w.mul_(m)
-        box["w_sum"] = wm.sum()
-        # -A * w * m in place in the weight's buffer (one [N] buffer less)
-        s = ppo_surrogate(x - prox, a, m, lo, hi, nA=torch.mul(a, wm, out=wm).neg_(),
-                          own_d=True)
-        n_clip_drop = torch.zeros((), dtype=torch.long)
-        if drop is not None and drop.numel():  # clip status of zero-weight tokens
-            r_d = s.r.index_select(0, drop)
-            na = (a.index_select(0, drop) * m.index_select(0, drop)).neg_()
-            n_clip_drop = torch.count_nonzero(torch.clamp(r_d, lo, hi).mul_(na) > r_d * na)
-            box["drop_active"] = m.index_select(0, drop).sum()
-        box["s"], box["n_clip_drop"] = s, n_clip_drop  # type: ignore[assignment]
-        box["has_drop"] = torch.tensor(drop is not None)
-        return s.pg, s.grad
-
-    pg = fused_token_loss(inputs.flat("logprobs"), kernel)
-    s = box["s"]
-    den = n_act.clamp_min(1.0)
-    dt = pg.dtype
-    metrics = ppo_metrics(s, n_act)  # type: ignore[arg-type]
-    if bool(box["n_clip_drop"] > 0):  # zero-weight tokens whose clipped branch is the min
-        metrics["clipfrac"] = metrics["clipfrac"] + box["n_clip_drop"].to(dt) / den
-    metrics.update(extra)
-    metrics["behav_weight_mean"] = box["w_sum"] / den
-    if bool(box["has_drop"]):
-        rate = box.get("drop_active", torch.zeros((), dtype=dt)) / den
-        metrics["behav_mask_rate"] = rate
-        both = box["n_clip_drop"].to(dt) / den
-        metrics["active_token_fraction"] = 1.0 - rate - metrics["clipfrac"] + both
+    log_prox, use_rd, metrics = proximal_logprobs(inputs, cfg)  # log pi_prox, detached
+    w = dropped = None
+    if use_rd:
+        w, dropped = discrepancy_weight(log_prox - inputs.flat("rollout_logprobs").detach(), cfg)
+        metrics["behav_weight_mean"] = masked_mean(w, m)
+    loss, clipped, ppo_metrics = ppo_token_loss(
+        inputs.flat("logprobs"), log_prox, inputs.flat("advantages"), m, 1.0 - cfg.eps_low,
+        1.0 + cfg.eps_high, cfg.dual_clip, weight=w)
+    metrics.update(ppo_metrics)
+    if dropped is None:
+        metrics["behav_mask_rate"] = torch.zeros((), dtype=m.dtype, device=m.device)
+        metrics["active_token_fraction"] = 1.0 - masked_mean(clipped, m)
     else:
-        metrics["behav_mask_rate"] = torch.zeros((), dtype=dt)
-        metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
-    return TokenLoss(pg, m, metrics)
-
-
-_EMPTY = torch.zeros(0, dtype=torch.long)
+        metrics["behav_mask_rate"] = masked_mean(dropped, m)
+        metrics["active_token_fraction"] = 1.0 - masked_mean(dropped | clipped, m)
+    return TokenLoss(loss, m, metrics)
 
 
 class PPOEWMAConfig(LossConfig):
@@ -265,24 +172,25 @@ class PPOEWMAConfig(LossConfig):
                     "loss. None (the paper's form) disables it.")
 
 
-def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig) -> TokenLoss:
-    prox = inputs.require_old()
+def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig, token_loss=ppo_token_loss) -> TokenLoss:
+    """loss_t = -(pi_prox/mu) * S(pi/pi_prox, A), the total ratio pi/mu capped."""
     m = inputs.mask
-    logp = inputs.flat("logprobs")
+    log_pi = inputs.flat("logprobs")
+    log_prox = inputs.require_old()
     mu = inputs.flat("rollout_logprobs").detach()
-    mu_adj = mu
+    mu_capped = mu  # pi/mu <= imp_samp_max: raise log mu to sg[log pi] - log(imp_samp_max)
     if cfg.imp_samp_max is not None:
-        mu_adj = torch.maximum(mu, logp.detach() - math.log(cfg.imp_samp_max))
-    w = safe_exp(prox - mu_adj)  # pi_prox / mu_adj, detached, > 0
-    pg, s = fused_ppo(logp, prox, inputs.flat("advantages"), m, inputs.mask_count,
-                      cfg.eps_low, cfg.eps_high, weight=w * m, dual_clip=cfg.dual_clip)
-    metrics = ppo_metrics(s, inputs.mask_count)
-    metrics["behav_weight_mean"] = masked_mean(w, m, inputs.mask_count)
+        mu_capped = torch.maximum(mu, log_pi.detach() - math.log(cfg.imp_samp_max))
+    w = safe_exp(log_prox - mu_capped)  # pi_prox / mu, detached, > 0
+    loss, _, metrics = token_loss(log_pi, log_prox, inputs.flat("advantages"), m,
+                                  1.0 - cfg.eps_low, 1.0 + cfg.eps_high, cfg.dual_clip,
+                                  weight=w)
+    metrics["behav_weight_mean"] = masked_mean(w, m)
     if cfg.imp_samp_max is not None:
         metrics["imp_samp_clipfrac"] = masked_mean(
-            (logp.detach() - mu > math.log(cfg.imp_samp_max)).to(m.dtype), m)
+            log_pi.detach() - mu > math.log(cfg.imp_samp_max), m)
     metrics["active_token_fraction"] = 1.0 - metrics["clipfrac"]
-    return TokenLoss(pg, m, metrics)
+    return TokenLoss(loss, m, metrics)
 
 
 class RevisedPPOEWMAConfig(LossConfig):
@@ -307,13 +215,15 @@ class RevisedPPOEWMAConfig(LossConfig):
         None, gt=1.0, description="Dual clip c: for A < 0 the token loss is capped at c*|A|.")
 
 
-def ppo_ewma_revised(inputs: LossInputs, cfg: RevisedPPOEWMAConfig) -> TokenLoss:
+def ppo_ewma_revised(inputs: LossInputs, cfg: RevisedPPOEWMAConfig,
+                     decoupled=decoupled_ppo) -> TokenLoss:
+    """decoupled_ppo (decoupled ratio, r_d mask [1/c, c]) plus the EWMA wiring's metrics."""
     base = DecoupledPPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                               dual_clip=cfg.dual_clip, ratio_mode="decoupled",
                               discrepancy="mask", discrepancy_c=cfg.discrepancy_c,
                               aggregation=cfg.aggregation,
-                              constant_normalizer=cfg.constant_normalizer)
-    tok = decoupled_ppo(inputs, base)
+                              constant_normalizer=cfg.constant_normalizer, backend=cfg.backend)
+    tok = decoupled(inputs, base)
     frac = tok.metrics["active_token_fraction"]
     tok.metrics["ewma_reset"] = (frac < cfg.reset_threshold).to(frac.dtype) * (
         inputs.mask_count > 0)

@@ -1,10 +1,13 @@
 """GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level, length-normalized ratio.
 
-s_i = exp( (1/|y_i|) * sum_t log(pi_t / pi_old_t) ) over the active tokens of sequence i,
-loss_i = -S(s_i, A_i; 3e-4, 4e-4), averaged over sequences. A_i = mean of the sequence's
-active-token advantages (equal to the broadcast sequence advantage for GRPO-style data).
-GSPO-token: s_it = sg[s_i] * pi_t / sg[pi_t] (same value as s_i, token-wise gradient) with
-per-token A_it. pi_old = ``old_logprobs`` when given, else the behavior logprobs.
+    s_i = exp( (1/|y_i|) sum_t log(pi_t / pi_old_t) )     over the active tokens of sequence i
+    loss_i = -S(s_i, A_i; 1 - eps_low, 1 + eps_high)        averaged over sequences
+    GSPO-token:  s_it = sg[s_i] * pi_t / sg[pi_t]   (value s_i, token-wise gradient), A_it
+
+A_i = mean of the sequence's active-token advantages (equal to the broadcast sequence
+advantage for GRPO-style data). pi_old = ``old_logprobs`` when given, else the behavior
+logprobs. Diagnostics: clipfrac (share of sequences clipped; GSPO-token: of tokens),
+seq_ratio_mean, approx_kl (mean -log s).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputs
-from .ops import broadcast, clipped_surrogate, dual_clip_cap, masked_mean, safe_exp
+from .ops import broadcast, masked_mean, safe_exp
+from .ppo import clipped_surrogate, dual_clip_cap
 
 
 class GSPOConfig(LossConfig):
@@ -39,14 +43,6 @@ def sequence_mean(x: Tensor, inputs: LossInputs) -> tuple[Tensor, Tensor]:
     return broadcast(per_seq, idx), per_seq
 
 
-def _seq_metrics(log_s_tok: Tensor, clipped: Tensor, m: Tensor) -> dict[str, Tensor]:
-    return {
-        "clipfrac": masked_mean(clipped, m),
-        "seq_ratio_mean": masked_mean(safe_exp(log_s_tok.detach()), m),
-        "approx_kl": masked_mean(-log_s_tok.detach(), m),
-    }
-
-
 def sequence_stats(inputs: LossInputs, d: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(log s_i [S] differentiable, A_i [S], active counts [S], token->seq index [N])."""
     idx, _ = inputs.seq_index
@@ -57,29 +53,32 @@ def sequence_stats(inputs: LossInputs, d: Tensor) -> tuple[Tensor, Tensor, Tenso
     return log_s, adv_i, cnt, idx
 
 
-def gspo(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
+def gspo(inputs: LossInputs, cfg: GSPOConfig, surrogate=clipped_surrogate) -> TokenLoss:
     m = inputs.mask
-    d = inputs.flat("logprobs") - inputs.behavior_or_old()
+    d = inputs.flat("logprobs") - inputs.behavior_or_old()  # log pi_t - log pi_old_t
     log_s, adv_i, cnt, idx = sequence_stats(inputs, d)  # grad flows to every token of seq i
-    s_i, clipped, r = clipped_surrogate(log_s, adv_i, cfg.eps_low, cfg.eps_high)
-    live = (cnt > 0).to(m.dtype)
-    n_seq = live.sum()
+    s, clipped, s_ratio = surrogate(log_s, adv_i, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    loss_i, _ = dual_clip_cap(-s, adv_i, cfg.dual_clip)
+    live = (cnt > 0).to(m.dtype)  # sequences with active tokens
     metrics = {
-        "clipfrac": masked_mean(clipped, live, n_seq),  # share of sequences clipped
-        "seq_ratio_mean": masked_mean(r, live, n_seq),
-        "approx_kl": -masked_mean(log_s.detach(), live, n_seq),
+        "clipfrac": masked_mean(clipped, live),
+        "seq_ratio_mean": masked_mean(s_ratio, live),
+        "approx_kl": -masked_mean(log_s.detach(), live),
     }
-    pg_i = dual_clip_cap(-s_i, adv_i, cfg.dual_clip)
-    return TokenLoss(broadcast(pg_i, idx) * m, m, metrics)
+    return TokenLoss(broadcast(loss_i, idx) * m, m, metrics)
 
 
-def gspo_token(inputs: LossInputs, cfg: GSPOConfig) -> TokenLoss:
+def gspo_token(inputs: LossInputs, cfg: GSPOConfig, surrogate=clipped_surrogate) -> TokenLoss:
     m = inputs.mask
-    logp = inputs.flat("logprobs")
-    d = logp - inputs.behavior_or_old()
-    log_s, _ = sequence_mean(d.detach(), inputs)
-    log_s_it = log_s + logp - logp.detach()
-    s, clipped, _ = clipped_surrogate(log_s_it, inputs.flat("advantages"),
-                                      cfg.eps_low, cfg.eps_high)
-    pg = dual_clip_cap(-s, inputs.flat("advantages"), cfg.dual_clip)
-    return TokenLoss(pg * m, m, _seq_metrics(log_s, clipped, m))
+    log_pi = inputs.flat("logprobs")
+    adv = inputs.flat("advantages")
+    log_s, _ = sequence_mean((log_pi - inputs.behavior_or_old()).detach(), inputs)  # sg[log s_i]
+    log_s_it = log_s + log_pi - log_pi.detach()  # s_it = sg[s_i] * pi_t / sg[pi_t]
+    s, clipped, _ = surrogate(log_s_it, adv, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    loss, _ = dual_clip_cap(-s, adv, cfg.dual_clip)
+    metrics = {
+        "clipfrac": masked_mean(clipped, m),
+        "seq_ratio_mean": masked_mean(safe_exp(log_s), m),
+        "approx_kl": masked_mean(-log_s, m),
+    }
+    return TokenLoss(loss * m, m, metrics)

@@ -2,7 +2,13 @@
 
 rho = pi_old / mu: the trainer's probability under the rollout weights over the engine's
 (behavior) probability; all weights are detached. They need ``old_logprobs``. The base
-surrogate is PPO's S(pi/pi_old, A; eps_low, eps_high).
+surrogate is PPO's S(pi/pi_old, A; eps_low, eps_high):
+
+    TIS:     loss_t = -min(rho_t, C) * S_t
+    MIS:     loss_t = -rho * 1[lower <= rho <= upper] * S_t   (rho per token, sequence product
+             or geometric mean; a sequence with some rho_t < veto is dropped); rejected
+             tokens leave the denominator
+    IcePop:  loss_t = -M(k_t) * S_t,  k = rho,  M(k) = k if lo <= k <= hi else 0
 """
 
 from __future__ import annotations
@@ -18,8 +24,7 @@ from .base import LossConfig, TokenLoss
 from .gspo import sequence_mean
 from .inputs import LossInputs
 from .ops import broadcast, masked_mean, safe_exp
-from .fused import ppo_metrics
-from .ppo import fused_ppo, ppo_token_loss
+from .ppo import ppo_token_loss
 
 
 def _rho_log(inputs: LossInputs) -> Tensor:
@@ -41,19 +46,17 @@ class TISConfig(LossConfig):
                     "loss. None (the paper's form) disables it.")
 
 
-def tis(inputs: LossInputs, cfg: TISConfig) -> TokenLoss:
+def tis(inputs: LossInputs, cfg: TISConfig, token_loss=ppo_token_loss) -> TokenLoss:
     m = inputs.mask
     rho = safe_exp(_rho_log(inputs))
-    w = torch.clamp(rho, max=cfg.cap)
-    wm = w * m  # > 0 on active tokens: folded into the fused surrogate's weight
-    pg, s = fused_ppo(inputs.flat("logprobs"), inputs.require_old(),
-                      inputs.flat("advantages"), m, inputs.mask_count, cfg.eps_low,
-                      cfg.eps_high, weight=wm, dual_clip=cfg.dual_clip)
-    metrics = ppo_metrics(s, inputs.mask_count)
+    w = torch.clamp(rho, max=cfg.cap)  # min(rho, C)
+    loss, _, metrics = token_loss(inputs.flat("logprobs"), inputs.require_old(),
+                                  inputs.flat("advantages"), m, 1.0 - cfg.eps_low,
+                                  1.0 + cfg.eps_high, cfg.dual_clip, weight=w)
     metrics["tis_weight_mean"] = masked_mean(w, m)
     metrics["tis_capped_frac"] = masked_mean((rho > cfg.cap).to(m.dtype), m)
     metrics["rho_mean"] = masked_mean(rho, m)
-    return TokenLoss(pg, m, metrics)
+    return TokenLoss(loss, m, metrics)
 
 
 class MISConfig(LossConfig):
@@ -85,7 +88,7 @@ class MISConfig(LossConfig):
         return self
 
 
-def mis(inputs: LossInputs, cfg: MISConfig) -> TokenLoss:
+def mis(inputs: LossInputs, cfg: MISConfig, token_loss=ppo_token_loss) -> TokenLoss:
     m = inputs.mask
     log_rho_t = _rho_log(inputs)
     if cfg.level == "token":
@@ -109,14 +112,14 @@ def mis(inputs: LossInputs, cfg: MISConfig) -> TokenLoss:
             vetoed = bad
     accept = keep.to(m.dtype) * (1.0 - vetoed) * m
     w = rho * accept
-    lr = inputs.flat("logprobs") - inputs.require_old()
-    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
-                                 cfg.dual_clip)
+    loss, _, metrics = token_loss(inputs.flat("logprobs"), inputs.require_old(),
+                                  inputs.flat("advantages"), m, 1.0 - cfg.eps_low,
+                                  1.0 + cfg.eps_high, cfg.dual_clip)
     metrics["mis_reject_rate"] = masked_mean(1.0 - accept, m)
     metrics["mis_veto_rate"] = masked_mean(vetoed, m)
     metrics["mis_weight_mean"] = masked_mean(rho, accept)
     metrics["mask_rate"] = metrics["mis_reject_rate"]
-    return TokenLoss(pg * w, accept, metrics)
+    return TokenLoss(loss * w, accept, metrics)
 
 
 class IcePopConfig(LossConfig):
@@ -137,15 +140,15 @@ class IcePopConfig(LossConfig):
                     "loss. None (the paper's form) disables it.")
 
 
-def icepop(inputs: LossInputs, cfg: IcePopConfig) -> TokenLoss:
+def icepop(inputs: LossInputs, cfg: IcePopConfig, token_loss=ppo_token_loss) -> TokenLoss:
     m = inputs.mask
     k = safe_exp(_rho_log(inputs))
     keep = ((k >= cfg.lo) & (k <= cfg.hi)).to(m.dtype)
-    w = k * keep
-    lr = inputs.flat("logprobs") - inputs.require_old()
-    pg, metrics = ppo_token_loss(lr, inputs.flat("advantages"), m, cfg.eps_low, cfg.eps_high,
-                                 cfg.dual_clip)
+    w = k * keep  # M(k)
+    loss, _, metrics = token_loss(inputs.flat("logprobs"), inputs.require_old(),
+                                  inputs.flat("advantages"), m, 1.0 - cfg.eps_low,
+                                  1.0 + cfg.eps_high, cfg.dual_clip)
     metrics["mask_rate"] = masked_mean(1.0 - keep, m)
     metrics["k_mean"] = masked_mean(k, m)
     denom = m * keep if cfg.rejected_leave_denominator else m
-    return TokenLoss(pg * w * m, denom, metrics)
+    return TokenLoss(loss * w * m, denom, metrics)

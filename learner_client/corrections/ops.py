@@ -1,10 +1,8 @@
 """Small pure tensor helpers shared by the losses (all [N] tensors, no N x vocab).
 
-Speed: every op here touches [N] tensors only. ``clipped_surrogate`` (sequence-level
-losses, eager reference forms) is one autograd Function whose backward is a single
-multiply; the token-level losses use the fused kernels of fused.py instead. Quantiles are
-exact selections, never sorts: on CPU numpy's introselect (np.partition, several times
-faster than torch.kthvalue), on a bracket of candidates found from a strided sample when
+Speed: every op here touches [N] tensors only. Quantiles are exact selections, never
+sorts: on CPU numpy's introselect (np.partition, several times faster than
+torch.kthvalue), on a bracket of candidates found from a strided sample when
 N is large (``quantile_and_tail`` also returns the indices above the quantile, so SAT's
 gate and ESTR's mask need no extra pass); elsewhere a torch Floyd-Rivest bracket and
 kthvalue.
@@ -23,11 +21,9 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def safe_exp(log_ratio: Tensor) -> Tensor:
+    """exp(clamp(log_ratio, -20, 20)): finite for any input (its gradient is 0 where the
+    clamp binds)."""
     return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
-def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum()
 
 
 def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
@@ -37,71 +33,6 @@ def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
     num = torch.dot(x.reshape(-1), mask.reshape(-1)) if x.dim() <= 1 else (x * mask).sum()
     den = mask.sum() if count is None else count
     return num / den.clamp_min(1.0)
-
-
-class _ClippedSurrogate(torch.autograd.Function):
-    """S = min(r*A, clip(r, lo, hi)*A), r = exp(d); dS/dd = r*A where the unclipped
-    branch is the min (ties count as unclipped), else 0. Gradient only w.r.t. d."""
-
-    @staticmethod
-    def forward(ctx, d, adv, lo, hi):  # type: ignore[override]
-        r = safe_exp(d)
-        un = r * adv
-        rc = torch.clamp(r, min=lo, max=hi)
-        cl = rc.mul_(adv)
-        clipped = cl < un
-        s = torch.minimum(un, cl)
-        ctx.save_for_backward(un.masked_fill_(clipped, 0.0))
-        ctx.mark_non_differentiable(clipped, r)
-        return s, clipped, r
-
-    @staticmethod
-    def backward(ctx, grad_s, _g_clipped, _g_r):  # type: ignore[override]
-        (g,) = ctx.saved_tensors
-        return grad_s * g, None, None, None
-
-
-def clipped_surrogate(ratio_log: Tensor, adv: Tensor, eps_low: Tensor | float,
-                      eps_high: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO's S(r, A; lo, hi) for r = exp(ratio_log): (S, clipped 0/1 float, r detached).
-
-    ``eps_low``/``eps_high`` may be per-token tensors (SAT). ``clipped`` is 1 where the
-    clipped branch is strictly the smaller one (the token's gradient is 0 there).
-    """
-    return clipped_surrogate_bounds(ratio_log, adv, 1.0 - eps_low, 1.0 + eps_high)
-
-
-def clipped_surrogate_bounds(ratio_log: Tensor, adv: Tensor, lo: Tensor | float,
-                             hi: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
-    """clipped_surrogate with the clip interval [lo, hi] given directly."""
-    if isinstance(lo, Tensor):
-        lo = lo.detach().to(ratio_log.dtype)
-    if isinstance(hi, Tensor):
-        hi = hi.detach().to(ratio_log.dtype)
-    s, clipped, r = _ClippedSurrogate.apply(ratio_log, adv.detach().to(ratio_log.dtype), lo, hi)
-    return s, clipped.to(ratio_log.dtype), r
-
-
-def dual_clip_cap(pg: Tensor, adv: Tensor, c: float | None) -> Tensor:
-    """Dual clip on a loss -S (Ye et al. 2020): where A < 0, min(-S, -c*A); torch.where, so
-    capped entries get exactly zero gradient. Identity when c is None."""
-    if c is None:
-        return pg
-    adv = adv.detach().to(pg.dtype)
-    cap = adv * (-c)
-    return torch.where((adv < 0) & (pg > cap), cap, pg)
-
-
-def seg_sum(x: Tensor, index: Tensor, num: int) -> Tensor:
-    """Per-segment sums: out[s] = sum_{i: index[i]=s} x[i] (differentiable)."""
-    return torch.zeros(num, dtype=x.dtype, device=x.device).index_add(0, index, x)
-
-
-def seg_masked_mean(x: Tensor, mask: Tensor, index: Tensor, num: int,
-                    counts: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(per-segment mean of x over active tokens [S], active count per segment [S])."""
-    cnt = seg_sum(mask, index, num) if counts is None else counts
-    return seg_sum(x * mask, index, num) / cnt.clamp_min(1.0), cnt
 
 
 def broadcast(per_seg: Tensor, index: Tensor) -> Tensor:

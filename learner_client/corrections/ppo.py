@@ -1,8 +1,15 @@
-"""PPO-family losses: ppo_clip, grpo (+k3 KL), dr_grpo, dapo.
+"""PPO-family losses (ppo_clip, grpo, dr_grpo, dapo) and PPO's clipped surrogate, which
+every other loss builds on.
 
-All use the ratio r = pi / pi_old with pi_old = ``old_logprobs`` when given, else the
-behavior logprobs (on-policy assumption). Loss per token = -S(r, A; eps_low, eps_high)
-(optionally dual-clipped), times loss_mask; aggregation per config.
+    r_t = pi_t / pi_old_t        pi_old = old_logprobs where given, else mu (on-policy)
+    S(r, A; lo, hi) = min(r A, clip(r, lo, hi) A),    lo = 1 - eps_low, hi = 1 + eps_high
+    loss_t = -S(r_t, A_t) * loss_mask_t               dual clip c: at most c |A_t| if A_t < 0
+    grpo:  + beta * k3_t,  k3 = pi_ref/pi - log(pi_ref/pi) - 1  (>= 0, needs ref_logprobs)
+
+Diagnostics over the active tokens: clipfrac (share on the clipped branch, where the
+gradient is 0), approx_kl (mean log pi_old - log pi, verl's ppo_kl), ratio_mean,
+dual_clipfrac (with a dual clip), kl (grpo's k3 mean). Ratios are computed in log space and
+exp'd through a clamp at e^+-20 (``ops.safe_exp``).
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ from torch import Tensor
 
 from .base import Aggregation, LossConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
-from .fused import Surrogate, fused_token_loss, ppo_metrics, ppo_surrogate
-from .ops import clipped_surrogate_bounds, masked_mean, safe_exp
+from .ops import masked_mean, safe_exp
+
+Bound = float | Tensor  # a clip endpoint: one number, or one per token (SAT)
 
 
 class PPOClipConfig(LossConfig):
@@ -28,78 +36,58 @@ class PPOClipConfig(LossConfig):
                     "-c*A. None disables it.")
 
 
-def ppo_token_loss(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
-                   eps_high: float | Tensor, dual_clip: float | None = None,
-                   count: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token -S(exp(log_ratio), A), dual-clipped if asked, times mask; plus metrics."""
-    pg, _, metrics = ppo_token_loss_ex(log_ratio, adv, mask, eps_low, eps_high, dual_clip, count)
-    return pg, metrics
+def clipped_surrogate(log_ratio: Tensor, adv: Tensor, lo: Bound, hi: Bound
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """(S, clipped, r): S = min(r A, clip(r, lo, hi) A) for r = exp(log_ratio); ``clipped``
+    (bool) where the clipped branch is strictly smaller (S's gradient is 0 there); r detached."""
+    r = safe_exp(log_ratio)
+    adv = adv.detach().to(r.dtype)
+    unclipped = r * adv
+    clipped = torch.clamp(r, lo, hi) * adv
+    return torch.minimum(unclipped, clipped), clipped < unclipped, r.detach()
 
 
-def ppo_token_loss_ex(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float | Tensor,
-                      eps_high: float | Tensor, dual_clip: float | None = None,
-                      count: Tensor | None = None,
-                      bounds: tuple[Tensor, Tensor] | None = None
-                      ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Like ppo_token_loss, also returning the clipped indicator [N] (detached, 0/1).
+def dual_clip_cap(loss: Tensor, adv: Tensor, c: float | None) -> tuple[Tensor, Tensor | None]:
+    """Dual clip (Ye et al. 2020) of a loss -S: where A < 0, min(-S, c |A|) (capped tokens get
+    zero gradient). Returns (loss, capped bool), or (loss, None) when c is None."""
+    if c is None:
+        return loss, None
+    adv = adv.detach().to(loss.dtype)
+    cap = adv * (-c)
+    capped = (adv < 0) & (loss > cap)
+    return torch.where(capped, cap, loss), capped
 
-    Metrics: clipfrac (share of active tokens whose clipped branch is the min), approx_kl
-    (mean of log pi_old - log pi over active tokens, verl's ppo_kl), ratio_mean.
-    Scalar eps: one fused autograd node (``fused_ppo``); per-token bounds: eager ops.
-    """
-    if count is None:
-        count = mask.sum()
-    if bounds is None and not isinstance(eps_low, Tensor) and not isinstance(eps_high, Tensor):
-        pg, s = fused_ppo(log_ratio, None, adv, mask, count, eps_low, eps_high,
-                          dual_clip=dual_clip)
-        return pg, s.clipped.to(mask.dtype), ppo_metrics(s, count)
-    if bounds is not None:  # per-token [lo, hi] given directly
-        s, clipped, r = clipped_surrogate_bounds(log_ratio, adv, bounds[0], bounds[1])
-    else:
-        s, clipped, r = clipped_surrogate_bounds(log_ratio, adv, 1.0 - eps_low, 1.0 + eps_high)
+
+def ppo_token_loss(log_pi: Tensor, log_pi_old: Tensor, adv: Tensor, mask: Tensor, lo: Bound,
+                   hi: Bound, dual_clip: float | None = None, weight: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-token -S(pi/pi_old, A; lo, hi), dual-clipped, times mask (and times ``weight``, a
+    detached per-token factor such as an importance weight), with PPO's diagnostics.
+
+    Returns (loss [N], clipped bool [N] (meaningful on active tokens), metrics). The fused
+    backend swaps in ``fused.kernel.fused_ppo_token_loss``: same signature, same results."""
+    log_ratio = log_pi - log_pi_old  # log r
+    s, clipped, r = clipped_surrogate(log_ratio, adv, lo, hi)
+    loss, capped = dual_clip_cap(-s, adv, dual_clip)
     metrics = {
-        "clipfrac": masked_mean(clipped, mask, count),
-        "approx_kl": -masked_mean(log_ratio.detach(), mask, count),
-        "ratio_mean": masked_mean(r, mask, count),
+        "clipfrac": masked_mean(clipped, mask),
+        "approx_kl": masked_mean(-log_ratio.detach(), mask),  # mean log pi_old - log pi
+        "ratio_mean": masked_mean(r, mask),
     }
-    pg = -s
-    if dual_clip is not None:
-        cap = -dual_clip * adv
-        neg = adv < 0
-        metrics["dual_clipfrac"] = masked_mean((neg & (pg > cap)).to(pg.dtype), mask, count)
-        pg = torch.where(neg, torch.minimum(pg, cap), pg)
-    return pg * mask, clipped, metrics
+    if capped is not None:
+        metrics["dual_clipfrac"] = masked_mean(capped, mask)
+    loss = loss * mask
+    return (loss if weight is None else loss * weight), clipped, metrics
 
 
-def fused_ppo(x: Tensor, base: Tensor | None, adv: Tensor, mask: Tensor, count: Tensor,
-              eps_low: float, eps_high: float, *, weight: Tensor | None = None,
-              dual_clip: float | None = None) -> tuple[Tensor, Surrogate]:
-    """Per-token -S(exp(x - base), A) * w as one autograd node (see fused.py), w = mask or
-    ``weight`` (detached, mask already applied). Returns (pg [N], Surrogate for metrics)."""
-    adv = adv.detach().to(x.dtype)
-    box: list[Surrogate] = []
-
-    def kernel(xv: Tensor) -> tuple[Tensor, Tensor]:
-        d = xv - base if base is not None else xv
-        s = ppo_surrogate(d, adv, mask, 1.0 - eps_low, 1.0 + eps_high, weight=weight,
-                          dual_clip=dual_clip, own_d=base is not None)
-        box.append(s)
-        return s.pg, s.grad
-
-    pg = fused_token_loss(x, kernel)
-    return pg, box[0]
-
-
-def _ppo(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:
+def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig, token_loss=ppo_token_loss) -> TokenLoss:
+    """-S(pi/pi_old, A; 1 - eps_low, 1 + eps_high) per active token (also dr_grpo and dapo,
+    which differ in their defaults and aggregation only)."""
     m = inputs.mask
-    pg, s = fused_ppo(inputs.flat("logprobs"), inputs.behavior_or_old(),
-                      inputs.flat("advantages"), m, inputs.mask_count, cfg.eps_low,
-                      cfg.eps_high, dual_clip=cfg.dual_clip)
-    return TokenLoss(pg, m, ppo_metrics(s, inputs.mask_count))
-
-
-def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig) -> TokenLoss:
-    return _ppo(inputs, cfg)
+    loss, _, metrics = token_loss(inputs.flat("logprobs"), inputs.behavior_or_old(),
+                                  inputs.flat("advantages"), m, 1.0 - cfg.eps_low,
+                                  1.0 + cfg.eps_high, cfg.dual_clip)
+    return TokenLoss(loss, m, metrics)
 
 
 class GRPOConfig(PPOClipConfig):
@@ -119,37 +107,22 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return safe_exp(d) - d - 1.0
 
 
-def grpo(inputs: LossInputs, cfg: GRPOConfig) -> TokenLoss:
-    """PPO clip plus beta * k3(pi, pi_ref) on the active tokens, one fused node: the k3
-    term's gradient d/dlog pi [e^(ref - log pi) - (ref - log pi) - 1] = 1 - e^(ref - log pi)
-    is added to the surrogate's closed-form gradient."""
-    if cfg.kl_coef <= 0.0:
-        return _ppo(inputs, cfg)
+def add_k3_kl(tok: TokenLoss, inputs: LossInputs, kl_coef: float, who: str) -> TokenLoss:
+    """tok plus kl_coef * k3(pi, pi_ref) on the active tokens (aggregated like tok) and the
+    diagnostic ``kl`` (mean k3 over the active tokens). kl_coef = 0: tok unchanged."""
+    if kl_coef <= 0.0:
+        return tok
     if inputs.ref_logprobs is None:
-        raise LossInputError("grpo with kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
+        raise LossInputError(f"{who} with kl_coef > 0 needs ref_logprobs (or set kl_coef=0)")
     m = inputs.mask
-    base = inputs.behavior_or_old()
-    ref = inputs.flat("ref_logprobs").detach()
-    adv = inputs.flat("advantages").detach()
-    beta = cfg.kl_coef
-    box: dict[str, object] = {}
+    kl = k3_kl(inputs.flat("logprobs"), inputs.flat("ref_logprobs").detach())
+    tok.metrics["kl"] = masked_mean(kl.detach(), m)
+    return TokenLoss(tok.loss + kl_coef * kl * m, tok.denom_mask, tok.metrics)
 
-    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
-        s = ppo_surrogate(x - base, adv.to(x.dtype), m, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
-                          dual_clip=cfg.dual_clip, own_d=True)
-        e = ref - x
-        ex = safe_exp(e)
-        kl = (ex - e).sub_(1.0)  # k3 >= 0
-        box["kl_sum"] = torch.dot(kl, m)
-        s.pg.add_(kl.mul_(m), alpha=beta)
-        s.grad.add_(ex.neg_().add_(1.0).mul_(m), alpha=beta)
-        box["s"] = s
-        return s.pg, s.grad
 
-    pg = fused_token_loss(inputs.flat("logprobs"), kernel)
-    metrics = ppo_metrics(box["s"], inputs.mask_count)  # type: ignore[arg-type]
-    metrics["kl"] = box["kl_sum"] / inputs.mask_count.clamp_min(1.0)  # type: ignore[operator]
-    return TokenLoss(pg, m, metrics)
+def grpo(inputs: LossInputs, cfg: GRPOConfig) -> TokenLoss:
+    """PPO's clipped surrogate plus beta * k3(pi, pi_ref)."""
+    return add_k3_kl(ppo_clip(inputs, cfg), inputs, cfg.kl_coef, "grpo")
 
 
 class DrGRPOConfig(PPOClipConfig):
@@ -161,10 +134,6 @@ class DrGRPOConfig(PPOClipConfig):
         "aggregation"].description)
 
 
-def dr_grpo(inputs: LossInputs, cfg: DrGRPOConfig) -> TokenLoss:
-    return _ppo(inputs, cfg)
-
-
 class DAPOConfig(PPOClipConfig):
     """DAPO (Yu et al. 2025): clip-higher eps_low 0.2 / eps_high 0.28, token-level mean over
     the whole batch. Dynamic sampling and overlong shaping act on data/rewards, see
@@ -173,7 +142,3 @@ class DAPOConfig(PPOClipConfig):
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
     eps_high: float = Field(0.28, ge=0.0,
                             description="Upper clip (clip-higher): r <= 1 + eps_high.")
-
-
-def dapo(inputs: LossInputs, cfg: DAPOConfig) -> TokenLoss:
-    return _ppo(inputs, cfg)

@@ -1,5 +1,6 @@
-"""Fused kernels (one autograd node per loss) against the eager reference forms, autograd
-gradchecks of the custom Function, and the numpy selection / segment helpers."""
+"""Fused kernels (one autograd node per loss, ``backend="fused"``) against the readable
+reference losses, autograd gradchecks of the custom Function, and the numpy selection /
+segment helpers."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ import pytest
 import torch
 
 from learner_client.corrections import LOSSES, LossInputs, compute_loss
-from learner_client.corrections.decoupled import decoupled_ppo_reference
-from learner_client.corrections.estr import estr_reference, version_spread
-from learner_client.corrections.fused import fused_token_loss, ppo_surrogate
+from learner_client.corrections.estr import version_spread
+from learner_client.corrections.fused.kernel import fused_ppo, fused_token_loss, ppo_surrogate
 from learner_client.corrections.ops import quantile_and_tail
-from learner_client.corrections.ppo import fused_ppo
-from learner_client.corrections.sat import sat_reference
 
 
 def _batch(n=600, seed=0, scale=0.3, dtype=torch.float64, p_mask=0.1):
@@ -52,7 +50,7 @@ def test_sat_fused_equals_eager(seed, scale):
     lp, mu, _, adv, mask, _ = _batch(seed=seed, scale=scale)
     kw = dict(logprobs=lp, rollout_logprobs=mu, advantages=adv, loss_mask=mask)
     spec = LOSSES["sat"]
-    _assert_same(_run((spec.token_fn, spec), kw, None), _run((sat_reference, spec), kw, None))
+    _assert_same(_run((spec.fused, spec), kw, None), _run((spec.reference, spec), kw, None))
 
 
 def test_sat_fused_zero_quantile_is_ppo():
@@ -78,7 +76,7 @@ def test_estr_fused_equals_eager(cfg, missing):
     kw = dict(logprobs=lp, rollout_logprobs=mu, advantages=adv, loss_mask=mask, entropy=ent,
               versions=seq % 5, seq_ids=seq, learner_version=7)
     spec = LOSSES["estr"]
-    _assert_same(_run((spec.token_fn, spec), kw, cfg), _run((estr_reference, spec), kw, cfg))
+    _assert_same(_run((spec.fused, spec), kw, cfg), _run((spec.reference, spec), kw, cfg))
 
 
 @pytest.mark.parametrize("cfg", [{}, {"discrepancy": "mask"}, {"discrepancy": "truncate"},
@@ -91,8 +89,8 @@ def test_decoupled_fused_equals_eager(cfg):
     kw = dict(logprobs=lp, rollout_logprobs=mu, old_logprobs=old, advantages=adv,
               loss_mask=mask, versions=ver, learner_version=6)
     spec = LOSSES["decoupled_ppo"]
-    got = _run((spec.token_fn, spec), kw, cfg)
-    _assert_same(got, _run((decoupled_ppo_reference, spec), kw, cfg))
+    got = _run((spec.fused, spec), kw, cfg)
+    _assert_same(got, _run((spec.reference, spec), kw, cfg))
     if cfg.get("behav_imp_weight_cap") == 1.5:
         assert 0 < got[2]["behav_mask_rate"].item() < 1
 
@@ -100,7 +98,7 @@ def test_decoupled_fused_equals_eager(cfg):
 def _fused_ppo_fn(adv, mask, weight=None, dual=None):
     def f(x):
         base = torch.zeros_like(x)
-        pg, _ = fused_ppo(x, base, adv, mask, mask.sum(), 0.2, 0.2, weight=weight,
+        pg, _ = fused_ppo(x, base, adv, mask, mask.sum(), 0.8, 1.2, weight=weight,
                           dual_clip=dual)
         return (pg * torch.linspace(0.5, 1.5, x.numel(), dtype=x.dtype)).sum()
     return f
@@ -134,7 +132,8 @@ def test_gradcheck_fused_function_with_sat_and_estr_kernels():
         def f(x, name=name, cfg=cfg, old=old):
             a = adv_sat if name == "sat" else adv
             return compute_loss(name, LossInputs(x, mu, a, mask, entropy=ent,
-                                                 old_logprobs=old), cfg)[0]
+                                                 old_logprobs=old),
+                                {**(cfg or {}), "backend": "fused"})[0]
 
         assert torch.autograd.gradcheck(f, (lp.clone().requires_grad_(),), eps=1e-6,
                                         atol=1e-6), name
@@ -219,39 +218,42 @@ def test_fused_equals_eager_large_float32(name):
                                          p_mask=0.05)
     kw = dict(logprobs=lp, rollout_logprobs=mu, old_logprobs=old, advantages=adv,
               loss_mask=mask, entropy=ent)
-    ref = {"sat": sat_reference, "estr": estr_reference,
-           "decoupled_ppo": decoupled_ppo_reference}[name]
     spec = LOSSES[name]
-    (la, ga, ma), (lb, gb, mb) = _run((spec.token_fn, spec), kw, None), _run((ref, spec), kw, None)
+    (la, ga, ma), (lb, gb, mb) = (_run((spec.fused, spec), kw, None),
+                                  _run((spec.reference, spec), kw, None))
     assert la.item() == pytest.approx(lb.item(), rel=1e-5)
     assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-12)
     for k in ma:  # eager eps_*_mean = float32 dot(1 + eps*c, m)/n - 1: ~1e-5 cancellation
         assert ma[k].item() == pytest.approx(mb[k].item(), rel=1e-4, abs=1e-4), k
 
 
-def test_empty_batch_gives_zero_loss_for_every_loss():
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_empty_batch_gives_zero_loss_for_every_loss(backend):
     z = torch.zeros(0, dtype=torch.float64)
     for name in sorted(LOSSES):
         x = z.clone().requires_grad_()
         inp = LossInputs(x, z, z, z, old_logprobs=z, ref_logprobs=z, entropy=z,
                          cu_seqlens=torch.tensor([0]))
-        loss, _ = compute_loss(name, inp)
+        loss, _ = compute_loss(name, inp, {"backend": backend})
         loss.backward()
         assert loss.item() == 0.0, name
 
 
+@pytest.mark.parametrize("backend", ["reference", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_inputs_take_the_torch_paths(dtype):
+def test_half_precision_inputs_take_the_torch_paths(dtype, backend):
     """numpy cannot read bfloat16: selections fall back to torch; results match float32."""
     lp, mu, old, adv, mask, ent = _batch(n=3000, seed=11, scale=0.2, dtype=torch.float32)
+    cfg = {"backend": backend}
     for name in ("sat", "estr", "decoupled_ppo", "ppo_clip"):
         kw = dict(old_logprobs=old, entropy=ent)
         lo = compute_loss(name, LossInputs(lp.to(dtype), mu.to(dtype), adv.to(dtype),
                                            mask.to(dtype), **{k: v.to(dtype)
-                                                              for k, v in kw.items()}))[0]
+                                                              for k, v in kw.items()}), cfg)[0]
         hi = compute_loss(name, LossInputs(lp.to(dtype).float(), mu.to(dtype).float(),
                                            adv.to(dtype).float(), mask,
-                                           **{k: v.to(dtype).float() for k, v in kw.items()}))[0]
+                                           **{k: v.to(dtype).float() for k, v in kw.items()}),
+                          cfg)[0]
         assert lo.float().item() == pytest.approx(hi.item(), rel=0.05, abs=2e-3), name
 
 

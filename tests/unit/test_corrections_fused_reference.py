@@ -1,8 +1,9 @@
-"""The fused SAT, ESTR and decoupled-PPO kernels against their eager reference forms
-(``sat_reference``, ``estr_reference``, ``decoupled_ppo_reference``: the straightforward
-per-token implementations) over every option, aggregation, layout and mask pattern: same
-loss, same metrics (every key), same gradient w.r.t. logprobs. Plus float64 gradchecks of
-the fused nodes, the capped quantile selection and the per-batch version bounds."""
+"""The fused backend of every registered loss (``spec.fused``, ``backend="fused"``) against
+its readable reference (``spec.reference``, the default) over every option, aggregation,
+layout and mask pattern (all active, none active, fully masked sequences, NaN/inf at masked
+positions, missing entropy, a log-ratio past the e^20 clamp on an active token): same loss,
+same metrics (every key), same gradient w.r.t. logprobs. Plus float64 gradchecks of the
+fused nodes, the capped quantile selection and the per-batch version bounds."""
 
 from __future__ import annotations
 
@@ -14,19 +15,36 @@ import torch
 
 from learner_client.corrections import LOSSES, LossInputs, compute_loss
 from learner_client.corrections.base import aggregate
-from learner_client.corrections.decoupled import decoupled_ppo_reference
-from learner_client.corrections.estr import estr_reference, version_spread
+from learner_client.corrections.estr import version_spread
 from learner_client.corrections.ops import quantile_and_tail
-from learner_client.corrections.sat import _with_kl, sat_reference
-
-
-def _sat_ref(inp, cfg):
-    return _with_kl(sat_reference(inp, cfg), inp, cfg)
-
-
-REFERENCE = {"sat": _sat_ref, "estr": estr_reference, "decoupled_ppo": decoupled_ppo_reference}
 
 CASES: list[tuple[str, dict]] = [
+    ("ppo_clip", {}),
+    ("ppo_clip", {"dual_clip": 3.0}),
+    ("grpo", {}),
+    ("grpo", {"kl_coef": 0.0}),
+    ("grpo", {"dual_clip": 2.0}),
+    ("dr_grpo", {}),
+    ("dapo", {}),
+    ("gspo", {}),
+    ("gspo", {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0}),
+    ("gspo_token", {}),
+    ("gspo_token", {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0}),
+    ("tis", {}),
+    ("tis", {"dual_clip": 3.0}),
+    ("mis", {}),
+    ("mis", {"level": "sequence", "lower": 0.5}),
+    ("mis", {"level": "geometric", "dual_clip": 3.0}),
+    ("mis", {"veto_threshold": None}),
+    ("icepop", {}),
+    ("icepop", {"rejected_leave_denominator": True, "dual_clip": 3.0}),
+    ("ppo_ewma", {}),
+    ("ppo_ewma", {"dual_clip": 3.0}),
+    ("ppo_ewma", {"imp_samp_max": None}),
+    ("ppo_ewma_revised", {}),
+    ("ppo_ewma_revised", {"dual_clip": 2.0, "discrepancy_c": 1.2}),
+    ("sat_gspo", {}),
+    ("sat_gspo", {"kl_coef": 0.1, "dual_clip": 3.0, "quantile": 0.5}),
     ("sat", {}),
     ("sat", {"dual_clip": 3.0}),
     ("sat", {"kl_coef": 0.1}),
@@ -51,7 +69,11 @@ CASES: list[tuple[str, dict]] = [
 ]
 _IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in c.items()) or 'default'}" for n, c in CASES]
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "constant"]
-MASKS = ["random", "all", "empty", "poisoned", "missing_entropy"]
+MASKS = ["random", "all", "empty", "poisoned", "missing_entropy", "masked_rows", "wild_ratio"]
+
+
+def test_every_registered_loss_is_compared():
+    assert {name for name, _ in CASES} == set(LOSSES)
 
 
 def _columns(mask_kind: str, padded: bool, seed: int = 0, dtype=torch.float64
@@ -88,6 +110,16 @@ def _columns(mask_kind: str, padded: bool, seed: int = 0, dtype=torch.float64
             t[np.flatnonzero(~active)[::3]] = bad
     if mask_kind == "missing_entropy":  # NaN entropy on active tokens: never masked
         out["entropy"].reshape(-1)[np.flatnonzero(active)[::11]] = math.nan
+    if mask_kind == "masked_rows":  # whole sequences without an active token
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        for i in (0, 2):
+            lo, hi = (i * width, i * width + lens[i]) if padded else (starts[i], starts[i + 1])
+            active[lo:hi] = False
+    if mask_kind == "wild_ratio":  # active tokens whose |log-ratios| pass the e^20 clamp
+        idx = np.flatnonzero(active)[::13]
+        for k, shift in (("rollout_logprobs", -30.0), ("old_logprobs", -25.0)):
+            out[k].reshape(-1)[idx] = out["logprobs"].reshape(-1)[idx] + shift
+        out["ref_logprobs"].reshape(-1)[idx[::2]] += 25.0
     out["loss_mask"] = torch.tensor(active, dtype=torch.bool).reshape(shape)
     out["versions"] = torch.tensor(rng.integers(-1, 9, n)).reshape(shape)
     if not padded:
@@ -113,8 +145,8 @@ def test_fused_equals_reference_every_option(name, cfg, aggregation):
         for mask_kind in MASKS:
             cols = _columns(mask_kind, padded)
             c = {**cfg, "aggregation": aggregation}
-            (la, ga, ma) = _run(spec.token_fn, spec, cols, c)
-            (lb, gb, mb) = _run(REFERENCE[name], spec, cols, c)
+            (la, ga, ma) = _run(spec.fused, spec, cols, c)
+            (lb, gb, mb) = _run(spec.reference, spec, cols, c)
             where = f"{name} {c} padded={padded} mask={mask_kind}"
             assert torch.isfinite(la), where
             assert la.item() == pytest.approx(lb.item(), rel=1e-10, abs=1e-13), where
@@ -145,8 +177,8 @@ def test_fused_equals_reference_large_batch(name, cfg):
             "versions": torch.tensor(rng.integers(5, 9, n), dtype=torch.int32),
             "cu_seqlens": torch.arange(0, n + 1, seq), "learner_version": 9}
     spec = LOSSES[name]
-    (la, ga, ma), (lb, gb, mb) = (_run(spec.token_fn, spec, cols, cfg),
-                                  _run(REFERENCE[name], spec, cols, cfg))
+    (la, ga, ma), (lb, gb, mb) = (_run(spec.fused, spec, cols, cfg),
+                                  _run(spec.reference, spec, cols, cfg))
     assert la.item() == pytest.approx(lb.item(), rel=1e-10)
     assert torch.allclose(ga, gb, rtol=1e-10, atol=1e-15)
     assert set(ma) == set(mb)
@@ -182,7 +214,7 @@ def test_gradcheck_fused_losses(name, cfg):
         inp = LossInputs(x, mu, adv, mask, old_logprobs=old, ref_logprobs=mu - 0.1,
                          entropy=ent, versions=torch.arange(n) % 4, cu_seqlens=cu,
                          learner_version=4)
-        return compute_loss(name, inp, cfg)[0]
+        return compute_loss(name, inp, {**cfg, "backend": "fused"})[0]
 
     assert torch.autograd.gradcheck(f, (lp.clone().requires_grad_(),), eps=1e-6, atol=1e-6)
 

@@ -1,6 +1,7 @@
 """Tokens with loss_mask 0 never change any registered loss, its gradient or its metrics,
 whatever they hold (NaN, +-inf, huge values): a property test over every registered loss
-and its main variants, flat (cu_seqlens) and padded [B, T] layouts, float32 and float64."""
+and its main variants, both backends, flat (cu_seqlens) and padded [B, T] layouts, float32
+and float64."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True))
 
 
+@pytest.mark.parametrize("backend", ["reference", "fused"])
 @pytest.mark.parametrize(("name", "cfg"), CASES, ids=_IDS)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1),
@@ -94,8 +96,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
        active_p=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
        poison=st.lists(st.sampled_from(_POISON), min_size=1, max_size=3),
        dtype=st.sampled_from([torch.float32, torch.float64]))
-def test_masked_positions_never_change_loss_gradient_or_metrics(name, cfg, seed, lens, padded,
-                                                                 active_p, poison, dtype):
+def test_masked_positions_never_change_loss_gradient_or_metrics(backend, name, cfg, seed, lens,
+                                                                 padded, active_p, poison,
+                                                                 dtype):
     rng = np.random.default_rng(seed)
     clean = _inputs(rng, lens, padded, active_p, dtype)
     inactive = clean["loss_mask"] == 0
@@ -106,6 +109,7 @@ def test_masked_positions_never_change_loss_gradient_or_metrics(name, cfg, seed,
         dirty[field] = torch.where(inactive, vals, clean[field])
     dirty["versions"] = torch.where(inactive, torch.full_like(clean["versions"], -1),
                                     clean["versions"])
+    cfg = {**cfg, "backend": backend}
     l0, g0, m0 = _run(name, cfg, clean)
     l1, g1, m1 = _run(name, cfg, dirty)
     assert torch.isfinite(l1), (name, l1)

@@ -147,11 +147,13 @@ def test_masked_tokens_leave_denominators(name):
 
 # gspo_token's value is sg[s_i]-based on purpose (its gradient is not the derivative of its
 # value), so it is checked against the closed-form gradient in test_corrections_sequence.py.
+@pytest.mark.parametrize("backend", ["reference", "fused"])
 @pytest.mark.parametrize("name", sorted(set(LOSSES) - {"gspo_token"}))
-def test_gradcheck_float64(name):
+def test_gradcheck_float64(name, backend):
     lp, mu, old, adv, mask = _data(b=2, t=4, seed=5, spread=0.05)
     ent = torch.rand_like(lp) + 0.5
-    cfg = {"tau": 10.0, "target_mask_rate": None} if name == "estr" else None
+    cfg = {"tau": 10.0, "target_mask_rate": None} if name == "estr" else {}
+    cfg["backend"] = backend
 
     def f(x):
         inp = LossInputs(x, mu, adv, mask, old_logprobs=old, ref_logprobs=mu - 0.1,
