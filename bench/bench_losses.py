@@ -2,6 +2,10 @@
 
 One command:  .venv/bin/python bench/bench_losses.py [--tokens 1000000] [--reps 7]
 
+The losses run with ``backend="fused"`` (the hand-fused kernels of
+learner_client/corrections/fused/, what the ratios and goals measure); the ``reference``
+columns time the readable default backend (the definition) in the same round-robin, and
+``ref / fused`` is what the fused kernel saves (``--fused-only`` skips them).
 All losses run on the same packed [N] float32 tensors (sequences of --seq-len tokens),
 round-robin in one process so the ratios are measured side by side. It also checks, with a
 dispatch-mode tracer, that no op inside any loss produced a tensor with more than
@@ -40,6 +44,7 @@ from learner_client.corrections.estr import version_spread  # noqa: E402
 from learner_client.corrections.ops import quantile_and_tail  # noqa: E402
 
 SPECIAL_CFG = {"grpo": {}}  # published defaults everywhere (grpo's k3 KL uses ref_logprobs)
+REF = "reference: "  # run-name prefix of a case timed with the reference backend
 
 
 class MaxNumel(TorchDispatchMode):
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="",
                     help="comma-separated case names to run besides ppo_clip (default: all)")
     ap.add_argument("--json", help="write the results here (bench/run_all)")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="time the fused backend only (no reference columns)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: never trim the heap nor mmap [N] buffers (no page faults "
                          "from run order; see the module docstring)")
@@ -155,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = {"ppo_clip", *args.only.split(",")}
         cases = {c: v for c, v in cases.items() if c in keep}
+    # what the ratios measure: the fused backend; its readable reference beside it
+    runs = {c: (name, {**(cfg or {}), "backend": "fused"}) for c, (name, cfg) in cases.items()}
+    if not args.fused_only:
+        runs |= {REF + c: (name, {**(cfg or {}), "backend": "reference"})
+                 for c, (name, cfg) in cases.items()}
 
     floors = _floor_cases(data)
 
@@ -163,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             t0, c0 = time.perf_counter(), time.process_time()
             floors[case]()
             return time.perf_counter() - t0, time.process_time() - c0
-        name, cfg = cases[case]
+        name, cfg = runs[case]
         x = data["logprobs"].clone().requires_grad_()
         inp = LossInputs(**{**data, "logprobs": x})
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         faults[case].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         return t1 - t0, c1 - c0
 
-    order = [*cases, *floors]
+    order = [*runs, *floors]
     faults: dict[str, list[int]] = {c: [] for c in order}
     for c in order:  # warm-up
         timed(c)
@@ -190,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu[c].append(p)
     largest: dict[str, int] = {}
     produced: dict[str, int] = {}
-    for c, (name, cfg) in cases.items():
+    for c, (name, cfg) in runs.items():
         x = data["logprobs"].clone().requires_grad_()
         with MaxNumel() as tr:
             loss, _ = compute_loss(name, LossInputs(**{**data, "logprobs": x}), cfg)
@@ -202,22 +214,28 @@ def main(argv: list[str] | None = None) -> int:
     n = args.tokens
     print(f"N = {n} tokens (float32, packed, seq_len {args.seq_len}), threads = "
           f"{args.threads}, {args.reps} round-robin reps of fwd+bwd, medians. CPU ms = process "
-          f"CPU time (not inflated by other processes on a shared machine); wall ms beside it")
+          f"CPU time (not inflated by other processes on a shared machine); wall ms beside it. "
+          f"backend='fused'; 'reference' = the readable default backend")
+    ref_cols = "" if args.fused_only else f"{'reference ms':>14}{'ref / fused':>13}"
     print(f"{'loss':<26}{'CPU ms':>8}{'x ppo_clip':>12}{'wall ms':>9}{'x ppo_clip':>12}"
-          f"{'max tensor / N':>16}{'MB allocated':>14}{'x ppo_clip':>12}{'faults':>8}")
-    ok = True
+          f"{'max tensor / N':>16}{'MB allocated':>14}{'x ppo_clip':>12}{'faults':>8}{ref_cols}")
+    ok = all(largest[c] / n <= args.max_factor for c in runs)
     for c in cases:
         pc = statistics.median(cpu[c])
         med = statistics.median(times[c])
-        f = largest[c] / n
-        ok &= f <= args.max_factor
-        print(f"{c:<26}{pc * 1e3:>8.1f}{pc / base_cpu:>12.2f}{med * 1e3:>9.1f}"
-              f"{med / base_med:>12.2f}{f:>16.2f}{produced[c] / 2**20:>14.1f}"
-              f"{produced[c] / produced['ppo_clip']:>12.2f}"
-              f"{statistics.median(faults[c]):>8.0f}")
+        line = (f"{c:<26}{pc * 1e3:>8.1f}{pc / base_cpu:>12.2f}{med * 1e3:>9.1f}"
+                f"{med / base_med:>12.2f}{largest[c] / n:>16.2f}"
+                f"{produced[c] / 2**20:>14.1f}{produced[c] / produced['ppo_clip']:>12.2f}"
+                f"{statistics.median(faults[c]):>8.0f}")
         rep.row("process CPU time per forward+backward (median)", c, pc * 1e3, "ms",
                 ratio=None if c == "ppo_clip" else pc / base_cpu,
                 ratio_to=None if c == "ppo_clip" else "ppo_clip")
+        if not args.fused_only:
+            pr = statistics.median(cpu[REF + c])
+            line += f"{pr * 1e3:>14.1f}{pr / pc:>13.2f}"
+            rep.row("reference backend: process CPU time per forward+backward (median)",
+                    c, pr * 1e3, "ms", ratio=pr / pc, ratio_to=f"{c} (fused)")
+        print(line)
         if c in ("sat", "estr", "decoupled_ppo"):
             rep.goal(f"{c} fwd+bwd / ppo_clip on {n // 1000}k tokens (CPU)", pc / base_cpu,
                      1.25, "<=")
