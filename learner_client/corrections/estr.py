@@ -128,6 +128,7 @@ def estr_threshold(score: Tensor, inputs: LossInputs, cfg: ESTRConfig) -> Tensor
 
 
 def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
+    """loss_t = -M_t * S(r_t, A_t; eps_low, eps_high), r = pi/mu, M = 1[score <= tau]."""
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)
     m = inputs.mask

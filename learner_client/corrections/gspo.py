@@ -54,6 +54,7 @@ def sequence_stats(inputs: LossInputs, d: Tensor) -> tuple[Tensor, Tensor, Tenso
 
 
 def gspo(inputs: LossInputs, cfg: GSPOConfig, surrogate=clipped_surrogate) -> TokenLoss:
+    """loss_i = -S(s_i, A_i), broadcast to the sequence's active tokens."""
     m = inputs.mask
     d = inputs.flat("logprobs") - inputs.behavior_or_old()  # log pi_t - log pi_old_t
     log_s, adv_i, cnt, idx = sequence_stats(inputs, d)  # grad flows to every token of seq i
@@ -69,6 +70,7 @@ def gspo(inputs: LossInputs, cfg: GSPOConfig, surrogate=clipped_surrogate) -> To
 
 
 def gspo_token(inputs: LossInputs, cfg: GSPOConfig, surrogate=clipped_surrogate) -> TokenLoss:
+    """loss_t = -S(s_it, A_t), s_it = sg[s_i] * pi_t / sg[pi_t]."""
     m = inputs.mask
     log_pi = inputs.flat("logprobs")
     adv = inputs.flat("advantages")

@@ -47,6 +47,7 @@ class TISConfig(LossConfig):
 
 
 def tis(inputs: LossInputs, cfg: TISConfig, token_loss=ppo_token_loss) -> TokenLoss:
+    """loss_t = -min(rho_t, C) * S(pi/pi_old, A)_t."""
     m = inputs.mask
     rho = safe_exp(_rho_log(inputs))
     w = torch.clamp(rho, max=cfg.cap)  # min(rho, C)
@@ -89,6 +90,7 @@ class MISConfig(LossConfig):
 
 
 def mis(inputs: LossInputs, cfg: MISConfig, token_loss=ppo_token_loss) -> TokenLoss:
+    """loss_t = -rho * 1[accepted] * S(pi/pi_old, A)_t over the accepted tokens."""
     m = inputs.mask
     log_rho_t = _rho_log(inputs)
     if cfg.level == "token":
@@ -141,6 +143,7 @@ class IcePopConfig(LossConfig):
 
 
 def icepop(inputs: LossInputs, cfg: IcePopConfig, token_loss=ppo_token_loss) -> TokenLoss:
+    """loss_t = -M(k_t) * S(pi/pi_old, A)_t, k = pi_old/mu."""
     m = inputs.mask
     k = safe_exp(_rho_log(inputs))
     keep = ((k >= cfg.lo) & (k <= cfg.hi)).to(m.dtype)

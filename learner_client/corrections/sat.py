@@ -93,6 +93,7 @@ def sat_metrics(q: Tensor, eps_low: Tensor, eps_high: Tensor, c_minus: Tensor, c
 
 
 def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
+    """loss_t = -S(r_t, A_t; eps_low * c-_t, eps_high * c+_t), r = pi/mu."""
     m = inputs.mask
     log_pi = inputs.flat("logprobs")
     mu = inputs.flat("rollout_logprobs").detach()
