@@ -58,7 +58,7 @@ class Gateway:
         holder = f"{socket.gethostname()}:{os.getpid()}"
         self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder,
                                       oldlogits=self.oldlogits)
-        from rollout_gateway.swap.learner_control import GatewayControlPlane
+        from rollout_gateway.transport.learner_control import GatewayControlPlane
 
         self.control = GatewayControlPlane(self.pool, registry, self.swaps)
         from rollout_gateway.observe.tracker import install
