@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from rollout_gateway import __version__
 from rollout_gateway.api.errors import install_error_handlers
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.settings import GatewaySettings
 
 

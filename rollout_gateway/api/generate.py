@@ -49,7 +49,7 @@ from rollout_gateway.api.routes import gateway, sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import RawString, segment_to_json
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
 from rollout_gateway.errors import EngineError, InvalidArgument

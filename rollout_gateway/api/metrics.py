@@ -26,7 +26,7 @@ from prometheus_client.core import (
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
-    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.gateway import Gateway
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing
 

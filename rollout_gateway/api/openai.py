@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway
 from rollout_gateway.api.security import require_client
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import InvalidArgument, NotFound
 from rollout_gateway.rollouts.models import SamplingParams

@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, Response
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.routes import gateway
 from rollout_gateway.api.security import is_admin
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.errors import NotFound
 from rollout_gateway.observe.lag import LagReport
 

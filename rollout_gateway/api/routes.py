@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.security import is_admin, public_view, require_admin, require_client
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.redact import clean
 from rollout_gateway.rollouts.models import RolloutRequest

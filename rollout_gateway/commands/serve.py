@@ -131,7 +131,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     import uvicorn
 
     from rollout_gateway.api.app import create_app
-    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.gateway import Gateway
     from rollout_gateway.transport.server import GrpcServer
 
     check_bind(settings)

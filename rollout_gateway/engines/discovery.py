@@ -21,7 +21,7 @@ from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
-    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.gateway import Gateway
     from rollout_gateway.settings import EngineDiscovery
 
 log = logging.getLogger(__name__)

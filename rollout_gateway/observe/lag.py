@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from rollout_gateway.observe.tracker import in_flight_tokens
 
 if TYPE_CHECKING:
-    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.gateway import Gateway
 
 
 class LagBucket(BaseModel):

@@ -20,7 +20,7 @@ from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
-    from rollout_gateway.api.state import Gateway
+    from rollout_gateway.gateway import Gateway
     from rollout_gateway.core.trajectory import Trajectory
     from rollout_gateway.store.base import StoredEntry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.integration

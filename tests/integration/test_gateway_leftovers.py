@@ -10,7 +10,7 @@ import asyncio
 import httpx
 
 from rollout_gateway.api.app import create_app
-from rollout_gateway.api.state import Gateway
+from rollout_gateway.gateway import Gateway
 from rollout_gateway.settings import GatewaySettings
 
 
