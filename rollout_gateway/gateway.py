@@ -11,6 +11,7 @@ from typing import Any
 
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.auth import Authenticator
+from rollout_gateway.engines.discovery import DnsDiscovery, Resolver
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
@@ -26,7 +27,8 @@ class Gateway:
     """Owns everything the HTTP routes and the gRPC control plane act on."""
 
     def __init__(self, settings: GatewaySettings, *, store: TrajectoryStore | None = None,
-                 registry: Any = None) -> None:
+                 registry: Any = None, resolver: Resolver | None = None) -> None:
+        """``resolver``: the DNS resolver of engine discovery (None: the system's)."""
         self.settings = settings
         self.auth = Authenticator.from_settings(settings)
         self._own_store = store is None
@@ -66,11 +68,15 @@ class Gateway:
         install(self)  # lag tracker, Prometheus histograms, dashboard history
         from rollout_gateway.sessions.manager import SessionManager
 
-        self.sessions = SessionManager(self)
+        self.sessions = SessionManager(settings, self.rollouts,
+                                       learner_version=registry.learner_version,
+                                       engines=self.pool.list, publish=store.publish)
+        self.discovery = None  # engine discovery through DNS, when configured
+        if settings.engine_discovery.dns_name:
+            self.discovery = DnsDiscovery(settings.engine_discovery, add=self.add_engine,
+                                          deregister=self.pool.deregister,
+                                          forget=registry.remove_engine, resolver=resolver)
         self.started_at = time.time()
-        #: DNS resolver of engine discovery (None: the system's; tests pass a fake)
-        self.resolver = None
-        self.discovery = None  # DnsDiscovery when settings.engine_discovery.dns_name
         self.serving = False
         self._watch_task: asyncio.Task[None] | None = None
         from rollout_gateway.heaptrim import HeapTrimmer
@@ -98,11 +104,7 @@ class Gateway:
         self.pool.on_recovered = self.swaps.catch_up
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
-        if self.settings.engine_discovery.dns_name:
-            from rollout_gateway.engines.discovery import DnsDiscovery
-
-            self.discovery = DnsDiscovery(self, self.settings.engine_discovery,
-                                          resolver=self.resolver)
+        if self.discovery is not None:
             await self.discovery.sync_once()
             self.discovery.start()
         self.gatekeeper.start()

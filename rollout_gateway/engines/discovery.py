@@ -15,18 +15,21 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
-    from rollout_gateway.gateway import Gateway
     from rollout_gateway.settings import EngineDiscovery
 
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str], Awaitable[list[str]]]
+#: (engine id, url, api key): register an engine that appeared, caught up before it serves
+AddEngine = Callable[[str, str, str | None], Awaitable[None]]
+#: (engine id): forget an engine that disappeared (pool, then registry)
+DropEngine = Callable[[str], Awaitable[Any]]
 
 
 async def resolve_addresses(name: str) -> list[str]:
@@ -36,9 +39,14 @@ async def resolve_addresses(name: str) -> list[str]:
 
 
 class DnsDiscovery:
-    def __init__(self, gw: Gateway, cfg: EngineDiscovery, resolver: Resolver | None = None):
-        self.gw = gw
+    """Keeps the pool equal to what ``cfg.dns_name`` resolves to, through ``add`` (an
+    engine that appeared) and ``deregister`` / ``forget`` (one that disappeared: out of
+    the pool, then out of the registry)."""
+
+    def __init__(self, cfg: EngineDiscovery, *, add: AddEngine, deregister: DropEngine,
+                 forget: DropEngine, resolver: Resolver | None = None):
         self.cfg = cfg
+        self.add, self.deregister, self.forget = add, deregister, forget
         self.resolver = resolver or resolve_addresses
         self.discovered: set[str] = set()  # engine ids this loop registered
         self._task: asyncio.Task[None] | None = None
@@ -62,13 +70,13 @@ class DnsDiscovery:
         added = [i for i in sorted(want) if i not in self.discovered]
         removed = sorted(self.discovered - set(want))
         for eid in added:
-            await self.gw.add_engine(eid, want[eid], self.cfg.api_key)
+            await self.add(eid, want[eid], self.cfg.api_key)
             self.discovered.add(eid)
         for eid in removed:
             with contextlib.suppress(GatewayError):
-                await self.gw.pool.deregister(eid)
+                await self.deregister(eid)
             with contextlib.suppress(GatewayError):
-                await self.gw.registry.remove_engine(eid)
+                await self.forget(eid)
             self.discovered.discard(eid)
         if added or removed:
             log.info("engine discovery (%s): added %s, removed %s", self.cfg.dns_name,

@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
+from rollout_gateway.engines.pool import Engine
 from rollout_gateway.errors import (
     FailedPrecondition,
     GatewayError,
@@ -28,10 +29,12 @@ from rollout_gateway.errors import (
     ResourceExhausted,
 )
 from rollout_gateway.rollouts.models import RolloutRequest, SamplingParams
+from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.rollouts.sample import PREFERRED_ENGINE, PassThrough
 from rollout_gateway.sessions.messages import assistant_message
 from rollout_gateway.sessions.session import Branch, Call, Plan, plan_chat, plan_completion
 from rollout_gateway.sessions.templates import ChatTemplate, load_template, parse_tool_calls
+from rollout_gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +87,16 @@ def _content(template: ChatTemplate, ids: np.ndarray, finish: Any) -> str:
 class SessionManager:
     """Sessions by id, their branches, held-for-reward trajectories, the idle sweeper."""
 
-    def __init__(self, gateway: Any) -> None:
-        self.gw = gateway
-        s = gateway.settings
+    def __init__(self, settings: GatewaySettings, rollouts: RolloutService, *,
+                 learner_version: Callable[[], Awaitable[int]],
+                 engines: Callable[[], list[Engine]],
+                 publish: Callable[[Trajectory], Awaitable[Any]]) -> None:
+        self.settings = settings
+        self.rollouts = rollouts  # runs each call (admission, staleness, failover, stamping)
+        self.learner_version = learner_version  # the registry's
+        self.engines = engines  # the pool's engines (follow-up turns prefer the last one)
+        self.publish = publish  # the store's: a session's trajectory when it ends
+        s = settings
         self.template: ChatTemplate = load_template(s.chat_template)
         self.idle_timeout = s.session_idle_timeout_s
         self.reward_wait = s.session_reward_wait_s
@@ -207,7 +217,7 @@ class SessionManager:
             plan = plan_completion(self.template, s.branch if s else None, plan_input)
         input_ids, extends = self._prepare(s, plan)
         req = self._request(input_ids, sp, n, sid, {"api": kind})
-        self.gw.rollouts.validate(req)
+        self.rollouts.validate(req)
         self.counters["session_calls"] += 1
         if s is not None:
             s.busy = True
@@ -217,9 +227,9 @@ class SessionManager:
             token = PREFERRED_ENGINE.set(await self._preferred_engine(extends))
             try:
                 if not stream:
-                    pairs = await self.gw.rollouts.run_with_text(req, pt)
+                    pairs = await self.rollouts.run_with_text(req, pt)
                 else:
-                    events = await self.gw.rollouts.open_stream(req, pt)
+                    events = await self.rollouts.open_stream(req, pt)
             finally:
                 PREFERRED_ENGINE.reset(token)
             if not stream:
@@ -241,11 +251,11 @@ class SessionManager:
         last = next((x.engine_id for x in reversed(branch.segments)
                      if x.began is not Transition.CONTEXT), None)
         try:
-            lv = await self.gw.registry.learner_version()
+            lv = await self.learner_version()
         except GatewayError:
             return None
-        bound = self.gw.settings.admission.max_staleness
-        engines = {e.id: e for e in self.gw.pool.list() if e.routable and e.version is not None}
+        bound = self.settings.admission.max_staleness
+        engines = {e.id: e for e in self.engines() if e.routable and e.version is not None}
         held = engines.get(last) if last else None
         if held is not None and lv - held.version <= bound:
             return held.id
@@ -396,7 +406,7 @@ class SessionManager:
 
     async def _store(self, traj: Trajectory) -> None:
         try:
-            await self.gw.store.publish(traj)
+            await self.publish(traj)
         except GatewayError:
             self.counters["session_publish_failed"] += 1
             raise

@@ -25,8 +25,7 @@ async def test_dns_discovery_adds_keeps_and_removes_engines(engine):
     s = GatewaySettings(engine_discovery={"dns_name": "sglang.ns.svc.cluster.local",
                                           "port": engine.port, "interval_s": 3600,
                                           "id_prefix": "sglang"})
-    gw = Gateway(s)
-    gw.resolver = resolver
+    gw = Gateway(s, resolver=resolver)
     await gw.start()
     try:
         # found at start-up, before serving

@@ -418,7 +418,8 @@ def _manager(**settings):
     from rollout_gateway.sessions.manager import Session, SessionManager
 
     gw = _GW(**settings)
-    mgr = SessionManager(gw)
+    mgr = SessionManager(gw.settings, None, learner_version=None, engines=list,
+                         publish=gw.store.publish)
     tpl = mgr.template
     m0 = [{"role": "user", "content": "q"}]
 
