@@ -141,9 +141,8 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
                              default_policy=settings.admission.stale_policy, auth=gw.auth,
                              tls_cert=settings.tls_cert_file, tls_key=settings.tls_key_file,
-                             tls_client_ca=settings.grpc_client_ca_file)
-    grpc_server.servicer.on_deliver = gw.lag.on_delivered
-    grpc_server.servicer.lag_report = gw.lag_report
+                             tls_client_ca=settings.grpc_client_ca_file,
+                             on_deliver=gw.lag.on_delivered, lag_report=gw.lag_report)
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False,

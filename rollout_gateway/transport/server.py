@@ -8,7 +8,9 @@ uvicorn). Health is NOT_SERVING until ``set_serving(True)`` and again from the s
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,9 +19,12 @@ from grpc_reflection.v1alpha import reflection
 from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.errors import GatewayError
-from rollout_gateway.store.base import TrajectoryStore
+from rollout_gateway.store.base import StoredEntry, TrajectoryStore
 from rollout_gateway.transport.control_plane import ControlPlane
 from rollout_gateway.transport.servicer import SERVICE_NAME, TrajectoryServicer, generic_handler
+
+if TYPE_CHECKING:
+    from rollout_gateway.observe.lag import LagReport
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +91,13 @@ class GrpcServer:
                  auth_token: str | None = None, auth: Authenticator | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None,
                  tls_client_ca: str | None = None, poll_ms: int = 200,
-                 target_message_bytes: int = 4 << 20):
+                 target_message_bytes: int = 4 << 20,
+                 on_deliver: Callable[[list[StoredEntry], int], None] | None = None,
+                 lag_report: Callable[[], Awaitable[LagReport]] | None = None):
         """``auth``: tokens per role (``auth_token`` is shorthand for one token that is both
         admin and learner). ``tls_cert``/``tls_key``: PEM files to serve TLS;
-        ``tls_client_ca``: also require client certificates signed by this CA (mTLS)."""
+        ``tls_client_ca``: also require client certificates signed by this CA (mTLS).
+        ``on_deliver``, ``lag_report``: the servicer's observers (see there)."""
         self.store = store
         self.control = control
         self.host = host
@@ -103,7 +111,8 @@ class GrpcServer:
                                            auth=self.auth,
                                            max_batch_bytes=max_send_bytes - (64 << 10),
                                            poll_ms=poll_ms,
-                                           target_batch_bytes=target_message_bytes)
+                                           target_batch_bytes=target_message_bytes,
+                                           on_deliver=on_deliver, lag_report=lag_report)
         self._opts = [("grpc.max_send_message_length", max_send_bytes),
                       ("grpc.max_receive_message_length", max_receive_bytes),
                       ("grpc.keepalive_time_ms", 30_000),

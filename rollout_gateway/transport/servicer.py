@@ -12,7 +12,9 @@ import functools
 import logging
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,6 +26,9 @@ from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
 from rollout_gateway.transport.control_plane import ControlPlane, WeightSource
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
+
+if TYPE_CHECKING:
+    from rollout_gateway.observe.lag import LagReport
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +114,9 @@ class TrajectoryServicer:
     def __init__(self, store: TrajectoryStore, control: ControlPlane, *,
                  default_policy: StalePolicy = StalePolicy.DROP, max_batch_bytes: int = 32 << 20,
                  max_read: int = 64, poll_ms: int = 200, target_batch_bytes: int = 32 << 20,
-                 auth: Authenticator | None = None):
+                 auth: Authenticator | None = None,
+                 on_deliver: Callable[[list[StoredEntry], int], None] | None = None,
+                 lag_report: Callable[[], Awaitable[LagReport]] | None = None):
         self.auth = auth  # role checks happen in the server's interceptor; groups here
         self.store = store
         self.control = control
@@ -122,9 +129,9 @@ class TrajectoryServicer:
         self.poll_ms = poll_ms
         #: called with (entries, learner_version) for every batch sent (dashboards: lag
         #: of delivered tokens); None: not observed
-        self.on_deliver = None
+        self.on_deliver = on_deliver
         #: async () -> LagReport (the gateway's /v1/lag); fills Status.lag when set
-        self.lag_report = None
+        self.lag_report = lag_report
 
     def _is_admin(self, context) -> bool:
         if self.auth is None:
