@@ -1,4 +1,8 @@
-"""The gateway's live state: pool, store, registry, rollouts, swaps. One per process."""
+"""The composition root: one :class:`Gateway` per process builds every component, wires
+every hook between them, and starts and stops them in order. Read top to bottom, its
+constructor is the gateway (docs/architecture.md). ``commands/serve.py`` puts the two front
+doors in front of one: ``api.app.create_app`` (HTTP) and ``transport.server.GrpcServer``
+(learners)."""
 
 from __future__ import annotations
 
@@ -7,85 +11,104 @@ import logging
 import os
 import socket
 import time
-from typing import Any
 
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.discovery import DnsDiscovery, Resolver
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import GatewayError
+from rollout_gateway.heaptrim import HeapTrimmer
+from rollout_gateway.observe.history import HistorySampler
+from rollout_gateway.observe.metrics import GatewayMetrics
+from rollout_gateway.observe.tracker import LagTracker
+from rollout_gateway.observe.view import GatewayView
+from rollout_gateway.registry import create_registry
+from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.rollout import RolloutService
+from rollout_gateway.sessions.manager import SessionManager
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
+from rollout_gateway.store.factory import store_from_url
 from rollout_gateway.swap.orchestrator import SwapOrchestrator
+from rollout_gateway.transport.learner_control import GatewayControlPlane
 
 log = logging.getLogger(__name__)
 
 
 class Gateway:
-    """Owns everything the HTTP routes and the gRPC control plane act on."""
+    """Everything the HTTP routes and the learner gRPC service act on, built here.
+
+    ``store`` / ``registry``: shared state to use instead of the ones ``settings`` name (the
+    caller then closes them); ``resolver``: the DNS resolver of engine discovery (None: the
+    system's)."""
 
     def __init__(self, settings: GatewaySettings, *, store: TrajectoryStore | None = None,
-                 registry: Any = None, resolver: Resolver | None = None) -> None:
-        """``resolver``: the DNS resolver of engine discovery (None: the system's)."""
-        self.settings = settings
-        self.auth = Authenticator.from_settings(settings)
-        self._own_store = store is None
-        self._own_registry = registry is None
+                 registry: VersionRegistry | None = None,
+                 resolver: Resolver | None = None) -> None:
+        s = self.settings = settings
+        self.auth = Authenticator.from_settings(s)
+        # ---- state shared by every replica: trajectories, versions ----
+        self._own_store, self._own_registry = store is None, registry is None
         if store is None:
-            from rollout_gateway.store.factory import store_from_url
-
-            store = store_from_url(settings.store_url,
-                                   max_connections=settings.redis.max_connections,
-                                   pool_wait_s=settings.redis.wait_s)
+            store = store_from_url(s.store_url, max_connections=s.redis.max_connections,
+                                   pool_wait_s=s.redis.wait_s)
         if registry is None:
-            from rollout_gateway.registry import create_registry
-
-            registry = create_registry(settings.registry_url,
-                                       max_connections=settings.redis.max_connections,
-                                       pool_wait_s=settings.redis.wait_s,
-                                       version_cache_s=settings.redis.version_cache_s)
-        self.store = store
-        self.registry = registry
-        self.pool = EnginePool(settings)
-        self.gatekeeper = Gatekeeper(settings.admission, store, registry)
-        self.oldlogits = None
-        if settings.old_logits.mode != "off":
+            registry = create_registry(s.registry_url, max_connections=s.redis.max_connections,
+                                       pool_wait_s=s.redis.wait_s,
+                                       version_cache_s=s.redis.version_cache_s)
+        self.store, self.registry = store, registry
+        # ---- engines ----
+        self.pool = EnginePool(s)
+        # ---- rollouts: admission, exact old logits (optional), samples ----
+        self.gatekeeper = Gatekeeper(s.admission, self.store, self.registry)
+        self.old_logits = None
+        if s.old_logits.mode != "off":
             from rollout_gateway.old_logits import OldLogitService
 
-            self.oldlogits = OldLogitService(settings, registry)
-        self.rollouts = RolloutService(self.pool, store, settings, gatekeeper=self.gatekeeper,
-                                       oldlogits=self.oldlogits)
-        holder = f"{socket.gethostname()}:{os.getpid()}"
-        self.swaps = SwapOrchestrator(self.pool, registry, settings, holder=holder,
-                                      oldlogits=self.oldlogits)
-        from rollout_gateway.transport.learner_control import GatewayControlPlane
-
-        self.control = GatewayControlPlane(self.pool, registry, self.swaps)
-        from rollout_gateway.observe.tracker import install
-
-        install(self)  # lag tracker, Prometheus histograms, dashboard history
-        from rollout_gateway.sessions.manager import SessionManager
-
-        self.sessions = SessionManager(settings, self.rollouts,
-                                       learner_version=registry.learner_version,
-                                       engines=self.pool.list, publish=store.publish)
-        self.discovery = None  # engine discovery through DNS, when configured
-        if settings.engine_discovery.dns_name:
-            self.discovery = DnsDiscovery(settings.engine_discovery, add=self.add_engine,
+            self.old_logits = OldLogitService(s, self.registry)
+        self.rollouts = RolloutService(self.pool, self.store, s, gatekeeper=self.gatekeeper,
+                                       oldlogits=self.old_logits)
+        # ---- weight swaps, and the learner's control plane over them ----
+        self.swaps = SwapOrchestrator(self.pool, self.registry, s,
+                                      holder=f"{socket.gethostname()}:{os.getpid()}",
+                                      oldlogits=self.old_logits)
+        self.control = GatewayControlPlane(self.pool, self.registry, self.swaps)
+        # ---- agent sessions (the OpenAI routes) over rollouts ----
+        self.sessions = SessionManager(s, self.rollouts,
+                                       learner_version=self.registry.learner_version,
+                                       engines=self.pool.list, publish=self.store.publish)
+        # ---- engine discovery through DNS (settings.engine_discovery.dns_name) ----
+        self.discovery = None
+        if s.engine_discovery.dns_name:
+            self.discovery = DnsDiscovery(s.engine_discovery, add=self.add_engine,
                                           deregister=self.pool.deregister,
-                                          forget=registry.remove_engine, resolver=resolver)
+                                          forget=self.registry.remove_engine,
+                                          resolver=resolver)
+        # ---- observers: what /metrics, /v1/lag and the dashboard read ----
+        self.tracker = LagTracker()
+        self.metrics = GatewayMetrics()
+        self.view = GatewayView(registry=self.registry, store=self.store,
+                                engines=self.pool.list, running=self.rollouts.runner.active.values,
+                                rollouts=self.rollouts, gatekeeper=self.gatekeeper,
+                                sessions=self.sessions, old_logits=self.old_logits,
+                                tracker=self.tracker)
+        self.history = HistorySampler(self.view, s.lag_history_interval_s)
+        self.heap = HeapTrimmer(s.heap_trim_s)
+        # ---- hooks: what each component reports, and to whom ----
+        self.pool.on_recovered = self.swaps.catch_up  # back from UNHEALTHY: its weights
+        self.rollouts.on_finished = self.tracker.on_finished
+        self.rollouts.on_admission_wait = self.metrics.observe_admission
+        self.rollouts.runner.on_first_token = self.metrics.ttft.observe
+        self.swaps.on_pause_window = self.metrics.observe_pause
+        # ---- run state ----
         self.started_at = time.time()
-        self.serving = False
+        self.serving = False  # /health and gRPC health: True between start() and draining
         self._watch_task: asyncio.Task[None] | None = None
-        from rollout_gateway.heaptrim import HeapTrimmer
-
-        self.heap = HeapTrimmer(settings.heap_trim_s)
 
     async def start(self) -> None:
-        if self.oldlogits is not None:  # the scorer must answer before rollouts need it
-            await self.oldlogits.start()
+        if self.old_logits is not None:  # the scorer must answer before rollouts need it
+            await self.old_logits.start()
         for spec in self.settings.engines:
             try:
                 eng = await self.pool.register(spec.id, spec.url, spec.api_key)
@@ -101,7 +124,6 @@ class Gateway:
                     await self.swaps.catch_up(eng)
                 except GatewayError as exc:
                     log.warning("engine %s could not catch up: %s", eng.id, exc.message)
-        self.pool.on_recovered = self.swaps.catch_up
         self.pool.start()
         self._watch_task = asyncio.get_running_loop().create_task(self._follow_registry())
         if self.discovery is not None:
@@ -171,8 +193,8 @@ class Gateway:
         await cancel_and_wait(task)
         await self.gatekeeper.stop()
         await self.pool.close()
-        if self.oldlogits is not None:
-            await self.oldlogits.close()
+        if self.old_logits is not None:
+            await self.old_logits.close()
         if self._own_store:
             await self.store.close()
         if self._own_registry:

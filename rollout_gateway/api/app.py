@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 from rollout_gateway import __version__
 from rollout_gateway.api.errors import install_error_handlers
 from rollout_gateway.gateway import Gateway
+from rollout_gateway.observe.metrics import GatewayMetrics
 from rollout_gateway.settings import GatewaySettings
 
 
@@ -41,7 +43,6 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
                        max_pending=s.max_pending_requests, retry_after_s=s.retry_after_s)
     from rollout_gateway.api import ops, routes
     from rollout_gateway.api.generate import router as generate_router
-    from rollout_gateway.api.metrics import HTTPMetricsMiddleware
     from rollout_gateway.api.openai import router as openai_router
 
     for r in (routes.rollouts, routes.weights, routes.engines, routes.ops, generate_router,
@@ -53,3 +54,42 @@ def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | No
     app.openapi = lambda: apply_limits(make_schema(), s)  # the schema states the limits
     app.add_middleware(HTTPMetricsMiddleware, metrics=gateway.metrics)
     return app
+
+
+class HTTPMetricsMiddleware:
+    """Pure ASGI: observes each HTTP request's latency until its last body byte, labelled by
+    method, route template (``unmatched`` for 404s) and status."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                observe()
+
+        done = {"v": False}
+
+        def observe() -> None:
+            if done["v"]:
+                return
+            done["v"] = True
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_latency.labels(scope["method"], path,
+                                             str(status["code"])).observe(
+                time.perf_counter() - t0)
+
+        try:
+            await self.app(scope, receive, wrapped)
+        finally:
+            observe()

@@ -13,7 +13,7 @@ from rollout_gateway.api.routes import gateway
 from rollout_gateway.api.security import is_admin
 from rollout_gateway.gateway import Gateway
 from rollout_gateway.errors import NotFound
-from rollout_gateway.observe.lag import LagReport
+from rollout_gateway.observe.lag import LagReport, lag_report
 
 router = APIRouter(tags=["ops"])
 ASSETS = Path(__file__).with_name("dashboard")
@@ -31,7 +31,7 @@ async def lag(request: Request, gw: Gateway = Depends(gateway),
     flight, finished-but-unconsumed and delivered, intra-trajectory staleness, recent pause
     windows, staleness handling and per-group backlog. ``replica`` (host:pid) is shown to
     the admin only."""
-    rep = await gw.lag_report(recent_swaps=recent_swaps, history=history)
+    rep = await lag_report(gw.view, recent_swaps=recent_swaps, history=history)
     if not is_admin(request):
         rep.replica = None
     return ORJSONResponse(rep.model_dump())

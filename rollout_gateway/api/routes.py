@@ -16,6 +16,7 @@ from rollout_gateway.api.security import is_admin, public_view, require_admin, r
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
 from rollout_gateway.gateway import Gateway
 from rollout_gateway.errors import EngineError, GatewayError
+from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.settings import EngineSpec
@@ -160,6 +161,4 @@ async def health(gw: Gateway = Depends(gateway)) -> Response:
 
 @ops.get("/metrics")
 async def metrics(gw: Gateway = Depends(gateway)) -> Response:
-    from rollout_gateway.api.metrics import CONTENT_TYPE, render
-
-    return Response(await render(gw), media_type=CONTENT_TYPE)
+    return Response(await render(gw.view, gw.metrics), media_type=CONTENT_TYPE)

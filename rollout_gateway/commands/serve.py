@@ -128,10 +128,13 @@ def uvicorn_tls(settings) -> dict[str, Any]:
 async def serve_async(settings, *, ready: Callable[[int, int], None] | None = None,
                       stop_event: asyncio.Event | None = None) -> None:
     """Run until ``stop_event`` (or SIGTERM/SIGINT); then shut down gracefully."""
+    import functools
+
     import uvicorn
 
     from rollout_gateway.api.app import create_app
     from rollout_gateway.gateway import Gateway
+    from rollout_gateway.observe.lag import lag_report
     from rollout_gateway.transport.server import GrpcServer
 
     check_bind(settings)
@@ -142,7 +145,8 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
                              default_policy=settings.admission.stale_policy, auth=gw.auth,
                              tls_cert=settings.tls_cert_file, tls_key=settings.tls_key_file,
                              tls_client_ca=settings.grpc_client_ca_file,
-                             on_deliver=gw.lag.on_delivered, lag_report=gw.lag_report)
+                             on_deliver=gw.tracker.on_delivered,
+                             lag_report=functools.partial(lag_report, gw.view))
     grpc_port = await grpc_server.start()
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False,

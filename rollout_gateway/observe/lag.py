@@ -17,14 +17,11 @@ reported separately because they mean different things:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
 from rollout_gateway.observe.tracker import in_flight_tokens
-
-if TYPE_CHECKING:
-    from rollout_gateway.gateway import Gateway
+from rollout_gateway.observe.view import GatewayView
 
 
 class LagBucket(BaseModel):
@@ -143,11 +140,11 @@ class LagReport(BaseModel):
                                 "samples, in_flight_samples}, oldest first")
 
 
-async def lag_report(gw: Gateway, *, recent_swaps: int = 10, history: bool = False,
+async def lag_report(view: GatewayView, *, recent_swaps: int = 10, history: bool = False,
                      scan_limit: int = 10_000) -> LagReport:
-    lv = await gw.registry.learner_version()
-    engines = gw.pool.list()
-    states = list(gw.rollouts.runner.active.values())
+    lv = await view.registry.learner_version()
+    engines = view.engines()
+    states = list(view.running())
     by_version, samples = in_flight_tokens(states)
     versions = {e.id: e.version for e in engines}
     req_lags: dict[int, int] = {}
@@ -159,23 +156,23 @@ async def lag_report(gw: Gateway, *, recent_swaps: int = 10, history: bool = Fal
                                      samples=samples,
                                      requests_by_engine_lag=[LagBucket(lag=k, tokens=c) for k, c
                                                              in sorted(req_lags.items())])
-    un = await gw.store.unconsumed_tokens(scan_limit)
+    un = await view.store.unconsumed_tokens(scan_limit)
     unconsumed = Unconsumed.from_counts({lv - v: c for v, c in un.tokens_by_version.items()},
                                         entries=un.entries, truncated=un.truncated)
-    tr = gw.lag
+    tr = view.tracker
     delivered = Delivered.from_counts(tr.delivered, trajectories=tr.delivered_trajectories)
     f = tr.finished
     windows = []
-    for rec in await gw.registry.swaps(recent_swaps):
+    for rec in await view.registry.swaps(recent_swaps):
         for eng, a, b in rec.pause_windows():
             windows.append(PauseWindow(swap_id=rec.swap_id, version=rec.version, mode=rec.mode,
                                        engine=eng, paused_at=a, resumed_at=b,
                                        seconds=(b - a) if b is not None else None))
-    st = await gw.store.stats()
-    adm = gw.gatekeeper.counters()
+    st = await view.store.stats()
+    adm = view.gatekeeper.counters()
     known = [lv - e.version for e in engines if e.version is not None]
     return LagReport(
-        at=time.time(), replica=gw.gatekeeper.replica_id, learner_version=lv,
+        at=time.time(), replica=view.gatekeeper.replica_id, learner_version=lv,
         max_engine_lag=max(known, default=0),
         engines=[EngineLag(id=e.id, state=e.state.value, version=e.version,
                            lag=(lv - e.version) if e.version is not None else None,
@@ -188,12 +185,12 @@ async def lag_report(gw: Gateway, *, recent_swaps: int = 10, history: bool = Fal
             tokens_on_stale_kv=f.tokens_on_stale_kv),
         pause_windows=windows,
         staleness=StaleHandling(
-            tokens_reprefilled=gw.rollouts.counters["tokens_reprefilled"],
+            tokens_reprefilled=view.rollouts.counters["tokens_reprefilled"],
             at_finish_dropped=adm["stale_dropped"],
             at_finish_masked=adm["stale_masked"], at_finish_recycled=adm["stale_recycled"],
             at_delivery_dropped=st.stale_dropped, at_delivery_masked=st.stale_masked,
             at_delivery_recycled=st.stale_recycled, dead_lettered=st.dead_lettered),
         store_backlog=st.backlog,
         groups=[GroupLag(group=g.group, backlog=g.backlog, pending=g.pending,
-                         redelivered=g.redelivered) for g in await gw.store.group_stats()],
+                         redelivered=g.redelivered) for g in await view.store.group_stats()],
         history=list(tr.history) if history else [])

@@ -1,5 +1,6 @@
 """In-process accumulators behind ``/v1/lag`` and ``/metrics``: lag of delivered tokens,
-intra-trajectory staleness of finished samples, and a short history for the dashboard.
+intra-trajectory staleness of finished samples, and a short history for the dashboard
+(filled by :class:`rollout_gateway.observe.history.HistorySampler`).
 
 Each replica keeps its own (it counts what it generated and delivered); figures that live
 in the shared store/registry are read at request time instead.
@@ -7,24 +8,15 @@ in the shared store/registry are read at request time instead.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollout_gateway.aio import cancel_and_wait
-from rollout_gateway.errors import GatewayError
-
 if TYPE_CHECKING:
-    from rollout_gateway.gateway import Gateway
     from rollout_gateway.core.trajectory import Trajectory
     from rollout_gateway.store.base import StoredEntry
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -91,65 +83,3 @@ def in_flight_tokens(states) -> tuple[dict[int, int], int]:
         for v, c in list(s.live.items()):
             out[v] = out.get(v, 0) + c
     return out, len(states)
-
-
-class HistorySampler:
-    """Every ``interval_s`` appends one point (learner version, engine versions and states,
-    token and sample counters) to ``tracker.history`` for the dashboard's time series."""
-
-    def __init__(self, gw: Gateway, interval_s: float) -> None:
-        self.gw = gw
-        self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
-
-    async def sample(self) -> None:
-        gw = self.gw
-        try:
-            lv: int | None = await gw.registry.learner_version()
-        except GatewayError:
-            lv = None
-        c = gw.rollouts.counters
-        gw.lag.history.append({
-            "t": time.time(), "learner_version": lv,
-            "engines": {e.id: {"version": e.version, "state": e.state.value}
-                        for e in gw.pool.list()},
-            "tokens": c["tokens"], "samples": c["samples"],
-            "in_flight_samples": gw.rollouts.inflight_samples,
-        })
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sample()
-            except Exception as exc:  # noqa: BLE001 - a dashboard gap, never a crash
-                log.warning("lag history sample failed: %s", exc)
-            await asyncio.sleep(self.interval_s)
-
-
-def install(gw: Gateway) -> None:
-    """Give a gateway its tracker, metrics and history sampler, and hook them into the
-    rollout service, the sample runner and the swap orchestrator."""
-    from rollout_gateway.api.metrics import GatewayMetrics
-
-    gw.lag = LagTracker()
-    gw.metrics = m = GatewayMetrics()
-    gw.history = HistorySampler(gw, gw.settings.lag_history_interval_s)
-    gw.rollouts.on_finished = gw.lag.on_finished
-    gw.rollouts.on_admission_wait = m.observe_admission
-    gw.rollouts.runner.on_first_token = m.ttft.observe
-    gw.swaps.on_pause_window = lambda eng, s: m.swap_pause.labels(eng).observe(s)
-
-    from rollout_gateway.observe.lag import lag_report
-
-    def report(**kw):
-        return lag_report(gw, **kw)
-
-    gw.lag_report = report

@@ -7,7 +7,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout_gateway.api.metrics import LAG_BUCKETS, lag_histogram
+from rollout_gateway.observe.metrics import LAG_BUCKETS, lag_histogram
 from rollout_gateway.observe.lag import LagDistribution
 from rollout_gateway.observe.tracker import LagTracker
 from rollout_gateway.store.base import StoredEntry

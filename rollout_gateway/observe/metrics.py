@@ -1,4 +1,5 @@
-"""``/metrics``: Prometheus exposition built on ``prometheus_client``.
+"""``/metrics``: Prometheus exposition built on ``prometheus_client``, read from a
+:class:`~rollout_gateway.observe.view.GatewayView` at scrape time.
 
 Per replica (each replica exposes its own; sum them across replicas):
 histograms of HTTP request latency, time to first token, swap pause window per engine,
@@ -13,8 +14,7 @@ replica exports them with the label ``shared="true"``; aggregate them with ``max
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import (
@@ -24,9 +24,8 @@ from prometheus_client.core import (
 )
 
 from rollout_gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    from rollout_gateway.gateway import Gateway
+from rollout_gateway.observe.tracker import in_flight_tokens
+from rollout_gateway.observe.view import GatewayView
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing
 
@@ -85,6 +84,9 @@ class GatewayMetrics:
     def observe_admission(self, kind: str, admitted: bool, seconds: float) -> None:
         self.admission_wait.labels(kind, "admitted" if admitted else "refused").observe(seconds)
 
+    def observe_pause(self, engine_id: str, seconds: float) -> None:
+        self.swap_pause.labels(engine_id).observe(seconds)
+
 
 def lag_histogram(name: str, help_: str, by_lag: dict[int, int],
                   labels: dict[str, str] | None = None) -> HistogramMetricFamily:
@@ -98,17 +100,17 @@ def lag_histogram(name: str, help_: str, by_lag: dict[int, int],
     return h
 
 
-async def _snapshot(gw: Gateway) -> dict[str, Any]:
+async def _snapshot(view: GatewayView) -> dict[str, Any]:
     """The figures that need I/O (registry, store), read once per scrape."""
     snap: dict[str, Any] = {"errors": 0}
     try:
-        snap["learner_version"] = await gw.registry.learner_version()
+        snap["learner_version"] = await view.registry.learner_version()
     except GatewayError:
         snap["errors"] += 1
     try:
-        snap["stats"] = await gw.store.stats()
-        snap["groups"] = await gw.store.group_stats()
-        snap["unconsumed"] = await gw.store.unconsumed_tokens()
+        snap["stats"] = await view.store.stats()
+        snap["groups"] = await view.store.group_stats()
+        snap["unconsumed"] = await view.store.unconsumed_tokens()
     except GatewayError:
         snap["errors"] += 1
     return snap
@@ -117,17 +119,17 @@ async def _snapshot(gw: Gateway) -> dict[str, Any]:
 class _Live:
     """Counters and gauges read from the gateway's live state at scrape time."""
 
-    def __init__(self, gw: Gateway, snap: dict[str, Any]) -> None:
-        self.gw, self.snap = gw, snap
+    def __init__(self, view: GatewayView, snap: dict[str, Any]) -> None:
+        self.view, self.snap = view, snap
 
     def collect(self):  # noqa: C901 - one flat list of families
-        gw, snap = self.gw, self.snap
-        c = gw.rollouts.counters
+        view, snap = self.view, self.snap
+        c = view.rollouts.counters
         for key, (name, help_) in ROLLOUT_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=c[key])
         yield GaugeMetricFamily("rollout_gateway_inflight_samples", "Samples generating now",
-                                value=gw.rollouts.inflight_samples)
-        engines = gw.pool.list()
+                                value=view.rollouts.inflight_samples)
+        engines = view.engines()
         for name, help_, fn in (
                 ("engine_outstanding_requests", "Requests in flight per engine",
                  lambda e: e.outstanding_requests),
@@ -156,14 +158,14 @@ class _Live:
                 if e.version is not None:
                     g.add_metric([e.id], lv - e.version)
         yield g
-        lags = gw.gatekeeper.lag_counts
+        lags = view.gatekeeper.lag_counts
         fam = CounterMetricFamily("rollout_gateway_trajectory_lag",
                                   "Finished trajectories by max lag in versions at finish "
                                   "(8+ = 8 or more)", labels=["lag"])
         for k, v in sorted(lags.items()):
             fam.add_metric([str(k) + ("+" if k == 8 else "")], v)
         yield fam
-        for k, v in gw.gatekeeper.counters().items():
+        for k, v in view.gatekeeper.counters().items():
             if k in _ADMISSION_GAUGES:
                 yield GaugeMetricFamily(f"rollout_gateway_admission_{k}",
                                         f"Admission control: {k.replace('_', ' ')} samples",
@@ -172,36 +174,34 @@ class _Live:
                 yield CounterMetricFamily(f"rollout_gateway_admission_{k}",
                                           f"Admission control: {k.replace('_', ' ')} samples",
                                           value=v)
-        for k, v in gw.sessions.counters.items():  # agent sessions (docs/agents.md)
+        for k, v in view.sessions.counters.items():  # agent sessions (docs/agents.md)
             yield CounterMetricFamily(PREFIX + k, f"Agent sessions: {k.replace('_', ' ')}",
                                       value=v)
         yield GaugeMetricFamily(PREFIX + "sessions_open", "Agent sessions open now",
-                                value=len(gw.sessions.sessions))
-        f = gw.lag.finished
+                                value=len(view.sessions.sessions))
+        f = view.tracker.finished
         for name, help_, v in (
                 ("trajectories_spanning_versions", "Finished trajectories whose tokens come "
                  "from more than one weight version", f.spanning_versions),
                 ("tokens_on_stale_kv", "Finished tokens whose KV came from an older version "
                  "(kv_version < policy_version)", f.tokens_on_stale_kv),
                 ("delivered_trajectories", "Trajectories sent to learners over gRPC",
-                 gw.lag.delivered_trajectories)):
+                 view.tracker.delivered_trajectories)):
             yield CounterMetricFamily(PREFIX + name, help_, value=v)
         yield lag_histogram("rollout_gateway_delivered_token_lag",
                             "Tokens sent to learners by lag (learner version the learner "
-                            "reported - the token's policy version)", gw.lag.delivered)
-        from rollout_gateway.observe.tracker import in_flight_tokens
-
-        by_version, _n = in_flight_tokens(list(gw.rollouts.runner.active.values()))
+                            "reported - the token's policy version)", view.tracker.delivered)
+        by_version, _n = in_flight_tokens(list(view.running()))
         if lv is not None:
             yield lag_histogram("rollout_gateway_inflight_token_lag",
                                 "Tokens generated so far by running samples, by lag",
                                 {lv - v: n for v, n in by_version.items()})
-        if gw.oldlogits is not None:  # exact old logits (old_logits.mode)
-            for k, v in gw.oldlogits.metrics().items():
+        if view.old_logits is not None:  # exact old logits (old_logits.mode)
+            for k, v in view.old_logits.metrics().items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     fam = GaugeMetricFamily if k == "scorer_version" else CounterMetricFamily
                     yield fam(PREFIX + "old_logits_" + k, f"Exact old logits "
-                              f"({gw.oldlogits.mode}): {k.replace('_', ' ')}", value=v)
+                              f"({view.old_logits.mode}): {k.replace('_', ' ')}", value=v)
         yield _gauge("rollout_gateway_scrape_errors", "Shared figures that could not be read "
                      "for this scrape (registry or store unreachable)", snap["errors"])
         # ---- shared figures (store / registry): aggregate with max across replicas ----
@@ -251,47 +251,8 @@ def _counter(name: str, help_: str, value: float, labels: dict[str, str] | None 
     return g
 
 
-async def render(gw: Gateway) -> bytes:
-    snap = await _snapshot(gw)
+async def render(view: GatewayView, metrics: GatewayMetrics) -> bytes:
+    snap = await _snapshot(view)
     live = CollectorRegistry(auto_describe=False)
-    live.register(_Live(gw, snap))
-    return generate_latest(gw.metrics.registry) + generate_latest(live)
-
-
-class HTTPMetricsMiddleware:
-    """Pure ASGI: observes each HTTP request's latency until its last body byte, labelled by
-    method, route template (``unmatched`` for 404s) and status."""
-
-    def __init__(self, app, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0 = time.perf_counter()
-        status = {"code": 500}
-
-        async def wrapped(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                observe()
-
-        done = {"v": False}
-
-        def observe() -> None:
-            if done["v"]:
-                return
-            done["v"] = True
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.http_latency.labels(scope["method"], path,
-                                             str(status["code"])).observe(
-                time.perf_counter() - t0)
-
-        try:
-            await self.app(scope, receive, wrapped)
-        finally:
-            observe()
+    live.register(_Live(view, snap))
+    return generate_latest(metrics.registry) + generate_latest(live)

@@ -1,0 +1,54 @@
+"""The dashboard's time series: one point every ``interval_s`` into ``tracker.history``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.errors import GatewayError
+from rollout_gateway.observe.view import GatewayView
+
+log = logging.getLogger(__name__)
+
+
+class HistorySampler:
+    """Every ``interval_s`` appends one point (learner version, engine versions and states,
+    token and sample counters) to ``view.tracker.history`` for the dashboard's time series."""
+
+    def __init__(self, view: GatewayView, interval_s: float) -> None:
+        self.view = view
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
+
+    async def sample(self) -> None:
+        v = self.view
+        try:
+            lv: int | None = await v.registry.learner_version()
+        except GatewayError:
+            lv = None
+        c = v.rollouts.counters
+        v.tracker.history.append({
+            "t": time.time(), "learner_version": lv,
+            "engines": {e.id: {"version": e.version, "state": e.state.value}
+                        for e in v.engines()},
+            "tokens": c["tokens"], "samples": c["samples"],
+            "in_flight_samples": v.rollouts.inflight_samples,
+        })
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except Exception as exc:  # noqa: BLE001 - a dashboard gap, never a crash
+                log.warning("lag history sample failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
