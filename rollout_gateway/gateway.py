@@ -15,7 +15,7 @@ import time
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.discovery import DnsDiscovery, Resolver
-from rollout_gateway.engines.pool import EnginePool
+from rollout_gateway.engines.pool import Engine, EnginePool
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.heaptrim import HeapTrimmer
 from rollout_gateway.observe.history import HistorySampler
@@ -154,6 +154,15 @@ class Gateway:
                 log.warning("registry watch failed (%s); retrying", exc)
                 await asyncio.sleep(1.0)
 
+    async def register_engine(self, engine_id: str, url: str,
+                              api_key: str | None = None) -> Engine:
+        """``POST /v1/engines``: register an engine and catch it up to the pool's weights
+        before it serves; a failure goes back to the caller."""
+        eng = await self.pool.register(engine_id, url, api_key)
+        await self._catch_up_fenced(eng)
+        await self.sync_engine_version(eng.id, eng.version)
+        return eng
+
     async def add_engine(self, engine_id: str, url: str, api_key: str | None = None) -> None:
         """Register an engine found at run time (discovery): caught up to the pool's weights
         before it serves; one that does not answer yet is registered offline (the health
@@ -165,14 +174,18 @@ class Gateway:
                 return
             await self.pool.register_offline(engine_id, url, api_key, exc.message)
             return
-        self.pool.close_gate(eng)
         try:
-            await self.swaps.catch_up(eng)
+            await self._catch_up_fenced(eng)
         except GatewayError as exc:
             log.warning("engine %s could not catch up: %s", engine_id, exc.message)
+        await self.sync_engine_version(eng.id, eng.version)
+
+    async def _catch_up_fenced(self, eng: Engine) -> None:
+        self.pool.close_gate(eng)  # no traffic before it runs the pool's current weights
+        try:
+            await self.swaps.catch_up(eng)
         finally:
             await self.pool.open_gate(eng)
-        await self.sync_engine_version(eng.id, eng.version)
 
     async def sync_engine_version(self, engine_id: str, version: int | None) -> None:
         if version is None:

@@ -1,27 +1,23 @@
-"""FastAPI app factory. The lifespan starts and stops the :class:`Gateway`."""
+"""FastAPI app factory: the HTTP front door of one gateway. The lifespan starts and stops
+it (unless the caller does); each route gets the components it uses (:mod:`api.deps`)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI
 
 from rollout_gateway import __version__
+from rollout_gateway.api.deps import Backend
 from rollout_gateway.api.errors import install_error_handlers
-from rollout_gateway.gateway import Gateway
 from rollout_gateway.observe.metrics import GatewayMetrics
-from rollout_gateway.settings import GatewaySettings
 
 
-def create_app(settings: GatewaySettings | None = None, *, gateway: Gateway | None = None,
-               store: Any = None, registry: Any = None, manage_gateway: bool = True) -> FastAPI:
-    """Build the app. Pass ``gateway`` to share one with the gRPC server (then the caller
-    starts/stops it unless ``manage_gateway``)."""
-    if gateway is None:
-        gateway = Gateway(settings or GatewaySettings(), store=store, registry=registry)
+def create_app(gateway: Backend, *, manage_gateway: bool = True) -> FastAPI:
+    """The app in front of ``gateway``. With ``manage_gateway`` the app's lifespan starts
+    and stops it; pass False when it is shared with the gRPC server (the caller runs it)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -44,16 +44,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from rollout_gateway.api.deps import Pool, Rollouts
 from rollout_gateway.api.errors import ORJSONResponse
-from rollout_gateway.api.routes import gateway, sse
+from rollout_gateway.api.routes import sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import RawString, segment_to_json
-from rollout_gateway.gateway import Gateway
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
+from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import EngineError, InvalidArgument
 from rollout_gateway.rollouts.models import SAMPLING_KEYS, RolloutRequest
+from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.rollouts.sample import PassThrough
 
 router = APIRouter(tags=["sglang"])
@@ -275,7 +277,7 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
 
 @router.post("/generate", dependencies=[Depends(require_client)],
              openapi_extra=generate_openapi_body())
-async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response:
+async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response:
     import orjson
 
     try:
@@ -286,8 +288,8 @@ async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response
     as_list = len(items) > 1 or items[0].req.n > 1
     with_text = bool(isinstance(body, dict) and body.get("return_text_in_logprobs"))
     if items[0].opts["stream"]:
-        return sse(_stream(gw, items, with_text))
-    results = await asyncio.gather(*(gw.rollouts.run_with_text(it.req, it.passthrough)
+        return sse(_stream(rollouts, pool, items, with_text))
+    results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough)
                                      for it in items))
     outs = []
     for it, res in zip(items, results):
@@ -300,8 +302,8 @@ async def generate(request: Request, gw: Gateway = Depends(gateway)) -> Response
     return ORJSONResponse(outs if as_list else outs[0])
 
 
-async def _stream(gw: Gateway, items: list[Item], with_text: bool
-                  ) -> AsyncIterator[dict[str, Any]]:
+async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item],
+                  with_text: bool) -> AsyncIterator[dict[str, Any]]:
     """SGLang-style stream: each chunk carries the sample's whole output so far
     (``finish_reason`` null, ``text`` filled in the final chunk), stamps included; the final
     chunk per sample is the complete answer. When every engine streams incrementally, so
@@ -310,13 +312,13 @@ async def _stream(gw: Gateway, items: list[Item], with_text: bool
     as_list = len(items) > 1 or items[0].req.n > 1
     # SGLang's engines stream deltas with --incremental-streaming-output: so does the
     # gateway when every engine does (a drop-in answers as the server it replaces)
-    engines = gw.pool.list()
+    engines = pool.list()
     incremental = bool(engines) and all(e.client.info.incremental_stream for e in engines)
     sent: dict[int, int] = {}
     base = [0]
     for it in items[:-1]:
         base.append(base[-1] + it.req.n)
-    streams = [await gw.rollouts.open_stream(it.req, it.passthrough) for it in items]
+    streams = [await rollouts.open_stream(it.req, it.passthrough) for it in items]
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int) -> None:

@@ -17,15 +17,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollout_gateway.api.deps import Sessions, Settings, StartedAt
 from rollout_gateway.api.errors import ORJSONResponse
-from rollout_gateway.api.routes import gateway
 from rollout_gateway.api.security import require_client
-from rollout_gateway.gateway import Gateway
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import InvalidArgument, NotFound
 from rollout_gateway.rollouts.models import SamplingParams
 from rollout_gateway.sessions.manager import Reply
 from rollout_gateway.sessions.messages import canonical_messages
+from rollout_gateway.sessions.templates import ChatTemplate
+from rollout_gateway.settings import GatewaySettings
 
 #: every route here is a client's (``client_api_key``: the openai client sends it as its
 #: api_key)
@@ -135,8 +136,8 @@ def _session_id(request: Request, body_sid: str | None) -> str | None:
     return sid
 
 
-def _check_model(gw: Gateway, model: str | None) -> str:
-    name = gw.settings.served_model_name
+def _check_model(settings: GatewaySettings, model: str | None) -> str:
+    name = settings.served_model_name
     if model is not None and model != name:
         raise NotFound(f"model {model!r} is not served here (GET /v1/models lists {name!r})")
     return name
@@ -166,7 +167,7 @@ def _lp(x: Any) -> float:
     return -9999.0 if x is None or not math.isfinite(x) else float(x)
 
 
-def _alternatives(gw: Gateway, rows: LogprobRows | list | None, k: int) -> list[list[tuple[int, float]]]:
+def _alternatives(rows: LogprobRows | list | None, k: int) -> list[list[tuple[int, float]]]:
     """Per token, the engine's top-k alternatives as (id, logprob)."""
     if rows is None:
         return []
@@ -177,9 +178,8 @@ def _alternatives(gw: Gateway, rows: LogprobRows | list | None, k: int) -> list[
     return [[(int(r[1]), _lp(r[0])) for r in (row or [])[:k]] for row in rows]
 
 
-def _lp_entries(gw: Gateway, ids: np.ndarray, lps: np.ndarray,
+def _lp_entries(tpl: ChatTemplate, ids: np.ndarray, lps: np.ndarray,
                 tops: list[list[tuple[int, float]]] | None = None) -> list[dict[str, Any]]:
-    tpl = gw.sessions.template
     out = []
     for j, (i, lp) in enumerate(zip(ids.tolist(), lps.tolist())):
         alts = tops[j] if tops else []
@@ -208,8 +208,8 @@ class _TextStream:
     """Incremental detokenization of one choice: emits text that can no longer change
     (no trailing partial UTF-8, no possible start of a stop string)."""
 
-    def __init__(self, gw: Gateway, stops: list[str], hold_all: bool) -> None:
-        self.tpl = gw.sessions.template
+    def __init__(self, tpl: ChatTemplate, stops: list[str], hold_all: bool) -> None:
+        self.tpl = tpl
         self.ids: list[int] = []
         self.sent = ""
         self.stops = [s for s in stops if s]
@@ -251,11 +251,12 @@ class _TextStream:
 # ---- /v1/chat/completions ----
 
 @router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request,
-                           gw: Gateway = Depends(gateway)) -> Response:
+async def chat_completions(req: ChatCompletionRequest, request: Request, sessions: Sessions,
+                           settings: Settings) -> Response:
     """OpenAI chat completions; with a session id, one turn of that session."""
-    model = _check_model(gw, req.model)
+    model = _check_model(settings, req.model)
     sid = _session_id(request, req.session_id)
+    tpl = sessions.template
     k = req.top_logprobs or 0
     if k and not req.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs: true")
@@ -267,12 +268,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     if req.max_completion_tokens and req.max_tokens and req.max_completion_tokens != req.max_tokens:
         raise InvalidArgument("max_tokens and max_completion_tokens differ")
     max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    sp = req.sampling(max_new, gw.settings.max_new_tokens_limit)
+    sp = req.sampling(max_new, settings.max_new_tokens_limit)
     parse_tools: bool | int = bool(req.tools) and req.tool_choice != "none"
     if parse_tools and req.parallel_tool_calls is False:
         parse_tools = 1  # at most one call; later blocks stay in the content
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    out = await gw.sessions.call(sid=sid, kind="chat", plan_input=messages, tools=req.tools,
+    out = await sessions.call(sid=sid, kind="chat", plan_input=messages, tools=req.tools,
                                  sp=sp, n=req.n, parse_tools=parse_tools, stream=req.stream,
                                  group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
     if not req.stream:
@@ -285,7 +286,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
                 msg["tool_calls"] = r.tool_calls
             choices.append({"index": r.index, "message": msg, "finish_reason": r.finish_reason,
                             "logprobs": {"content": _lp_entries(
-                                gw, r.token_ids, r.logprobs, _alternatives(gw, r.top_logprobs, k))}
+                                tpl, r.token_ids, r.logprobs, _alternatives(r.top_logprobs, k))}
                             if req.logprobs else None,
                             "rollout": _rollout_info(r, sid)})
         return ORJSONResponse({"id": rid, "object": "chat.completion", "created": created,
@@ -299,7 +300,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
                       "model": model, "choices": choices, **extra})
 
     async def body() -> AsyncIterator[bytes]:
-        streams = [_TextStream(gw, stops, parse_tools) for _ in range(req.n)]
+        streams = [_TextStream(tpl, stops, parse_tools) for _ in range(req.n)]
         finals: list[Reply] = []
         for i in range(req.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -311,7 +312,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
                 text = streams[i].feed(ids)
                 # with top_logprobs the entries (and their alternatives) come with the
                 # final chunk: the engines' top-k rows arrive when the sample finishes
-                lp = ({"content": _lp_entries(gw, np.asarray(ids), np.asarray(ev["logprobs"]))}
+                lp = ({"content": _lp_entries(tpl, np.asarray(ids), np.asarray(ev["logprobs"]))}
                       if req.logprobs and not k else None)
                 if text or lp:
                     yield chunk([{"index": i, "delta": {"content": text} if text else {},
@@ -325,8 +326,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
                     delta["content"] = rest
                 if r.tool_calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(r.tool_calls)]
-                lp = ({"content": _lp_entries(gw, r.token_ids, r.logprobs,
-                                              _alternatives(gw, r.top_logprobs, k))}
+                lp = ({"content": _lp_entries(tpl, r.token_ids, r.logprobs,
+                                              _alternatives(r.top_logprobs, k))}
                       if k else None)
                 yield chunk([{"index": i, "delta": delta, "logprobs": lp,
                               "finish_reason": r.finish_reason,
@@ -358,21 +359,21 @@ def _prompt(p: Any) -> str | list[int]:
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, request: Request,
-                      gw: Gateway = Depends(gateway)) -> Response:
+async def completions(req: CompletionRequest, request: Request, sessions: Sessions,
+                      settings: Settings) -> Response:
     """OpenAI (legacy) completions over a raw prompt; with a session id, one turn."""
-    model = _check_model(gw, req.model)
+    model = _check_model(settings, req.model)
     sid = _session_id(request, req.session_id)
     if req.echo:
         raise InvalidArgument("echo is not supported")
     include_usage = _include_usage(req)
     prompt = _prompt(req.prompt)
-    sp = req.sampling(req.max_tokens or 16, gw.settings.max_new_tokens_limit)
+    sp = req.sampling(req.max_tokens or 16, settings.max_new_tokens_limit)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    tpl = gw.sessions.template
+    tpl = sessions.template
     want_lp = req.logprobs is not None
     k = req.logprobs or 0
-    out = await gw.sessions.call(sid=sid, kind="completion", plan_input=prompt, tools=None,
+    out = await sessions.call(sid=sid, kind="completion", plan_input=prompt, tools=None,
                                  sp=sp, n=req.n, parse_tools=False, stream=req.stream,
                                  group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
 
@@ -385,7 +386,7 @@ async def completions(req: CompletionRequest, request: Request,
         tops = None
         if k:
             tops = [{tpl.token_text(a): alp for a, alp in alts}
-                    for alts in _alternatives(gw, rows, k)]
+                    for alts in _alternatives(rows, k)]
         return {"tokens": toks, "token_logprobs": [_lp(x) for x in lps.tolist()],
                 "top_logprobs": tops, "text_offset": offs}
 
@@ -406,7 +407,7 @@ async def completions(req: CompletionRequest, request: Request,
                       "model": model, "choices": choices, **extra})
 
     async def body() -> AsyncIterator[bytes]:
-        streams = [_TextStream(gw, stops, False) for _ in range(req.n)]
+        streams = [_TextStream(tpl, stops, False) for _ in range(req.n)]
         finals: list[Reply] = []
         async for ev in events:
             i = ev["index"]
@@ -436,22 +437,21 @@ async def completions(req: CompletionRequest, request: Request,
 # ---- models, sessions, rewards ----
 
 @router.get("/v1/models")
-async def list_models(gw: Gateway = Depends(gateway)) -> Response:
+async def list_models(settings: Settings, started_at: StartedAt) -> Response:
     return ORJSONResponse({"object": "list", "data": [
-        {"id": gw.settings.served_model_name, "object": "model", "created": int(gw.started_at),
+        {"id": settings.served_model_name, "object": "model", "created": int(started_at),
          "owned_by": "rollout-gateway"}]})
 
 
 @router.get("/v1/models/{model_id}")
-async def get_model(model_id: str, gw: Gateway = Depends(gateway)) -> Response:
-    _check_model(gw, model_id)
-    return ORJSONResponse({"id": model_id, "object": "model", "created": int(gw.started_at),
+async def get_model(model_id: str, settings: Settings, started_at: StartedAt) -> Response:
+    _check_model(settings, model_id)
+    return ORJSONResponse({"id": model_id, "object": "model", "created": int(started_at),
                            "owned_by": "rollout-gateway"})
 
 
 @router.post("/v1/sessions/{session_id}/end")
-async def end_session(session_id: str, request: Request,
-                      gw: Gateway = Depends(gateway)) -> Response:
+async def end_session(session_id: str, request: Request, sessions: Sessions) -> Response:
     """End a session: its trajectory (current branch) is published, with the reward if
     given; ``await_reward`` holds it for POST /v1/trajectories/{id}/reward instead."""
     raw = await request.body()
@@ -460,13 +460,13 @@ async def end_session(session_id: str, request: Request,
     except ValueError as exc:
         raise InvalidArgument(f"invalid body: {exc}") from None
     _finite(body.reward, "reward")
-    return ORJSONResponse(await gw.sessions.end(session_id, body.reward, body.await_reward))
+    return ORJSONResponse(await sessions.end(session_id, body.reward, body.await_reward))
 
 
 @router.post("/v1/trajectories/{trajectory_id}/reward")
 async def trajectory_reward(trajectory_id: str, body: RewardBody,
-                            gw: Gateway = Depends(gateway)) -> Response:
+                            sessions: Sessions) -> Response:
     """Attach a reward to a session trajectory held with ``await_reward``; publishes it."""
     _finite(body.reward, "reward")
-    return ORJSONResponse(await gw.sessions.attach_reward(trajectory_id, body.reward))
+    return ORJSONResponse(await sessions.attach_reward(trajectory_id, body.reward))
 

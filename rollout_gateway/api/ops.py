@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response
 
+from rollout_gateway.api.deps import View
 from rollout_gateway.api.errors import ORJSONResponse
-from rollout_gateway.api.routes import gateway
 from rollout_gateway.api.security import is_admin
-from rollout_gateway.gateway import Gateway
 from rollout_gateway.errors import NotFound
 from rollout_gateway.observe.lag import LagReport, lag_report
 
@@ -22,7 +21,7 @@ ASSET_TYPES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
 @router.get("/v1/lag", response_model=LagReport)
-async def lag(request: Request, gw: Gateway = Depends(gateway),
+async def lag(request: Request, view: View,
               history: bool = Query(False, description="include the dashboard time series"),
               recent_swaps: int = Query(10, ge=1, le=100,
                                         description="swaps whose pause windows are listed"),
@@ -31,7 +30,7 @@ async def lag(request: Request, gw: Gateway = Depends(gateway),
     flight, finished-but-unconsumed and delivered, intra-trajectory staleness, recent pause
     windows, staleness handling and per-group backlog. ``replica`` (host:pid) is shown to
     the admin only."""
-    rep = await lag_report(gw.view, recent_swaps=recent_swaps, history=history)
+    rep = await lag_report(view, recent_swaps=recent_swaps, history=history)
     if not is_admin(request):
         rep.replica = None
     return ORJSONResponse(rep.model_dump())

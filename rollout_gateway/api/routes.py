@@ -11,10 +11,19 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_gateway.api.deps import (
+    Metrics,
+    Pool,
+    Register,
+    Registry,
+    Rollouts,
+    Serving,
+    Swaps,
+    View,
+)
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.security import is_admin, public_view, require_admin, require_client
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
-from rollout_gateway.gateway import Gateway
 from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
@@ -24,12 +33,6 @@ from rollout_gateway.swap.models import SwapRequest
 
 
 log = logging.getLogger(__name__)
-
-
-async def gateway(request: Request) -> Gateway:
-    """Dependency: the app's Gateway (async: a plain ``def`` dependency would cost a
-    thread-pool round trip on every request)."""
-    return request.app.state.gateway
 
 
 def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -56,10 +59,10 @@ rollouts = APIRouter(tags=["rollouts"], dependencies=[Depends(require_client)])
 
 
 @rollouts.post("/v1/rollouts")
-async def create_rollout(req: RolloutRequest, gw: Gateway = Depends(gateway)) -> Response:
+async def create_rollout(req: RolloutRequest, rollouts: Rollouts, registry: Registry) -> Response:
     """n samples of one prompt, stamped per token and published to the store."""
     if req.stream:
-        events = await gw.rollouts.open_stream(req)  # admission errors: plain 4xx
+        events = await rollouts.open_stream(req)  # admission errors: plain 4xx
 
         async def rendered() -> AsyncIterator[dict[str, Any]]:
             async for ev in events:
@@ -68,18 +71,18 @@ async def create_rollout(req: RolloutRequest, gw: Gateway = Depends(gateway)) ->
                           "trajectory": trajectory_to_json(ev["trajectory"])}
                 yield ev
         return sse(rendered())
-    trajs = await gw.rollouts.run(req)
+    trajs = await rollouts.run(req)
     return ORJSONResponse({"trajectories": [trajectory_to_json(t) for t in trajs],
-                           "learner_version": await gw.registry.learner_version()})
+                           "learner_version": await registry.learner_version()})
 
 
 weights = APIRouter(tags=["weights"])
 
 
 @weights.post("/v1/weights", dependencies=[Depends(require_admin)])
-async def swap_weights(req: SwapRequest, gw: Gateway = Depends(gateway)) -> Response:
+async def swap_weights(req: SwapRequest, swaps: Swaps) -> Response:
     """Announce a new version; with a source, hot-swap the engines to it."""
-    rec = await gw.swaps.swap(req)
+    rec = await swaps.swap(req)
     body = rec.to_dict()
     body["ok"] = rec.status == "succeeded"
     # a swap that left engines out of rotation is still a completed swap: 200 with the
@@ -91,13 +94,13 @@ async def swap_weights(req: SwapRequest, gw: Gateway = Depends(gateway)) -> Resp
 
 
 @weights.get("/v1/versions")
-async def versions(request: Request, gw: Gateway = Depends(gateway)) -> Response:
+async def versions(request: Request, registry: Registry, pool: Pool) -> Response:
     """Learner and engine versions, recent swaps. Weight sources (checkpoint paths), the
     swap leader's host and engine URLs are shown to the admin only."""
-    snap = await gw.registry.snapshot()
+    snap = await registry.snapshot()
     snap = dict(snap)
     snap["engines_live"] = {e.id: {"weight_version": e.version, "state": e.state.value}
-                            for e in gw.pool.list()}
+                            for e in pool.list()}
     return ORJSONResponse(snap if is_admin(request) else public_view(snap))
 
 
@@ -118,33 +121,27 @@ def _engine_view(request: Request, eng) -> dict[str, Any]:
 
 
 @engines.get("/v1/engines")
-async def list_engines(request: Request, gw: Gateway = Depends(gateway)) -> Response:
+async def list_engines(request: Request, pool: Pool) -> Response:
     """Engines and their state (URLs and raw errors: admin only)."""
-    return ORJSONResponse({"engines": [_engine_view(request, e) for e in gw.pool.list()]})
+    return ORJSONResponse({"engines": [_engine_view(request, e) for e in pool.list()]})
 
 
 @engines.post("/v1/engines", dependencies=[Depends(require_admin)], status_code=201)
-async def register_engine(body: RegisterEngine, gw: Gateway = Depends(gateway)) -> Response:
+async def register_engine(body: RegisterEngine, register: Register) -> Response:
     spec = EngineSpec(id=body.id, url=body.url, api_key=body.api_key)
-    eng = await gw.pool.register(spec.id, spec.url, spec.api_key)
-    gw.pool.close_gate(eng)  # no traffic before it runs the pool's current weights
-    try:
-        await gw.swaps.catch_up(eng)
-    finally:
-        await gw.pool.open_gate(eng)
-    await gw.sync_engine_version(eng.id, eng.version)
+    eng = await register(spec.id, spec.url, spec.api_key)
     return ORJSONResponse(eng.to_dict(), status_code=201)
 
 
 @engines.get("/v1/engines/{engine_id}")
-async def get_engine(engine_id: str, request: Request, gw: Gateway = Depends(gateway)) -> Response:
-    return ORJSONResponse(_engine_view(request, gw.pool.get(engine_id)))
+async def get_engine(engine_id: str, request: Request, pool: Pool) -> Response:
+    return ORJSONResponse(_engine_view(request, pool.get(engine_id)))
 
 
 @engines.delete("/v1/engines/{engine_id}", dependencies=[Depends(require_admin)])
-async def deregister_engine(engine_id: str, gw: Gateway = Depends(gateway)) -> Response:
-    eng = await gw.pool.deregister(engine_id)
-    await gw.registry.remove_engine(engine_id)
+async def deregister_engine(engine_id: str, pool: Pool, registry: Registry) -> Response:
+    eng = await pool.deregister(engine_id)
+    await registry.remove_engine(engine_id)
     return ORJSONResponse(eng.to_dict())
 
 
@@ -152,13 +149,13 @@ ops = APIRouter(tags=["ops"])
 
 
 @ops.get("/health")
-async def health(gw: Gateway = Depends(gateway)) -> Response:
-    routable = [e.id for e in gw.pool.list() if e.routable]
-    ok = gw.serving and bool(routable)
-    return ORJSONResponse({"status": "ok" if ok else "unavailable", "serving": gw.serving,
+async def health(pool: Pool, serving: Serving) -> Response:
+    routable = [e.id for e in pool.list() if e.routable]
+    ok = serving and bool(routable)
+    return ORJSONResponse({"status": "ok" if ok else "unavailable", "serving": serving,
                            "engines_routable": routable}, status_code=200 if ok else 503)
 
 
 @ops.get("/metrics")
-async def metrics(gw: Gateway = Depends(gateway)) -> Response:
-    return Response(await render(gw.view, gw.metrics), media_type=CONTENT_TYPE)
+async def metrics(view: View, replica_metrics: Metrics) -> Response:
+    return Response(await render(view, replica_metrics), media_type=CONTENT_TYPE)

@@ -140,7 +140,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     check_bind(settings)
     gw = Gateway(settings)
     await gw.start()
-    app = create_app(gateway=gw, manage_gateway=False)
+    app = create_app(gw, manage_gateway=False)
     grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
                              default_policy=settings.admission.stale_policy, auth=gw.auth,
                              tls_cert=settings.tls_cert_file, tls_key=settings.tls_key_file,

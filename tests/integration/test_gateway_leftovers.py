@@ -36,7 +36,7 @@ def leftovers(gw: Gateway) -> dict[str, object]:
 async def test_a_burst_of_generate_calls_leaves_nothing_behind(engine):
     gw = Gateway(GatewaySettings(engines=[{"id": "ref", "url": engine.url}], heap_trim_s=0))
     await gw.start()
-    app = create_app(gateway=gw, manage_gateway=False)
+    app = create_app(gw, manage_gateway=False)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://gw", timeout=120) as c:

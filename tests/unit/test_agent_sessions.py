@@ -381,23 +381,21 @@ def test_codec_learner_decode_and_collate_honour_the_mask():
 
 
 def test_streamed_text_never_sends_what_a_stop_string_will_cut():
-    from types import SimpleNamespace
-
     from rollout_gateway.api.openai import _TextStream
 
-    gw = SimpleNamespace(sessions=SimpleNamespace(template=ReferenceTemplate()))
-    s = _TextStream(gw, ["bX", "zz"], hold_all=False)
+    tpl = ReferenceTemplate()
+    s = _TextStream(tpl, ["bX", "zz"], hold_all=False)
     assert s.feed(list(b"aab")) == "aa"  # "b" may begin "bX": held back
     assert s.feed(list(b"X")) == ""  # the stop string completed: nothing past it
     assert s.finish("aa") == ""
-    s = _TextStream(gw, ["bX"], hold_all=False)
+    s = _TextStream(tpl, ["bX"], hold_all=False)
     assert s.feed(list(b"aab")) == "aa" and s.feed(list(b"c")) == "bc"
     assert s.finish("aabc") == ""
     # a partial UTF-8 character is not sent until complete; the end-of-turn id is not text
-    s = _TextStream(gw, [], hold_all=False)
+    s = _TextStream(tpl, [], hold_all=False)
     assert s.feed([0xC3]) == "" and s.feed([0xA9, 257]) == "é"
     # with tools the whole content comes at the end
-    s = _TextStream(gw, [], hold_all=True)
+    s = _TextStream(tpl, [], hold_all=True)
     assert s.feed(list(b"abc")) == "" and s.finish("abc") == "abc"
 
 
@@ -512,10 +510,11 @@ def test_openai_routes_need_the_client_token_when_one_is_set():
     from fastapi.testclient import TestClient
 
     from rollout_gateway.api.app import create_app
+    from rollout_gateway.gateway import Gateway
     from rollout_gateway.settings import GatewaySettings
 
-    app = create_app(GatewaySettings(client_api_key="client-key-0123456789",
-                                     admin_api_key="admin-key-0123456789"))
+    app = create_app(Gateway(GatewaySettings(client_api_key="client-key-0123456789",
+                                             admin_api_key="admin-key-0123456789")))
     with TestClient(app) as c:
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                              ("POST", "/v1/completions"), ("POST", "/v1/sessions/s/end"),

@@ -14,11 +14,13 @@ def test_help_is_fast_and_does_not_import_torch():
 def test_gateway_side_never_imports_torch():
     code = ("import sys\n"
             "from rollout_gateway.api.app import create_app\n"
+            "from rollout_gateway.gateway import Gateway\n"
+            "from rollout_gateway.settings import GatewaySettings\n"
             "from rollout_gateway.commands import serve\n"
             "from rollout_gateway.transport import server\n"
             "from rollout_gateway.store import memory, redis_streams\n"
             "from rollout_gateway.registry import redis_registry\n"
-            "create_app()\n"
+            "create_app(Gateway(GatewaySettings()))\n"
             "assert 'torch' not in sys.modules, 'the gateway imported torch'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

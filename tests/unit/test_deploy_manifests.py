@@ -100,10 +100,11 @@ def test_crds_by_kind():
 def _served(paths: set[str]) -> dict[str, int]:
     """GET each path on the real app (lifespan run): path -> status."""
     from rollout_gateway.api.app import create_app
+    from rollout_gateway.gateway import Gateway
     from rollout_gateway.settings import GatewaySettings
 
     async def get() -> dict[str, int]:
-        app = create_app(GatewaySettings())
+        app = create_app(Gateway(GatewaySettings()))
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as c:
@@ -290,10 +291,11 @@ def _exported_metric_names() -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from rollout_gateway.api.app import create_app
+    from rollout_gateway.gateway import Gateway
     from rollout_gateway.settings import GatewaySettings
 
     async def scrape() -> str:
-        app = create_app(GatewaySettings())
+        app = create_app(Gateway(GatewaySettings()))
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as c:
