@@ -130,4 +130,8 @@ def test_the_programs_stay_apart():
              "reference_engine": {"rollout_gateway", "learner_client"}}
     bad = [f"{m} -> {d}" for m, deps in sorted(GRAPH.items())
            for d in sorted(deps) if _top(d) in never.get(_top(m), ())]
+    # the gateway launches the reference engine (``up``), nothing below the programs uses it
+    bad += [f"{m} -> {d}" for m, deps in sorted(GRAPH.items())
+            if _top(m) == "rollout_gateway" and _layer(m) < len(LAYERS) - 1
+            for d in sorted(deps) if _top(d) == "reference_engine"]
     assert not bad, "\n".join(bad)
