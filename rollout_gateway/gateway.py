@@ -22,6 +22,7 @@ from rollout_gateway.observe.history import HistorySampler
 from rollout_gateway.observe.metrics import GatewayMetrics
 from rollout_gateway.observe.tracker import LagTracker
 from rollout_gateway.observe.view import GatewayView
+from rollout_gateway.old_logits import OldLogitService
 from rollout_gateway.registry import create_registry
 from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
@@ -64,8 +65,6 @@ class Gateway:
         self.gatekeeper = Gatekeeper(s.admission, self.store, self.registry)
         self.old_logits = None
         if s.old_logits.mode != "off":
-            from rollout_gateway.old_logits import OldLogitService
-
             self.old_logits = OldLogitService(s, self.registry)
         self.rollouts = RolloutService(self.pool, self.store, s, gatekeeper=self.gatekeeper,
                                        oldlogits=self.old_logits)
@@ -94,14 +93,14 @@ class Gateway:
                                 sessions=self.sessions, old_logits=self.old_logits,
                                 tracker=self.tracker)
         self.history = HistorySampler(self.view, s.lag_history_interval_s)
-        self.heap = HeapTrimmer(s.heap_trim_s)
         # ---- hooks: what each component reports, and to whom ----
         self.pool.on_recovered = self.swaps.catch_up  # back from UNHEALTHY: its weights
         self.rollouts.on_finished = self.tracker.on_finished
         self.rollouts.on_admission_wait = self.metrics.observe_admission
         self.rollouts.runner.on_first_token = self.metrics.ttft.observe
         self.swaps.on_pause_window = self.metrics.observe_pause
-        # ---- run state ----
+        # ---- the process: freed heap given back to the OS; run state ----
+        self.heap = HeapTrimmer(s.heap_trim_s)
         self.started_at = time.time()
         self.serving = False  # /health and gRPC health: True between start() and draining
         self._watch_task: asyncio.Task[None] | None = None

@@ -1,1 +1,3 @@
-"""HTTP API (FastAPI): rollouts, SGLang /generate pass-through, weights, versions, engines, health, metrics."""
+"""HTTP API (FastAPI), HTTP only: rollouts, SGLang /generate pass-through, OpenAI routes,
+weights, versions, engines, lag, dashboard, health, metrics. Routes get the components
+they use (``deps``), never the gateway."""
