@@ -5,5 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh dev
 bash scripts/ensure-redis.sh
 bash scripts/ensure-chromium.sh
+bash scripts/sglang-cpu.sh >/dev/null  # the real SGLang server for tests/sglang (cached venv)
 . .venv/bin/activate
 exec python -m pytest -q -p no:cacheprovider "$@"
