@@ -53,21 +53,63 @@ flock 9
 if ready; then echo "$venv/bin/python"; exit 0; fi
 
 start=$(date +%s)
-echo "sglang-cpu: building $venv (sglang==$SGLANG_VERSION for the CPU; ~3 min, ~2.8 GB)" >&2
+log="$venv.build.log"
+echo "sglang-cpu: building $venv (sglang==$SGLANG_VERSION for the CPU; 1.5-3 min, 2.7 GB; log $log)" >&2
+: > "$log"
+step() {  # run one build step, its output into the log; on failure show the log's tail
+  echo "+ $*" >> "$log"
+  if ! "$@" >> "$log" 2>&1; then
+    echo "sglang-cpu: failed: $*" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+}
 rm -rf "$venv"
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
-"$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" --upgrade pip >&2
-"${pip[@]}" -c "$con" torch==2.13.0 >&2
-"${pip[@]}" --no-deps "sglang==$SGLANG_VERSION" >&2
+step "$py" -m venv "$venv"
+vpy="$venv/bin/python"
+pip=("$vpy" -m pip install --disable-pip-version-check)
+step "${pip[@]}" --upgrade pip
+step "${pip[@]}" -c "$con" torch==2.13.0
+step "${pip[@]}" --no-deps "sglang==$SGLANG_VERSION"
 # torchvision: sglang.srt.configs imports it unconditionally. PyPI's build is linked against
 # CUDA torch; with --no-deps it sits beside the CPU torch, its C ops do not load, and the
-# stand-in's sitecustomize skips its fake-op registrations (scripts/sglang_cpu/pythonpath).
-"${pip[@]}" --no-deps "torchvision==$TORCHVISION_VERSION" >&2
-"${pip[@]}" -c "$con" -r "$req" >&2
-"$venv/bin/python" -m pip freeze > "$venv/rollout-gateway-freeze.txt"
+# sitecustomize in scripts/sglang_cpu/pythonpath skips its fake-op registrations.
+step "${pip[@]}" --no-deps "torchvision==$TORCHVISION_VERSION"
+# pip reports sglang's CUDA-only requirements as unmet here: expected (they are left out).
+step "${pip[@]}" -c "$con" -r "$req"
+# Our pins must be SGLang's own: compare with the installed wheel's METADATA.
+step "$vpy" - "$req" <<'PY'
+import re, sys
+from importlib.metadata import requires, version
+from packaging.requirements import Requirement
+declared = {}
+for r in map(Requirement, requires("sglang")):
+    if r.marker is None or r.marker.evaluate({"extra": ""}):
+        declared[r.name.lower().replace("_", "-")] = r
+bad = []
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    ours = Requirement(line)
+    theirs = declared.get(ours.name.lower().replace("_", "-"))
+    if theirs is not None and theirs.specifier != ours.specifier:
+        bad.append(f"{ours} (sglang declares {theirs})")
+    got = version(ours.name)
+    if theirs is not None and got not in theirs.specifier:
+        bad.append(f"{ours.name}=={got} installed, sglang declares {theirs}")
+if version("torch") != "2.13.0+cpu":
+    bad.append(f"torch {version('torch')} installed, not the 2.13.0 CPU wheel")
+if bad:
+    sys.exit("pins disagree with sglang's METADATA:\n  " + "\n  ".join(bad))
+print("pins agree with sglang", version("sglang"))
+PY
+# The server stack imports, as the launched server sees it (stand-in and fixes on the path).
+step env SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$here/sglang_cpu/pythonpath" "$vpy" -c \
+  "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, sglang.srt.models.qwen3_moe"
+"$vpy" -m pip freeze > "$venv/rollout-gateway-freeze.txt"
 echo "$want" > "$stamp"
 echo "sglang-cpu: built in $(( $(date +%s) - start ))s, $(du -sh "$venv" | cut -f1)" >&2
-echo "$venv/bin/python"
+echo "$vpy"
