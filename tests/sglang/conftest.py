@@ -45,6 +45,7 @@ from _sglang_support import LIVE, Checkpoints, SGLangServer, sglang_python
 
 SEEDS = {"0": 100, "1": 101, "2": 102}
 MAX_LIVE = int(os.environ.get("SGLANG_TEST_MAX_LIVE", "2"))
+TEST_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +53,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.sglang)
+            # a server start is 21-35 s on a quiet machine, up to ~2 min under other jobs'
+            # load, and the first test also pays the venv build if test.sh did not run
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 @pytest.hookimpl(hookwrapper=True)
