@@ -22,6 +22,7 @@ scheduler), ``--skip-tokenizer-init``, ``--incremental-streaming-output``, ``ext
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -188,6 +189,22 @@ class Checkpoints:
 # the server
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies (PR_SET_PDEATHSIG), so a
+    killed pytest leaves no server behind (SGLang then shuts its own children down)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def _stop_all_live() -> None:
+    for srv in list(LIVE):
+        srv.stop()
+
+
+atexit.register(_stop_all_live)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -337,7 +354,8 @@ class SGLangServer:
             t0 = time.monotonic()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.environment(),
-                                         cwd=str(self.log_path.parent), start_new_session=True)
+                                         cwd=str(self.log_path.parent), start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         LIVE.append(self)
         why = self._wait_healthy(timeout)
         if why is not None:
