@@ -153,6 +153,7 @@ def restore(srv: SGLangServer, checkpoints: Checkpoints) -> None:
             if r.status_code != 200 or not r.json().get("success"):
                 srv.restart(model_path=checkpoints.path("0"), weight_version="0")
                 return
+            srv.model_path, srv.weight_version = checkpoints.path("0"), "0"
         if c.post("/flush_cache").status_code != 200:
             srv.restart(model_path=checkpoints.path("0"), weight_version="0")
 

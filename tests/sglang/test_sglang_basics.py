@@ -200,39 +200,38 @@ def test_chat_template_renders_like_reference_template(sglang_checkpoints):
         assert tok.encode(got, add_special_tokens=False) == tpl.encode(want)
 
 
-def test_server_options_restart_and_stop(make_sglang, sglang_checkpoints, sglang_reference):
-    """A dedicated server with the non-default options; restart() on the same port with v1;
-    stop() leaves no process behind."""
-    srv = make_sglang(overlap_schedule=False, skip_tokenizer_init=True,
-                      incremental_streaming_output=True,
-                      model_path=sglang_checkpoints.path("0"), weight_version="0")
+def test_server_options(sglang_pool):
+    """A pooled server with the non-default options (kept for later tests asking the same)."""
+    srv = sglang_pool.get(overlap_schedule=False, skip_tokenizer_init=True,
+                          incremental_streaming_output=True)
     info = srv.server_info()
     assert info["disable_overlap_schedule"] is True
     assert info["skip_tokenizer_init"] is True
     assert info["incremental_streaming_output"] is True
     procs = srv.processes()
     assert len(procs) >= 3  # HTTP server, scheduler, detokenizer (+ resource tracker)
-    rss_gb = srv.rss_bytes() / 2**30
-    print(f"\nsglang start {srv.start_seconds:.1f}s, rss {rss_gb:.2f} GiB over {len(procs)} procs")
-
-    # text needs a tokenizer: SGLang answers a client error, not a crash
+    print(f"\nsglang start {srv.start_seconds:.1f}s, rss {srv.rss_bytes() / 2**30:.2f} GiB "
+          f"over {len(procs)} processes")
+    # text needs a tokenizer: SGLang answers a client error and keeps serving
     r = httpx.post(srv.url + "/generate", timeout=60,
                    json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code >= 400 or "error" in r.text
-    assert srv.running()
+    assert r.status_code == 400, r.text
+    out = generate(srv.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 3})
+    assert len(out["output_ids"]) == 3 and srv.running()
 
-    port = srv.port
-    srv.restart(model_path=sglang_checkpoints.path("1"), weight_version="1")
-    assert srv.port == port
-    assert not any(p in srv.processes() for p in procs)
-    print(f"sglang restart {srv.start_seconds:.1f}s")
-    assert srv.model_info()["weight_version"] == "1"
-    out = generate(srv.url, **logprob_body(PROMPT, 6, 0.0))
-    check_against_reference(sglang_reference("1"), PROMPT, out, 0.0)
 
-    pgid = srv.pid  # the server leads its own process group
-    srv.stop()
-    assert not srv.running()
+def test_restart_on_same_port_with_other_weights(sglang, sglang_checkpoints, sglang_reference):
+    """restart(): stop (no process of the old group left: the fixture's stop() leaks nothing),
+    start on the same port with v1. The ``sglang`` fixture puts v0 back afterwards."""
+    port, pgid = sglang.port, sglang.pid  # the server leads its own process group
+    old = sglang.processes()
+    sglang.restart(model_path=sglang_checkpoints.path("1"), weight_version="1")
+    print(f"\nsglang restart {sglang.start_seconds:.1f}s")
     assert _group_members(pgid) == []
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert sglang.port == port and not set(old) & set(sglang.processes())
+    info = sglang.model_info()
+    assert info["weight_version"] == "1"
+    assert info["model_path"] == str(sglang_checkpoints.path("1"))
+    out = generate(sglang.url, **logprob_body(PROMPT, 6, 0.0))
+    assert out["meta_info"]["weight_version"] == "1"
+    check_against_reference(sglang_reference("1"), PROMPT, out, 0.0)
