@@ -12,6 +12,7 @@ docs/gateway.md "Real SGLang in the test bed").
   tokenizer path.
 * :class:`SGLangServer` -- one server process group: ``start()`` waits for ``/health`` 200 while
   watching the process; ``stop()`` sends SIGTERM, then SIGKILLs the whole process group;
+  ``kill()`` SIGKILLs it at once; ``signal_group(SIGSTOP/SIGCONT)`` freezes and thaws it;
   ``restart(model_path=..., weight_version=...)`` relaunches on the same port.
 
 Launch flags (see :meth:`SGLangServer.command`): ``--device cpu --attention-backend torch_native
@@ -64,7 +65,7 @@ def sglang_python() -> str:
     global _python
     if _python is None:
         proc = subprocess.run(["bash", str(SETUP_SCRIPT)], capture_output=True, text=True,
-                              timeout=1800)
+                              timeout=1800, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"scripts/sglang-cpu.sh failed ({proc.returncode}):\n"
                                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -198,7 +199,7 @@ def _die_with_parent() -> None:
 
 
 def _stop_all_live() -> None:
-    for srv in list(LIVE):
+    for srv in LIVE[:]:  # stop() removes it from LIVE
         srv.stop()
 
 
@@ -283,7 +284,8 @@ class SGLangServer:
     multiprocessing's resource tracker) in its own process group.
 
     ``model_path``: a checkpoint dir (with the byte tokenizer unless ``skip_tokenizer_init``).
-    ``overlap_schedule``: SGLang's default overlap scheduler (False: ``--disable-overlap-schedule``).
+    ``overlap_schedule``: SGLang's default overlap scheduler (False:
+    ``--disable-overlap-schedule``).
     """
 
     model_path: Path
@@ -355,7 +357,7 @@ class SGLangServer:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.environment(),
                                          cwd=str(self.log_path.parent), start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=_die_with_parent)  # noqa: PLW1509 (prctl only)
         LIVE.append(self)
         why = self._wait_healthy(timeout)
         if why is not None:
@@ -390,6 +392,10 @@ class SGLangServer:
         if proc is None:
             return
         pgid = proc.pid  # start_new_session: the server leads its own group
+        try:
+            os.killpg(pgid, signal.SIGCONT)  # a group a test froze with SIGSTOP cannot stop
+        except ProcessLookupError:
+            pass
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -408,6 +414,13 @@ class SGLangServer:
         if proc is not None:
             _kill_group(proc.pid)
             proc.wait()
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to every process of the server (e.g. SIGSTOP / SIGCONT to freeze it:
+        the port stays open, nothing answers)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} is not running")
+        os.killpg(self.proc.pid, sig)
 
     def restart(self, *, model_path: str | os.PathLike | None = None,
                 weight_version: str | int | None = None, timeout: float = START_TIMEOUT_S,

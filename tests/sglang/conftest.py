@@ -105,11 +105,11 @@ class SGLangPool:
         if pin:
             self.pinned.add(key)
         srv = self.servers.get(key)
-        if srv is not None and srv.running():
+        if srv is not None:
             self.servers.move_to_end(key)
+            if not srv.running():  # a test stopped or killed it: the same server again
+                srv.restart(**{k: options[k] for k in ("model_path", "weight_version")})
             return srv
-        if srv is not None:  # died or was stopped: start it again
-            del self.servers[key]
         while len([k for k in self.servers if k not in self.pinned]) >= self.max_live:
             old_key = next(k for k in self.servers if k not in self.pinned)
             self.servers.pop(old_key).stop()
