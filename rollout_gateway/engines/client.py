@@ -19,6 +19,7 @@ import orjson
 
 from rollout_gateway.engines.rawhttp import RawHttpPool
 from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
+from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.errors import EngineError, GatewayError, Timeout
 from rollout_gateway.settings import Timeouts
 
@@ -97,78 +98,6 @@ def _json(resp: httpx.Response, what: str) -> Any:
     except orjson.JSONDecodeError as exc:
         raise EngineError(f"{what}: engine answered non-JSON (HTTP {resp.status_code}): "
                           f"{resp.content[:200]!r}") from exc
-
-
-_WS = frozenset(b" \t\n\r\x0b\x0c")  # what bytes.strip() strips
-
-
-def _stripped(buf: bytes | bytearray, a: int, e: int) -> tuple[int, int]:
-    """``buf[a:e]``'s bounds without its leading and trailing whitespace (as
-    ``bytes.strip``), found without copying the span."""
-    while a < e and buf[a] in _WS:
-        a += 1
-    while e > a and buf[e - 1] in _WS:
-        e -= 1
-    return a, e
-
-
-class SSEPayloads:
-    """Splits an SSE byte stream into its ``data:`` payloads (stripped bytes), in order.
-
-    Events end at a blank line (``\n\n``); in an event, every line starting with
-    ``data:`` is one payload, other lines are ignored. Linear: newlines are hopped at
-    memchr speed and each payload is copied once (a multi-MB final payload with routed
-    experts is not copied four times over).
-    """
-
-    __slots__ = ("_buf", "_scan", "_multi")
-
-    #: payloads from this size on are copied by index (once); smaller ones by C slicing
-    LARGE = 1 << 16
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._scan = 0  # bytes of _buf already searched for the event separator
-        self._multi = False  # the pending event has a lone newline (several lines)
-
-    @property
-    def pending(self) -> int:
-        """Bytes of the event still incomplete."""
-        return len(self._buf)
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf
-        if not buf and chunk.startswith(b"data:") and chunk.find(b"\n") == len(chunk) - 2 \
-                and chunk.endswith(b"\n\n"):
-            # exactly one one-line event, as uvicorn streams them (a chunk per event): its
-            # payload is sliced out of the chunk once, nothing is buffered
-            a, e = _stripped(chunk, 5, len(chunk) - 2)
-            return [chunk[a:e]]
-        buf += chunk
-        out: list[bytes] = []
-        scan, multi, large = self._scan, self._multi, self.LARGE
-        while True:
-            cut = buf.find(b"\n", scan)
-            while cut >= 0 and cut + 1 < len(buf) and buf[cut + 1] != 0x0A:
-                multi = True
-                cut = buf.find(b"\n", cut + 1)
-            if cut < 0 or cut + 1 >= len(buf):
-                self._scan, self._multi = max(len(buf) - 1, 0), multi
-                return out
-            if multi:
-                for line in bytes(buf[:cut]).split(b"\n"):
-                    if line.startswith(b"data:"):
-                        out.append(line[5:].strip())
-            elif not buf.startswith(b"data:"):
-                pass
-            elif cut < large:  # small (a per-token delta): C-level copies beat index loops
-                out.append(bytes(buf[5:cut]).strip())
-            else:  # large (the final payload with routed experts): copy it once
-                a, e = _stripped(buf, 5, cut)
-                with memoryview(buf) as mv:
-                    out.append(bytes(mv[a:e]))
-            del buf[:cut + 2]
-            scan, multi = 0, False
 
 
 class AnswerGate:

@@ -17,6 +17,7 @@ import numpy as np
 
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_generate
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
+from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.errors import EngineError
 
 #: per-output-token lists kept verbatim (DecodeOptions.passthrough), cut like the columns
@@ -39,9 +40,7 @@ class StreamDecoder:
         """``keep=True`` also keeps every delta so :meth:`result` can merge them."""
         self.opts = opts or DecodeOptions()
         self.keep = keep
-        self.max_event_bytes = max_event_bytes
-        self._buf = bytearray()
-        self._scanned = 0  # bytes of _buf already searched for an event end (no rescans)
+        self._sse = SSEPayloads(limit=max_event_bytes)
         self._states: dict[object, _State] = {}
         self.done = False  # saw data: [DONE]
 
@@ -52,36 +51,17 @@ class StreamDecoder:
                              and all(s.finished for s in self._states.values()))
 
     def feed(self, data: bytes) -> list[Decoded]:
-        """Add bytes; return the deltas of every event they complete. A large event
-        arriving in many pieces is scanned once (linear, not quadratic)."""
-        self._buf += data
-        out: list[Decoded] = []
-        while True:
-            cut, sep = _find_event_end(self._buf, max(self._scanned - 3, 0))
-            if cut < 0:
-                self._scanned = len(self._buf)
-                if len(self._buf) > self.max_event_bytes:
-                    raise EngineError("engine stream event exceeds the size limit")
-                return out
-            event = bytes(self._buf[:cut])
-            del self._buf[:cut + sep]
-            self._scanned = 0
-            out.extend(self._event(event))
+        """Add raw SSE bytes (any split); return the deltas of every event they complete."""
+        return [d for p in self._sse.feed(data) for d in self._payload(p)]
 
     def close(self) -> list[Decoded]:
         """Flush a final event not followed by a blank line (a stream cut short)."""
-        rest = bytes(self._buf).strip()
-        self._buf.clear()
-        return self._event(rest) if rest else []
+        return [d for p in self._sse.close() for d in self._payload(p)]
 
     def feed_payload(self, data: bytes) -> list[Decoded]:
         """Like :meth:`feed` for one already-unframed SSE ``data:`` payload (a JSON
         object/list, ``[DONE]`` or an ``{"error": ...}`` object): no framing, no copy."""
         return self._payload(data.strip())
-
-    def _event(self, event: bytes) -> list[Decoded]:
-        payload = _data_of(event)
-        return [] if payload is None else self._payload(payload)
 
     def _payload(self, payload: bytes) -> list[Decoded]:
         if payload == b"[DONE]":
@@ -147,37 +127,6 @@ def _tail(col, seen: int, new: int, total: int, name: str):
         return col[seen:]
     raise EngineError(f"engine stream chunk has {n} {name} entries; expected {new} new or "
                       f"{total} cumulative")
-
-
-def _find_event_end(buf: bytearray, start: int = 0) -> tuple[int, int]:
-    """Index of the first blank-line separator (LF LF or CR LF CR LF) at or after
-    ``start`` and its length; (-1, 0) if none yet. Hops between newlines with a one-byte
-    find (memchr), which crosses a multi-megabyte routed_experts line at memory speed (a
-    two-byte pattern search is several times slower)."""
-    n = len(buf)
-    pos = start
-    while True:
-        i = buf.find(b"\n", pos)
-        if i < 0:
-            return -1, 0
-        if i + 1 < n and buf[i + 1] == 0x0A:  # \n\n
-            return i, 2
-        if i > 0 and buf[i - 1] == 0x0D and buf[i + 1:i + 3] == b"\r\n":  # \r\n\r\n
-            return i - 1, 4
-        if i + 3 > n:  # the separator may still be arriving
-            return -1, 0
-        pos = i + 1
-
-
-def _data_of(event: bytes) -> bytes | None:
-    """Concatenated ``data:`` field of one SSE event (None for comments/other fields)."""
-    if event.startswith(b"data:") and event.find(b"\n") < 0:  # the usual one-line event
-        return event[5:].strip()
-    lines = [ln for ln in event.splitlines() if ln.startswith(b"data:")]
-    if not lines:
-        return None
-    parts = [ln[5:][1:] if ln[5:6] == b" " else ln[5:] for ln in lines]
-    return b"\n".join(parts).strip()
 
 
 def merge(parts: list[Decoded]) -> Decoded:

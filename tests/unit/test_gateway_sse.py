@@ -6,14 +6,17 @@ import random
 
 import pytest
 
-from rollout_gateway.engines.client import SSEPayloads
+from rollout_gateway.engines.sse import SSEPayloads
+from rollout_gateway.errors import EngineError
 
 
 def reference(stream: bytes) -> list[bytes]:
-    """The plain definition: complete events (ended by a blank line), their data: lines."""
+    """The plain definition: complete events (ended by a blank line), each one's data:
+    lines (stripped) joined with a newline, as the SSE standard joins them."""
     events = stream.split(b"\n\n")[:-1]  # the last piece is not terminated yet
-    return [line[5:].strip() for ev in events for line in ev.split(b"\n")
-            if line.startswith(b"data:")]
+    data = [[line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:")]
+            for ev in events]
+    return [b"\n".join(lines) for lines in data if lines]
 
 
 def random_stream(rng: random.Random) -> bytes:
@@ -127,3 +130,14 @@ async def test_streamed_generate_keeps_the_engine_connection_alive(framing: str)
     finally:
         await client.close()
         server.close()
+
+
+def test_crlf_line_ends_a_last_event_cut_short_and_the_size_limit():
+    stream = b'data: {"a":1}\r\n\r\n: ping\r\n\r\ndata: x\r\ndata: y\r\n\r\ndata: {"b"'
+    for step in (1, 3, len(stream)):
+        split = SSEPayloads()
+        got = [p for i in range(0, len(stream), step) for p in split.feed(stream[i:i + step])]
+        assert got == [b'{"a":1}', b"x\ny"]
+        assert split.close() == [b'{"b"'] and split.pending == 0
+    with pytest.raises(EngineError, match="size limit"):
+        SSEPayloads(limit=1024).feed(b"data: " + b"x" * 2048)
