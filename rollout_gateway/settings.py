@@ -82,6 +82,11 @@ class Timeouts(BaseModel):
     weight_load_s: float = Field(default=600.0, gt=0, le=86400,
                                  description="One engine's weight update call.")
     health_s: float = Field(default=3.0, gt=0, le=60, description="One /health probe.")
+    keep_alive_s: float = Field(
+        default=4.0, gt=0, le=3600, description="An engine connection idle this long is "
+        "closed instead of reused. Keep it below the engine's own keep-alive timeout "
+        "(uvicorn's, hence SGLang's SGLANG_TIMEOUT_KEEP_ALIVE, is 5 s): a connection the "
+        "engine closes just as a request goes out on it costs a resend.")
     drain_s: float = Field(default=600.0, gt=0, le=86400,
                            description="Max wait for in-flight requests in drain mode, and for "
                            "a fenced engine to reopen.")

@@ -1,7 +1,8 @@
 """SGLang HTTP adapter: one engine's endpoints, version-aware, with per-phase timeouts.
 
-Every transport failure or unusable answer becomes :class:`EngineError` (or
-:class:`Timeout`) here, at the adapter; nothing above sees httpx exceptions.
+Every call goes through the engine's :class:`~rollout_gateway.engines.transport.Transport`
+(chosen once, by URL scheme). Every transport failure or unusable answer becomes
+:class:`EngineError` (or :class:`Timeout`) here, at the adapter.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import httpx
 import orjson
 
-from rollout_gateway.engines.rawhttp import RawHttpPool
 from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
 from rollout_gateway.engines.sse import SSEPayloads
-from rollout_gateway.errors import EngineError, GatewayError, Timeout
+from rollout_gateway.engines.transport import Transport, open_transport
+from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.settings import Timeouts
 
 #: first SGLang version with begin/end_weight_update and weight_versions spans
@@ -92,12 +92,11 @@ class EngineInfo:
         return self.version >= PAUSE_MODES_SINCE
 
 
-def _json(resp: httpx.Response, what: str) -> Any:
+def _json(content: bytes, what: str) -> Any:
     try:
-        return orjson.loads(resp.content)
+        return orjson.loads(content)
     except orjson.JSONDecodeError as exc:
-        raise EngineError(f"{what}: engine answered non-JSON (HTTP {resp.status_code}): "
-                          f"{resp.content[:200]!r}") from exc
+        raise EngineError(f"{what}: engine answered non-JSON: {content[:200]!r}") from exc
 
 
 class AnswerGate:
@@ -163,56 +162,41 @@ class EngineClient:
     """Async client for one SGLang-protocol engine."""
 
     def __init__(self, engine_id: str, url: str, *, timeouts: Timeouts | None = None,
-                 api_key: str | None = None, use_raw: bool = True,
-                 gate: AnswerGate | None = None) -> None:
+                 api_key: str | None = None, gate: AnswerGate | None = None,
+                 transport: Transport | None = None) -> None:
         self.engine_id = engine_id
         self.gate = gate  # bounds the large answers read at once (shared by the pool)
         self.url = url.rstrip("/")
         self.t = timeouts or Timeouts()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
-                                       limits=httpx.Limits(max_connections=1024,
-                                                           max_keepalive_connections=256))
+        #: every call to the engine (the raw keep-alive client for http, httpx for https)
+        self.transport = transport or open_transport(
+            engine_id, self.url, connect_timeout=self.t.connect_s,
+            keep_alive_s=self.t.keep_alive_s, headers=headers)
         self.info = EngineInfo()
-        u = httpx.URL(self.url)
-        #: the hot call (/generate) bypasses httpx on plain http (see rawhttp)
-        self._raw = (RawHttpPool(engine_id, u.host, u.port or 80,
-                                 connect_timeout=self.t.connect_s, headers=headers)
-                     if u.scheme == "http" and use_raw else None)
 
-    def _timeout(self, read: float) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.t.connect_s, read=read, write=self.t.control_s,
-                             pool=self.t.connect_s)
-
-    async def _call(self, method: str, path: str, *, read: float, body: Any = None,
-                    ok_statuses: tuple[int, ...] = (200,)) -> httpx.Response:
-        try:
-            resp = await self._http.request(
-                method, path, content=orjson.dumps(body) if body is not None else None,
-                headers={"Content-Type": "application/json"} if body is not None else None,
-                timeout=self._timeout(read))
-        except httpx.TimeoutException as exc:
-            raise Timeout(f"engine {self.engine_id} {path}: timed out ({type(exc).__name__})",
-                          details={"engine_id": self.engine_id}) from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.engine_id} {path}: {type(exc).__name__}: {exc}",
-                              details={"engine_id": self.engine_id}) from exc
-        if resp.status_code not in ok_statuses:
-            raise EngineError(f"engine {self.engine_id} {path}: HTTP {resp.status_code}: "
-                              f"{resp.content[:300].decode('utf-8', 'replace')}",
-                              details={"engine_id": self.engine_id, "status": resp.status_code})
-        return resp
+    async def _call(self, method: str, path: str, *, read: float,
+                    body: Any = None) -> bytes:
+        """A control call: its whole body, or EngineError for any status but 200."""
+        resp = await self.transport.request(
+            method, path, orjson.dumps(body) if body is not None else None,
+            read_timeout=read, abortable=False)
+        content = await resp.read()
+        if resp.status != 200:
+            raise EngineError(f"engine {self.engine_id} {path}: HTTP {resp.status}: "
+                              f"{content[:300].decode('utf-8', 'replace')}",
+                              details={"engine_id": self.engine_id, "status": resp.status})
+        return content
 
     async def _get_json(self, path: str) -> dict[str, Any]:
-        resp = await self._call("GET", path, read=self.t.control_s)
-        data = _json(resp, path)
+        data = _json(await self._call("GET", path, read=self.t.control_s), path)
         if not isinstance(data, dict):
             raise EngineError(f"engine {self.engine_id} {path}: expected a JSON object")
         return data
 
     async def _post_json(self, path: str, body: dict[str, Any], *, read: float | None = None) -> Any:
-        resp = await self._call("POST", path, read=read or self.t.control_s, body=body)
-        return _json(resp, path) if resp.content.strip() else {}
+        content = await self._call("POST", path, read=read or self.t.control_s, body=body)
+        return _json(content, path) if content.strip() else {}
 
     # ---- discovery -------------------------------------------------------------------
     async def detect(self) -> EngineInfo:
@@ -251,12 +235,16 @@ class EngineClient:
 
     async def health(self) -> Health:
         try:
-            resp = await self._http.get("/health", timeout=httpx.Timeout(self.t.health_s))
-        except httpx.HTTPError:
+            async with asyncio.timeout(self.t.health_s):  # connect included
+                resp = await self.transport.request("GET", "/health",
+                                                    read_timeout=self.t.health_s,
+                                                    abortable=False)
+                await resp.read()
+        except (GatewayError, TimeoutError):
             return Health.DOWN
-        if resp.status_code == 200:
+        if resp.status == 200:
             return Health.OK
-        if resp.status_code == 503:
+        if resp.status == 503:
             return Health.PAUSED
         return Health.DOWN
 
@@ -264,12 +252,11 @@ class EngineClient:
     async def generate(self, payload: dict[str, Any]) -> bytes:
         """Non-streaming /generate; returns the raw JSON body. A large body is read with a
         slot of the gate, given back on return: decode it before awaiting anything."""
-        if self._raw is not None:
-            resp = await self._raw.post("/generate", orjson.dumps(payload),
-                                        read_timeout=self.t.generate_s)
-            gate = self.gate
-            size = resp.headers.get(b"content-length", b"")
-            if gate is not None and not (size.isdigit() and int(size) < gate.large):
+        resp = await self.transport.request("POST", "/generate", orjson.dumps(payload),
+                                            read_timeout=self.t.generate_s)
+        gate, size = self.gate, resp.content_length
+        try:
+            if gate is not None and not (size is not None and size < gate.large):
                 await gate.acquire()
                 try:
                     content = await resp.read()
@@ -277,21 +264,18 @@ class EngineClient:
                     gate.release()
             else:
                 content = await resp.read()
-            status = resp.status
-        else:
-            r = await self._call("POST", "/generate", read=self.t.generate_s, body=payload,
-                                 ok_statuses=tuple(range(200, 600)))
-            content, status = r.content, r.status_code
-        if status != 200:
-            raise EngineError(f"engine {self.engine_id} /generate: HTTP {status}: "
+        finally:
+            await resp.aclose()
+        if resp.status != 200:
+            raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
                               f"{content[:300].decode('utf-8', 'replace')}",
-                              details={"engine_id": self.engine_id, "status": status})
+                              details={"engine_id": self.engine_id, "status": resp.status})
         return content
 
     def abort_inflight(self, why: str) -> int:
         """Break off every /generate in flight to this engine (they fail as dropped, and
         the gateway resumes them elsewhere from their partial output)."""
-        return self._raw.abort_active(why) if self._raw is not None else 0
+        return self.transport.abort_active(why)
 
     async def _stream_bytes(self, body: bytes, patience=None,
                             before_read=None) -> AsyncIterator[bytes]:
@@ -300,45 +284,21 @@ class EngineClient:
         ``stream_idle_s`` of silence between chunks, waived while ``patience()``.
         ``before_read(unread)`` is awaited before reading on, once the last chunk was taken
         and no frame here still holds it (``unread``: bytes received, not read yet)."""
-        if self._raw is not None:
-            resp = await self._raw.post("/generate", body, read_timeout=self.t.stream_idle_s,
-                                        first_timeout=self.t.first_byte_s, patience=patience)
-            if resp.status != 200:
-                text = (await resp.read())[:300].decode("utf-8", "replace")
-                raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
-                                  f"{text}", details={"engine_id": self.engine_id,
-                                                      "status": resp.status})
-            chunks = resp.iter_bytes(before_read)
-            try:
-                async for chunk in chunks:
-                    yield chunk
-                    del chunk  # before iter_bytes awaits before_read
-            finally:
-                await chunks.aclose()
-            return
+        resp = await self.transport.request("POST", "/generate", body,
+                                            read_timeout=self.t.stream_idle_s,
+                                            first_timeout=self.t.first_byte_s,
+                                            patience=patience)
+        if resp.status != 200:
+            text = (await resp.read())[:300].decode("utf-8", "replace")
+            raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: {text}",
+                              details={"engine_id": self.engine_id, "status": resp.status})
+        chunks = resp.iter_bytes(before_read)
         try:
-            async with self._http.stream("POST", "/generate", content=body,
-                                         headers={"Content-Type": "application/json"},
-                                         timeout=self._timeout(max(self.t.first_byte_s,
-                                                                   self.t.stream_idle_s))) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread())[:300].decode("utf-8", "replace")
-                    raise EngineError(f"engine {self.engine_id} /generate: HTTP "
-                                      f"{resp.status_code}: {text}",
-                                      details={"engine_id": self.engine_id,
-                                               "status": resp.status_code})
-                async for chunk in resp.aiter_bytes():
-                    yield chunk
-                    del chunk
-                    if before_read is not None:
-                        await before_read(0)  # httpx buffers on its own
-        except httpx.TimeoutException as exc:
-            raise Timeout(f"engine {self.engine_id} /generate stream timed out",
-                          details={"engine_id": self.engine_id}) from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.engine_id} /generate stream broke: "
-                              f"{type(exc).__name__}: {exc}",
-                              details={"engine_id": self.engine_id, "dropped": True}) from exc
+            async for chunk in chunks:
+                yield chunk
+                del chunk  # before iter_bytes awaits before_read
+        finally:
+            await chunks.aclose()
 
     async def generate_stream(self, payload: dict[str, Any], *,
                               patience=None) -> AsyncIterator[bytes]:
@@ -454,6 +414,4 @@ class EngineClient:
         return self._check_success(data, "update_weights_from_distributed", self.engine_id)
 
     async def close(self) -> None:
-        if self._raw is not None:
-            self._raw.close()
-        await self._http.aclose()
+        await self.transport.aclose()

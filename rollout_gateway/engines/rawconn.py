@@ -18,6 +18,8 @@ cancel-safe (nothing is consumed until a read returns), so a timed-out read can 
 from __future__ import annotations
 
 import asyncio
+import select
+from typing import Any
 
 _MIN_FREE = 1 << 16  # free space offered to each socket read
 _SMALL = _MIN_FREE * 4  # a connection's buffer to begin with (and when idle)
@@ -68,6 +70,7 @@ class RawConnection(asyncio.BufferedProtocol):
         self._paused = False
         self._drain: asyncio.Future[None] | None = None  # set while writing is paused
         self.transport: asyncio.Transport | None = None
+        self._poll: Any = None  # a select.poll of the socket, made at the first reuse
 
     @property
     def unread(self) -> int:
@@ -223,6 +226,25 @@ class RawConnection(asyncio.BufferedProtocol):
             raise ConnectionResetError("connection closed")
         if self._drain is not None and not self._drain.done():
             await self._drain
+
+    def reusable(self) -> bool:
+        """Nothing arrived since the last answer was read: no end of stream, no error, no
+        unread byte, and none waiting in the socket for the event loop either (a peer
+        that closed an idle keep-alive connection: its FIN may not have been read yet)."""
+        t = self.transport
+        if t is None or t.is_closing() or self._eof or self._exc is not None \
+                or self._end != self._start:
+            return False
+        try:
+            if self._poll is None:
+                sock = t.get_extra_info("socket")
+                if sock is None:
+                    return True
+                self._poll = select.poll()
+                self._poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+            return not self._poll.poll(0)  # readable while idle: EOF, a reset, stray bytes
+        except (OSError, ValueError):
+            return False
 
     def is_closing(self) -> bool:
         return self.transport is None or self.transport.is_closing()

@@ -1,10 +1,18 @@
-"""A minimal keep-alive HTTP/1.1 client for the one hot call: POST /generate.
+"""A minimal keep-alive HTTP/1.1 client: the transport to a plain-http engine.
 
 httpx spends ~6 ms of CPU reading a 2.8 MB /generate body (64 KiB reads through
 httpcore/anyio/h11); receiving it straight into a connection's buffer
 (:mod:`~rollout_gateway.engines.rawconn`) costs under 1 ms. This client does only what
-engines answer: Content-Length or chunked bodies (uvicorn), plain http.
-Everything else the gateway sends (control, weights, health) stays on httpx.
+engines answer: Content-Length or chunked bodies (uvicorn), plain http. It implements
+:class:`~rollout_gateway.engines.transport.Transport` (https engines use httpx instead).
+
+Keep-alive: engines close idle connections (uvicorn, hence SGLang, after 5 s). A pooled
+connection idle for ``keep_alive_s`` or longer is closed, not reused, and one is reused
+only if nothing arrived on it since its last answer (no EOF, no reset, no stray byte, in
+the protocol's state or still waiting in the socket). A request sent on a reused
+connection that the peer closes or resets before any byte of the answer (it closed the
+idle connection just as the request went out) is sent again once, on a freshly dialled
+connection; on a fresh connection, or once any answer byte arrived, that is a failure.
 
 Errors: connection problems and malformed framing raise :class:`EngineError` with
 ``details["dropped"] = True`` once any response byte arrived; a read stalled longer than
@@ -19,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -40,6 +50,8 @@ class _Conn:
     io: RawConnection  # reads and writes
     reused: bool = False
     aborted: str | None = None  # why abort_active broke it off
+    idle_since: float = 0.0  # monotonic time it went back to the pool
+    abortable: bool = True  # abort_active breaks it off (a /generate, not a control call)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -71,7 +83,7 @@ class RawResponse:
                     data = await fn(*args)
                 self._first = self._timeout  # silence between chunks from now on
                 return data
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 if self._patience is not None and self._patience():
                     continue  # paused for a swap: silence is expected
                 raise Timeout(f"engine {self._pool.name}: no data for {limit:g}s",
@@ -104,7 +116,9 @@ class RawResponse:
         r.limit = _BUFFER_LIMIT if before_read is not None else _READ_MAX
         try:
             te = self.headers.get(b"transfer-encoding", b"").lower()
-            if b"chunked" in te:
+            if self.status < 200 or self.status in (204, 304):
+                pass  # no body
+            elif b"chunked" in te:
                 while True:
                     line = await self._read(r.readuntil, b"\r\n")
                     size = int(line.split(b";", 1)[0].strip(), 16)
@@ -155,20 +169,30 @@ class RawResponse:
         if before_read is not None:
             self._conn.io.limit = _READ_MAX if await before_read(held) else _BUFFER_LIMIT
 
+    @property
+    def content_length(self) -> int | None:
+        """The body's size when the head announced it (not chunked), else None."""
+        length = self.headers.get(b"content-length", b"")
+        te = self.headers.get(b"transfer-encoding", b"").lower()
+        return int(length) if length.isdigit() and b"chunked" not in te else None
+
     async def read(self) -> bytes:
         """The whole body. A Content-Length body is taken in one read once it is all
         there (one copy out of the stream buffer, instead of a copy per arriving piece
         plus a join); the read timeout then bounds the whole transfer."""
-        length = self.headers.get(b"content-length")
-        te = self.headers.get(b"transfer-encoding", b"").lower()
-        if length is None or b"chunked" in te or not length.isdigit():
+        length = self.content_length
+        if length is None or self.status < 200 or self.status in (204, 304):
             return b"".join([c async for c in self.iter_bytes()])
         try:
-            data = await self._read(self._conn.io.readexactly, int(length))
+            data = await self._read(self._conn.io.readexactly, length)
             self._done = True
             return data
         finally:
             self.release()
+
+    async def aclose(self) -> None:
+        """Done with this answer (read or not): its connection goes back or is closed."""
+        self.release()
 
     def release(self) -> None:
         conn, self._conn = self._conn, None  # type: ignore[assignment]
@@ -180,91 +204,142 @@ class RawResponse:
 
 
 class RawHttpPool:
-    """Keep-alive connections to one ``http://host:port``."""
+    """Keep-alive connections to one ``http://host:port`` (a path prefix of the engine's
+    URL goes before every request's path)."""
 
     def __init__(self, name: str, host: str, port: int, *, connect_timeout: float,
-                 max_idle: int = 64, headers: dict[str, str] | None = None) -> None:
+                 keep_alive_s: float = 4.0, max_idle: int = 64,
+                 headers: dict[str, str] | None = None, prefix: str = "") -> None:
         self.name = name
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.host = host
         self.port = port
+        self.prefix = prefix.rstrip("/")
         self.connect_timeout = connect_timeout
+        #: a pooled connection idle this long is closed instead of reused (keep it below
+        #: the engine's own keep-alive: uvicorn's and SGLang's is 5 s)
+        self.keep_alive_s = keep_alive_s
         self.max_idle = max_idle
-        self._idle: list[_Conn] = []
+        self._idle: deque[_Conn] = deque()  # oldest first
         self._busy: set[_Conn] = set()  # connections with a request in flight
+        self._closed = False
+        #: dialled: new connections; reused: requests sent on a pooled one; stale: pooled
+        #: connections closed unused (idle too long, or the peer closed or wrote to them);
+        #: resent: requests sent again on a fresh connection after a reused one was reset
+        self.counters = {"dialled": 0, "reused": 0, "stale": 0, "resent": 0}
 
     async def _connect(self) -> _Conn:
         try:
             _, io = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
                 lambda: RawConnection(_BUFFER_LIMIT), self.host, self.port),
                 self.connect_timeout)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise Timeout(f"engine {self.name}: connect timed out") from exc
         except OSError as exc:
             raise EngineError(f"engine {self.name}: cannot connect: {exc}",
                               details={"engine_id": self.name}) from exc
+        self.counters["dialled"] += 1
         return _Conn(io)
+
+    def _expire(self, now: float) -> None:
+        """Close the pooled connections idle for ``keep_alive_s`` or longer."""
+        idle = self._idle
+        while idle and now - idle[0].idle_since >= self.keep_alive_s:
+            idle.popleft().close()
+            self.counters["stale"] += 1
+
+    def _pooled(self) -> _Conn | None:
+        """The most recently used pooled connection that may be reused, else None
+        (every one passed over is closed)."""
+        self._expire(time.monotonic())
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.io.reusable():
+                self.counters["reused"] += 1
+                return conn
+            conn.close()
+            self.counters["stale"] += 1
+        return None
 
     def _give_back(self, conn: _Conn, keep: bool) -> None:
         self._busy.discard(conn)
-        if keep and not conn.aborted and len(self._idle) < self.max_idle \
+        if keep and not conn.aborted and not self._closed and len(self._idle) < self.max_idle \
                 and not conn.io.is_closing():
             conn.io.trim(_IDLE_BUFFER)
             conn.reused = True
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
+            self._expire(conn.idle_since)
         else:
             conn.close()
 
     def abort_active(self, why: str) -> int:
-        """Break off every request in flight (their reads fail at once, as dropped);
-        returns how many."""
-        busy, self._busy = list(self._busy), set()
-        for c in busy:
+        """Break off every abortable request in flight (their reads fail at once, as
+        dropped); returns how many."""
+        gone = [c for c in self._busy if c.abortable]
+        for c in gone:
+            self._busy.discard(c)
             c.aborted = why
             with contextlib.suppress(Exception):
                 c.io.abort()
-        return len(busy)
+        return len(gone)
 
     async def post(self, path: str, body: bytes, *, read_timeout: float,
                    first_timeout: float | None = None,
                    patience: Callable[[], bool] | None = None) -> RawResponse:
         """Send a JSON POST; returns once the status line and headers arrived (within
         ``first_timeout``, default ``read_timeout``)."""
+        return await self.request("POST", path, body, read_timeout=read_timeout,
+                                  first_timeout=first_timeout, patience=patience)
+
+    async def request(self, method: str, path: str, body: bytes | None = None, *,
+                      read_timeout: float, first_timeout: float | None = None,
+                      patience: Callable[[], bool] | None = None,
+                      abortable: bool = True) -> RawResponse:
+        """Send ``method path`` (``body``: JSON); returns once the status line and headers
+        arrived (within ``first_timeout``, default ``read_timeout``). ``abortable``: the
+        request is broken off by :meth:`abort_active`."""
         head_timeout = first_timeout if first_timeout is not None else read_timeout
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                f"Accept: */*\r\n{self._extra}\r\n").encode()
-        for attempt in (0, 1):
-            conn = self._idle.pop() if self._idle else await self._connect()
+        head = f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        msg = (head + f"Accept: */*\r\n{self._extra}\r\n").encode() + (body or b"")
+        conn = self._pooled() or await self._connect()
+        while True:
+            conn.abortable = abortable
             self._busy.add(conn)
             try:
-                conn.io.write(head + body)
+                conn.io.write(msg)
                 await conn.io.drain()
                 raw = await self._head(conn, head_timeout, patience)
-            except asyncio.IncompleteReadError as exc:
+            except TimeoutError as exc:  # (an OSError: caught first)
+                self._drop(conn)
+                raise Timeout(f"engine {self.name}: no response for {head_timeout:g}s",
+                              details={"engine_id": self.name}) from exc
+            except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
                 self._drop(conn)
                 if conn.aborted:
                     raise EngineError(f"engine {self.name}: broken off: {conn.aborted}",
                                       details={"engine_id": self.name}) from exc
-                if conn.reused and not exc.partial and attempt == 0:
-                    continue  # the server closed an idle keep-alive connection: retry fresh
-                raise EngineError(f"engine {self.name}: connection closed before a response",
-                                  details={"engine_id": self.name}) from exc
-            except asyncio.TimeoutError as exc:
-                self._drop(conn)
-                raise Timeout(f"engine {self.name}: no response for {head_timeout:g}s",
-                              details={"engine_id": self.name}) from exc
-            except (ConnectionError, OSError, asyncio.LimitOverrunError) as exc:
-                self._drop(conn)
-                if conn.reused and attempt == 0 and not conn.aborted:
+                got = exc.partial if isinstance(exc, asyncio.IncompleteReadError) else \
+                    conn.io.unread
+                if conn.reused and not got:  # closed by the peer as the request went out
+                    self.counters["resent"] += 1
+                    conn = await self._connect()
                     continue
-                raise EngineError(f"engine {self.name}: {type(exc).__name__}: {exc}",
+                what = "connection closed before a response" \
+                    if isinstance(exc, asyncio.IncompleteReadError) else \
+                    f"{type(exc).__name__}: {exc}"
+                raise EngineError(f"engine {self.name}: {what}",
+                                  details={"engine_id": self.name}) from exc
+            except asyncio.LimitOverrunError as exc:
+                self._drop(conn)
+                raise EngineError(f"engine {self.name}: response head too long",
                                   details={"engine_id": self.name}) from exc
             except BaseException:
                 self._drop(conn)
                 raise
             return self._parse_head(conn, raw, read_timeout, first_timeout, patience)
-        raise EngineError(f"engine {self.name}: could not send the request")  # pragma: no cover
 
     @staticmethod
     async def _head(conn: _Conn, timeout: float, patience: Callable[[], bool] | None) -> bytes:
@@ -272,7 +347,7 @@ class RawHttpPool:
             try:  # readuntil is cancel-safe: a timed-out wait can be resumed
                 async with asyncio.timeout(timeout):
                     return await conn.io.readuntil(b"\r\n\r\n")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if patience is None or not patience():
                     raise
 
@@ -298,8 +373,12 @@ class RawHttpPool:
                            patience)
 
     def close(self) -> None:
+        self._closed = True
         for c in self._idle:
             c.close()
         self._idle.clear()
         for c in list(self._busy):
             c.close()
+
+    async def aclose(self) -> None:
+        self.close()

@@ -23,7 +23,7 @@ def body(i: int, **kw):
 def leftovers(gw: Gateway) -> dict[str, object]:
     """Everything that holds per-request state while a rollout runs (empty at rest)."""
     eng = gw.pool.list()[0]
-    raw = eng.client._raw
+    raw = eng.client.transport
     return {"samples running": dict(gw.rollouts.runner.active),
             "request ids claimed": dict(gw.rollouts._running_ids),
             "stream closers": set(gw.rollouts._background),

@@ -118,6 +118,6 @@ async def test_a_stream_read_to_its_end_gives_its_connection_back(server):
     c = EngineClient("c", server.url, gate=AnswerGate(2))
     for rid in ("one", "two", "three"):
         assert len([p async for p in c.generate_stream({"rid": rid})]) == 4
-        assert len(c._raw._idle) == 1 and not c._raw._busy
+        assert len(c.transport._idle) == 1 and not c.transport._busy
     assert server.connections == 1  # one kept-alive connection, not one per stream
     await c.close()

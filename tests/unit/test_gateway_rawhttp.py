@@ -134,3 +134,143 @@ def test_a_dropped_idle_connection_is_retried_under_uvloop():
                 srv.close()
 
     uvloop.run(main())
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (its body read and dropped); returns its head."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = int(next(h for h in head.split(b"\r\n")
+                 if h.lower().startswith(b"content-length")).split(b":")[1])
+    await reader.readexactly(n)
+    return head
+
+
+class Closer:
+    """Answers each connection's first request; on a later one it closes the connection
+    without answering ("drop"), or after half a response head ("half")."""
+
+    def __init__(self, later: str) -> None:
+        self.later = later
+        self.connections = 0
+        self.requests = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await read_request(reader)
+                self.requests += 1
+                if served and self.later == "half":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")
+                if served or head.startswith(b"POST /drop"):
+                    await writer.drain()
+                    writer.close()
+                    return
+                served += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+
+async def serve(handler):
+    srv = await asyncio.start_server(handler.handle, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def test_a_reused_connection_closed_as_the_request_went_out_is_resent_fresh():
+    """The engine closes an idle connection just as a request is sent on it (nothing of
+    the answer arrived): the request goes again on a freshly dialled connection, once."""
+    closer = Closer("drop")
+    srv, port = await serve(closer)
+    pool = RawHttpPool("t", "127.0.0.1", port, connect_timeout=2)
+    try:
+        assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"ok"
+        conn = pool._idle[-1]
+        conn.io.reusable = lambda: True  # the close is not visible yet: it races the send
+        assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"ok"
+        assert pool.counters == {"dialled": 2, "reused": 1, "stale": 0, "resent": 1}
+        assert closer.connections == 2 and closer.requests == 3
+        # the same on a fresh connection is the engine's failure: not sent again
+        fresh = RawHttpPool("t", "127.0.0.1", port, connect_timeout=2)
+        with pytest.raises(EngineError, match="closed before a response"):
+            await fresh.post("/drop", b"{}", read_timeout=2)
+        assert closer.requests == 4 and fresh.counters["resent"] == 0
+        fresh.close()
+    finally:
+        pool.close()
+        srv.close()
+
+
+async def test_a_reused_connection_cut_after_answer_bytes_is_not_resent():
+    closer = Closer("half")
+    srv, port = await serve(closer)
+    pool = RawHttpPool("t", "127.0.0.1", port, connect_timeout=2)
+    try:
+        assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"ok"
+        pool._idle[-1].io.reusable = lambda: True
+        with pytest.raises(EngineError):
+            await pool.post("/cl", b"{}", read_timeout=2)
+        assert closer.requests == 2 and pool.counters["resent"] == 0
+    finally:
+        pool.close()
+        srv.close()
+
+
+async def test_a_connection_idle_past_keep_alive_s_is_not_reused(server):
+    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2, keep_alive_s=0.1)
+    assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
+    assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
+    assert server.connections == 1  # reused within the bound
+    await asyncio.sleep(0.15)  # idle past the bound (the server itself keeps it open)
+    assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
+    assert server.connections == 2
+    assert pool.counters == {"dialled": 2, "reused": 1, "stale": 1, "resent": 0}
+    pool.close()
+
+
+async def test_a_close_not_yet_read_by_the_event_loop_is_seen_on_the_socket():
+    """The peer closed the idle connection while its FIN still waits in the socket (the
+    event loop has not read it): the socket check sees it, and a fresh one is dialled."""
+    closed = asyncio.Event()
+    connections = 0
+
+    async def handle(reader, writer):
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        if connections == 1:  # the first connection: closed once idle (a keep-alive timeout)
+            writer.close()
+            await writer.wait_closed()
+            closed.set()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = RawHttpPool("t", "127.0.0.1", srv.sockets[0].getsockname()[1], connect_timeout=2)
+    try:
+        resp = await pool.post("/cl", b"{}", read_timeout=2)
+        resp._conn.io.transport.pause_reading()  # the FIN will stay unread in the socket
+        assert await resp.read() == b"ok"
+        await closed.wait()
+        assert not pool._idle[-1].io._eof  # the protocol has not seen the close
+        assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"ok"
+        assert connections == 2
+        assert pool.counters == {"dialled": 2, "reused": 0, "stale": 1, "resent": 0}
+    finally:
+        pool.close()
+        srv.close()
+
+
+def test_stale_connection_checks_under_uvloop():
+    """The same keep-alive rules on uvloop (the gateway's loop), whose transports hand out
+    a pseudo-socket."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main():
+        await test_a_reused_connection_closed_as_the_request_went_out_is_resent_fresh()
+        await test_a_reused_connection_cut_after_answer_bytes_is_not_resent()
+        await test_a_close_not_yet_read_by_the_event_loop_is_seen_on_the_socket()
+
+    uvloop.run(main())
