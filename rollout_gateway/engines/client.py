@@ -2,7 +2,9 @@
 
 Every call goes through the engine's :class:`~rollout_gateway.engines.transport.Transport`
 (chosen once, by URL scheme). Every transport failure or unusable answer becomes
-:class:`EngineError` (or :class:`Timeout`) here, at the adapter.
+:class:`EngineError` (or :class:`Timeout`) here, at the adapter, except an answer in
+which the engine refuses the request itself (a 4xx, also as an error event inside a 200
+stream): that is the caller's :class:`InvalidArgument` (:func:`answer_error`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import orjson
 from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
 from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
-from rollout_gateway.errors import EngineError, GatewayError
+from rollout_gateway.errors import EngineError, GatewayError, InvalidArgument
 from rollout_gateway.settings import Timeouts
 
 #: first SGLang version with begin/end_weight_update and weight_versions spans
@@ -97,6 +99,44 @@ def _json(content: bytes, what: str) -> Any:
         return orjson.loads(content)
     except orjson.JSONDecodeError as exc:
         raise EngineError(f"{what}: engine answered non-JSON: {content[:200]!r}") from exc
+
+
+#: 4xx codes that are not the request's fault: the gateway's credentials (401, 403) and
+#: the codes HTTP itself calls retryable (408, 429)
+_NOT_THE_REQUEST = frozenset({401, 403, 408, 429})
+
+
+def answer_error(engine_id: str, what: str, status: int, body: bytes) -> GatewayError:
+    """An engine's error answer as the gateway's error: a body with HTTP ``status`` other
+    than 200, or (``status`` 200) the payload of an error event inside a stream.
+
+    SGLang 0.5.23's shapes: ``{"error": {"message", "type", "code", "retryable"}}`` as an
+    SSE event of a 200 stream (a ValueError while admitting a streamed request, e.g. text
+    sent to a ``--skip-tokenizer-init`` engine: code 400, retryable false), followed by
+    ``data: [DONE]``; ``{"error": {"message"}}`` with the status of the error (400 unless
+    it says otherwise) for a non-streamed request; ``{"error": "<text>"}`` with 400 for a
+    body that breaks the request contract (an unknown sampling key).
+
+    A 4xx code (the HTTP status, or the event's ``code``) that is not marked retryable
+    and is not in ``_NOT_THE_REQUEST`` means the request is bad: :class:`InvalidArgument`,
+    which the caller answers as a 400 without failing over or counting it against the
+    engine. Anything else is an :class:`EngineError` (the engine failed)."""
+    err: Any = None
+    with contextlib.suppress(orjson.JSONDecodeError):
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+    fields = err if isinstance(err, dict) else {}
+    code, retryable = status, fields.get("retryable")
+    if status == 200:  # an event in a stream: its own code
+        c = fields.get("code")
+        code = int(c) if isinstance(c, int | str) and str(c).isdigit() else 500
+    message = fields.get("message") if isinstance(fields.get("message"), str) else \
+        err if isinstance(err, str) else body[:300].decode("utf-8", "replace")
+    details = {"engine_id": engine_id, "status": code}
+    if 400 <= code < 500 and code not in _NOT_THE_REQUEST and retryable is not True:
+        return InvalidArgument(f"the engine rejected the request: {message}", details=details)
+    where = "stream error" if status == 200 else f"HTTP {status}"
+    return EngineError(f"engine {engine_id} {what}: {where}: {message}", details=details)
 
 
 class AnswerGate:
@@ -267,9 +307,7 @@ class EngineClient:
         finally:
             await resp.aclose()
         if resp.status != 200:
-            raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: "
-                              f"{content[:300].decode('utf-8', 'replace')}",
-                              details={"engine_id": self.engine_id, "status": resp.status})
+            raise answer_error(self.engine_id, "/generate", resp.status, content)
         return content
 
     def abort_inflight(self, why: str) -> int:
@@ -279,7 +317,7 @@ class EngineClient:
 
     async def _stream_bytes(self, body: bytes, patience=None,
                             before_read=None) -> AsyncIterator[bytes]:
-        """Raw body chunks of a streamed /generate (non-200 -> EngineError with status).
+        """Raw body chunks of a streamed /generate (non-200 -> :func:`answer_error`).
         Deadlines: ``first_byte_s`` to the response head and to the first chunk, then
         ``stream_idle_s`` of silence between chunks, waived while ``patience()``.
         ``before_read(unread)`` is awaited before reading on, once the last chunk was taken
@@ -289,9 +327,7 @@ class EngineClient:
                                             first_timeout=self.t.first_byte_s,
                                             patience=patience)
         if resp.status != 200:
-            text = (await resp.read())[:300].decode("utf-8", "replace")
-            raise EngineError(f"engine {self.engine_id} /generate: HTTP {resp.status}: {text}",
-                              details={"engine_id": self.engine_id, "status": resp.status})
+            raise answer_error(self.engine_id, "/generate", resp.status, await resp.read())
         chunks = resp.iter_bytes(before_read)
         try:
             async for chunk in chunks:
@@ -305,7 +341,8 @@ class EngineClient:
         """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
 
         A dropped connection raises EngineError after the payloads received so far were
-        yielded, so the caller keeps the partial output of a cumulative stream.
+        yielded, so the caller keeps the partial output of a cumulative stream. An error
+        event raises :func:`answer_error`'s error (InvalidArgument: the request is bad).
         ``patience()`` true: silence is expected (the engine is paused for a swap).
         """
         gate, held = self.gate, False
@@ -337,10 +374,10 @@ class EngineClient:
                     if data == b"[DONE]":
                         await _drain(source)
                         return
-                    if data.startswith(b'{"error"'):
-                        raise EngineError(f"engine {self.engine_id} stream error: "
-                                          f"{data[:300].decode('utf-8', 'replace')}",
-                                          details={"engine_id": self.engine_id})
+                    if data.startswith(b'{"error"'):  # SGLang sends [DONE] after it
+                        err = answer_error(self.engine_id, "/generate", 200, data)
+                        await _drain(source)
+                        raise err
                     yield data
                 payloads = data = None  # taken: not held while before_read waits
         finally:

@@ -37,7 +37,6 @@ from rollout_gateway.errors import (
     EngineError,
     FailedPrecondition,
     GatewayError,
-    InvalidArgument,
     Timeout,
     Unavailable,
 )
@@ -392,11 +391,8 @@ class SampleRunner:
                 err = EngineError(f"engine {eng.id} answered /generate with no output at all",
                                   details={"engine_id": eng.id})
             if err is not None:
-                if self._engine_rejected(err):  # a 4xx: our request is bad, not the engine
-                    raise InvalidArgument(f"the engine rejected the request: {err.message}",
-                                          details=err.details) from err
                 if not isinstance(err, EngineError | Timeout):
-                    raise err
+                    raise err  # e.g. InvalidArgument: the engine refused our request (a 4xx)
                 log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id,
                             eng.id, err.message)
                 self.pool.record_failure(eng, err.message)
@@ -464,12 +460,6 @@ class SampleRunner:
                     rows = cut_top(rows, pt.top_logprobs_num)
                 out[key] = rows
         return out
-
-    @staticmethod
-    def _engine_rejected(err: GatewayError) -> bool:
-        """A 4xx from the engine means our request is bad: failing over would not help."""
-        status = err.details.get("status") if err.details else None
-        return isinstance(status, int) and 400 <= status < 500
 
     @staticmethod
     def _stamp_delta(eng: Engine, d: Decoded, began: Transition, base: int) -> dict[str, Any]:

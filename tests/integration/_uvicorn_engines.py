@@ -3,6 +3,19 @@
 ``python _uvicorn_engines.py reference --port P --keep-alive S``: the reference engine's
 app under uvicorn with ``timeout_keep_alive=S`` (uvicorn's and SGLang's default is 5 s).
 
+``python _uvicorn_engines.py sglang-errors --port P``: an engine that answers /generate
+with SGLang 0.5.23's own error bytes (``sglang/srt/entrypoints/http_server.py``,
+``serve_generate_request`` and ``_create_error_response``) and otherwise a one-token
+output. Request by request, from the first prompt token of ``input_ids`` (or a ``text``):
+
+- ``text`` (what a ``--skip-tokenizer-init`` engine refuses): streamed, HTTP 200 and the
+  event ``{"error": {"message", "type": "invalid_request_error", "code": 400,
+  "retryable": false}}`` then ``[DONE]``; not streamed, HTTP 400 ``{"error": {"message"}}``;
+- first token 503: the same shapes with code / status 503 (an engine failure);
+- first token 429: a streamed error event with code 400 and ``"retryable": true``.
+
+``GET /requests`` counts the /generate requests received.
+
 :class:`UvicornEngine` starts one on a free port and stops it; :func:`established` counts
 the server side's established TCP connections (from /proc/net/tcp*), to wait for the
 server to close idle keep-alive connections.
@@ -21,6 +34,79 @@ import rollout_gateway
 from rollout_gateway.commands.engine_process import free_port
 from rollout_gateway.proc import wait_healthy
 
+#: SGLang 0.5.23's message for text sent to an engine started with --skip-tokenizer-init
+NO_TOKENIZER = ("The engine initialized with skip_tokenizer_init=True cannot accept text "
+                "prompts. Please provide input_ids or re-initialize the engine with "
+                "skip_tokenizer_init=False.")
+
+
+def sglang_errors_app():
+    import orjson
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    seen = {"generate": 0}
+
+    def dumps(obj) -> bytes:  # SGLang's dumps_json: orjson
+        return orjson.dumps(obj)
+
+    async def generate(request: Request) -> Response:
+        seen["generate"] += 1
+        body = orjson.loads(await request.body())
+        ids = body.get("input_ids") or []
+        first = ids[0] if ids and "text" not in body else None
+        if "text" in body:
+            code, message, retryable = 400, NO_TOKENIZER, False
+        elif first == 503:
+            code, message, retryable = 503, "engine overloaded", False
+        elif first == 429:
+            code, message, retryable = 400, "try again", True
+        else:
+            code = 0
+        if body.get("stream"):
+            async def events():
+                if code:  # http_server.py stream_results: the error event, then [DONE]
+                    yield b"data: " + dumps({"error": {
+                        "message": message, "type": "invalid_request_error", "code": code,
+                        "retryable": retryable}}) + b"\n\n"
+                else:
+                    yield b"data: " + dumps(_output(ids)) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        if code:  # http_server.py _create_error_response
+            return Response(dumps({"error": {"message": message}}), status_code=code,
+                            media_type="application/json")
+        return Response(dumps(_output(ids)), media_type="application/json")
+
+    def _output(ids: list[int]) -> dict:
+        return {"text": "", "output_ids": [7], "meta_info": {
+            "id": "r", "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": len(ids), "completion_tokens": 1, "cached_tokens": 0,
+            "weight_version": "0", "output_token_logprobs": [[-0.5, 7, None]],
+            "input_token_logprobs": [[None, t, None] for t in ids]}}
+
+    async def json_of(obj) -> Response:
+        return Response(dumps(obj), media_type="application/json")
+
+    async def server_info(_: Request) -> Response:
+        return await json_of({"version": "0.5.23", "skip_tokenizer_init": True})
+
+    async def model_info(_: Request) -> Response:
+        return await json_of({"model_path": "toy", "weight_version": "0"})
+
+    async def health(_: Request) -> Response:
+        return Response(b"")
+
+    async def requests(_: Request) -> Response:
+        return await json_of(seen)
+
+    return Starlette(routes=[
+        Route("/generate", generate, methods=["POST"]),
+        Route("/server_info", server_info), Route("/model_info", model_info),
+        Route("/health", health), Route("/requests", requests)])
+
 
 def reference_app(seed: int):
     from reference_engine.server import EngineSettings, create_app
@@ -30,14 +116,14 @@ def reference_app(seed: int):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=["reference"])
+    p.add_argument("kind", choices=["reference", "sglang-errors"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--keep-alive", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     import uvicorn
 
-    app = reference_app(args.seed)
+    app = reference_app(args.seed) if args.kind == "reference" else sglang_errors_app()
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning",
                 timeout_keep_alive=args.keep_alive)
 

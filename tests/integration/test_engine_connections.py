@@ -1,7 +1,8 @@
 """The gateway's engine connections against real uvicorn servers (SGLang's HTTP server
 is uvicorn): idle keep-alive connections the engine closed are never taken for a failed
-engine. The gateway runs in this process (its engine pool and counters can be read); the
-engines are real processes."""
+engine, and an error the engine reports inside a 200 stream (SGLang's way for a bad
+request) is the client's 400, not an engine failure. The gateway runs in this process
+(its engine pool and counters can be read); the engines are real processes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 
 import httpx
 import pytest
-from _uvicorn_engines import UvicornEngine, established, wait_closed
+from _uvicorn_engines import NO_TOKENIZER, UvicornEngine, established, wait_closed
 
 from rollout_gateway.api.app import create_app
 from rollout_gateway.gateway import Gateway
@@ -116,3 +117,42 @@ async def test_the_httpx_transport_after_idle_connections_were_closed():
                     await asyncio.to_thread(wait_closed, engine.port)
         finally:
             await client.close()
+
+
+# ---- errors the engine reports -------------------------------------------------------
+
+@pytest.mark.parametrize("stream_from_engines", [True, False], ids=["streamed", "plain"])
+async def test_an_error_event_for_a_bad_request_is_the_clients_400(stream_from_engines):
+    """SGLang answers text sent to a --skip-tokenizer-init engine with HTTP 200 and an
+    error event (code 400, retryable false) when streamed, HTTP 400 when not: either way
+    the client gets the 400 with SGLang's message, at once; the engine stays healthy."""
+    with UvicornEngine("sglang-errors") as engine:
+        async with InProcessGateway(engine.url,
+                                    stream_from_engines=stream_from_engines) as (gw, http):
+            r = await http.post("/v1/rollouts", json={
+                "prompt": "hello", "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "INVALID_ARGUMENT" and NO_TOKENIZER in err["message"]
+            r = await http.post("/generate", json={"text": "hello", "stream": True})
+            assert r.status_code == 400 or b'"error"' in r.content, r.text
+            assert_healthy(gw)
+            seen = httpx.get(engine.url + "/requests").json()["generate"]
+            assert seen == 2  # one engine request each: no retry
+            assert await metric(http, "rollout_gateway_failovers_total") == 0
+            ok = await http.post("/v1/rollouts", json={
+                "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+            assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("first,stream_from_engines", [
+    (503, True), (503, False), (429, True)], ids=["503-event", "503-status", "retryable-400"])
+async def test_an_engine_side_error_is_still_an_engine_failure(first, stream_from_engines):
+    with UvicornEngine("sglang-errors") as engine:
+        async with InProcessGateway(engine.url, stream_from_engines=stream_from_engines,
+                                    max_attempts=2) as (gw, http):
+            r = await http.post("/v1/rollouts", json={
+                "input_ids": [first, 2], "sampling_params": {"max_new_tokens": 1}})
+            assert r.status_code == 503, r.text
+            eng = gw.pool.list()[0]
+            assert eng.state == "unhealthy" and eng.failures >= 1
