@@ -172,10 +172,6 @@ class EnginePool:
         async with self._changed:
             self._changed.notify_all()
 
-    async def notify(self) -> None:
-        """Wake routers waiting for an engine (gate reopened, state changed)."""
-        await self._notify()
-
     # ---- health ------------------------------------------------------------------------
     async def probe(self, eng: Engine) -> EngineState:
         h = await eng.client.health()
@@ -351,7 +347,3 @@ class EnginePool:
     async def open_gate(self, eng: Engine) -> None:
         eng.gate.set()
         await self._notify()
-
-    def totals(self) -> dict[str, int]:
-        return {"outstanding_requests": sum(e.outstanding_requests for e in self._engines.values()),
-                "outstanding_tokens": sum(e.outstanding_tokens for e in self._engines.values())}
