@@ -133,10 +133,30 @@ def answer_error(engine_id: str, what: str, status: int, body: bytes) -> Gateway
     message = fields.get("message") if isinstance(fields.get("message"), str) else \
         err if isinstance(err, str) else body[:300].decode("utf-8", "replace")
     details = {"engine_id": engine_id, "status": code}
-    if 400 <= code < 500 and code not in _NOT_THE_REQUEST and retryable is not True:
+    if _request_fault(code, retryable):
         return InvalidArgument(f"the engine rejected the request: {message}", details=details)
     where = "stream error" if status == 200 else f"HTTP {status}"
     return EngineError(f"engine {engine_id} {what}: {where}: {message}", details=details)
+
+
+def _request_fault(code: int, retryable: Any = None) -> bool:
+    return 400 <= code < 500 and code not in _NOT_THE_REQUEST and retryable is not True
+
+
+def refusal(engine_id: str, finish_reason: dict[str, Any] | None) -> InvalidArgument | None:
+    """SGLang's other way to refuse a streamed request: one its scheduler rejects (input
+    longer than it admits, past the KV budget: ``Req.set_finish_with_abort``) ends, in a
+    200 stream, with ``finish_reason {"type": "abort", "status_code": 400, "message",
+    "err_type"}`` (not streamed, the same is an HTTP 400). By :func:`answer_error`'s rule
+    that is the caller's InvalidArgument; None for any other finish (the aborts of a
+    swap's pause or of /abort_request carry no status_code; a 503 abort is the engine's)."""
+    if not finish_reason or finish_reason.get("type") != "abort":
+        return None
+    code = finish_reason.get("status_code")
+    if not isinstance(code, int) or isinstance(code, bool) or not _request_fault(code):
+        return None
+    return InvalidArgument(f"the engine rejected the request: {finish_reason.get('message')}",
+                           details={"engine_id": engine_id, "status": code})
 
 
 class AnswerGate:

@@ -28,6 +28,7 @@ from rollout_gateway.core.trajectory import (
     Trajectory,
     Transition,
 )
+from rollout_gateway.engines.client import refusal
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
@@ -364,6 +365,9 @@ class SampleRunner:
             finally:
                 state.live = {}
             t1 = time.time()
+            refused = refusal(eng.id, dec.finish_reason) if dec is not None else None
+            if refused is not None:  # the request is bad: failing over would not help
+                raise refused
             if dec is not None and dec.num_tokens:
                 eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT
             if dec is not None and want_ids:

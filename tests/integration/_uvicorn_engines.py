@@ -12,7 +12,10 @@ output. Request by request, from the first prompt token of ``input_ids`` (or a `
   event ``{"error": {"message", "type": "invalid_request_error", "code": 400,
   "retryable": false}}`` then ``[DONE]``; not streamed, HTTP 400 ``{"error": {"message"}}``;
 - first token 503: the same shapes with code / status 503 (an engine failure);
-- first token 429: a streamed error event with code 400 and ``"retryable": true``.
+- first token 429: a streamed error event with code 400 and ``"retryable": true``;
+- first token 400 (a prompt the scheduler refuses, ``Req.set_finish_with_abort``):
+  streamed, a chunk whose ``finish_reason`` is ``{"type": "abort", "status_code": 400,
+  ...}`` then ``[DONE]``; not streamed, HTTP 400 ``{"error": {"message"}}``.
 
 ``GET /requests`` counts the /generate requests received.
 
@@ -40,6 +43,11 @@ NO_TOKENIZER = ("The engine initialized with skip_tokenizer_init=True cannot acc
                 "skip_tokenizer_init=False.")
 
 
+#: SGLang 0.5.23's message for a prompt its scheduler refuses (managers/utils.py)
+TOO_LONG = ("Input length (2 tokens) exceeds the maximum allowed length (1 tokens). Use a "
+            "shorter input or enable --allow-auto-truncate.")
+
+
 def sglang_errors_app():
     import orjson
     from starlette.applications import Starlette
@@ -63,11 +71,20 @@ def sglang_errors_app():
             code, message, retryable = 503, "engine overloaded", False
         elif first == 429:
             code, message, retryable = 400, "try again", True
+        elif first == 400:
+            code, message, retryable = 400, TOO_LONG, False
         else:
             code = 0
         if body.get("stream"):
             async def events():
-                if code:  # http_server.py stream_results: the error event, then [DONE]
+                if first == 400:  # tokenizer_manager _handle_abort_finish_reason, streamed
+                    yield b"data: " + dumps({"text": "", "output_ids": [], "meta_info": {
+                        "id": body.get("rid"), "finish_reason": {
+                            "type": "abort", "message": message, "status_code": 400,
+                            "err_type": "BadRequestError"},
+                        "prompt_tokens": len(ids), "completion_tokens": 0,
+                        "cached_tokens": 0, "weight_version": "0"}}) + b"\n\n"
+                elif code:  # http_server.py stream_results: the error event, then [DONE]
                     yield b"data: " + dumps({"error": {
                         "message": message, "type": "invalid_request_error", "code": code,
                         "retryable": retryable}}) + b"\n\n"

@@ -10,7 +10,7 @@ import asyncio
 
 import httpx
 import pytest
-from _uvicorn_engines import NO_TOKENIZER, UvicornEngine, established, wait_closed
+from _uvicorn_engines import NO_TOKENIZER, TOO_LONG, UvicornEngine, established, wait_closed
 
 from rollout_gateway.api.app import create_app
 from rollout_gateway.gateway import Gateway
@@ -55,6 +55,11 @@ async def metric(http: httpx.AsyncClient, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"no metric {name}")
+
+
+async def engine_requests(engine: UvicornEngine) -> int:
+    async with httpx.AsyncClient() as c:
+        return (await c.get(engine.url + "/requests")).json()["generate"]
 
 
 def assert_healthy(gw: Gateway) -> None:
@@ -137,12 +142,28 @@ async def test_an_error_event_for_a_bad_request_is_the_clients_400(stream_from_e
             r = await http.post("/generate", json={"text": "hello", "stream": True})
             assert r.status_code == 400 or b'"error"' in r.content, r.text
             assert_healthy(gw)
-            seen = httpx.get(engine.url + "/requests").json()["generate"]
-            assert seen == 2  # one engine request each: no retry
+            assert await engine_requests(engine) == 2  # one engine request each: no retry
             assert await metric(http, "rollout_gateway_failovers_total") == 0
             ok = await http.post("/v1/rollouts", json={
                 "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
             assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("stream_from_engines", [True, False], ids=["streamed", "plain"])
+async def test_a_prompt_the_scheduler_refuses_is_the_clients_400(stream_from_engines):
+    """SGLang's scheduler refuses some prompts (longer than it admits) by ending a
+    streamed request with finish_reason abort + status_code 400 (HTTP 400 when not
+    streamed): the client's 400, not an abort to resume from (that looped to a 503)."""
+    with UvicornEngine("sglang-errors") as engine:
+        async with InProcessGateway(engine.url,
+                                    stream_from_engines=stream_from_engines) as (gw, http):
+            r = await http.post("/v1/rollouts", json={
+                "input_ids": [400, 2], "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 400, r.text
+            assert TOO_LONG in r.json()["error"]["message"]
+            assert await engine_requests(engine) == 1
+            assert_healthy(gw)
+            assert await metric(http, "rollout_gateway_abort_resumes_total") == 0
 
 
 @pytest.mark.parametrize("first,stream_from_engines", [

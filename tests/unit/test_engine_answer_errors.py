@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from rollout_gateway.engines.client import answer_error
+from rollout_gateway.engines.client import answer_error, refusal
 from rollout_gateway.errors import EngineError, InvalidArgument
 
 
@@ -44,3 +44,19 @@ def test_the_engines_message_is_passed_on():
     assert err.details == {"engine_id": "e0", "status": 400}
     err = answer_error("e0", "/generate", 503, b'{"error":{"message":"overloaded"}}')
     assert err.message == "engine e0 /generate: HTTP 503: overloaded"
+
+
+@pytest.mark.parametrize("finish,client", [
+    ({"type": "abort", "message": "too long", "status_code": 400,
+      "err_type": "BadRequestError"}, True),
+    ({"type": "abort", "message": "Retracted without a KV backup", "status_code": 503}, False),
+    ({"type": "abort", "message": "Aborted", "status_code": None}, False),  # pause, abort
+    ({"type": "abort", "message": "Aborted"}, False),
+    ({"type": "length", "length": 4}, False),
+    (None, False),
+])
+def test_a_finish_that_refuses_the_request(finish, client):
+    got = refusal("e0", finish)
+    assert (got is not None) == client
+    if client:
+        assert isinstance(got, InvalidArgument) and "too long" in got.message
