@@ -83,6 +83,14 @@ class EngineInfo:
     #: where num_layers / top_k / num_experts came from, or why they could not be read
     shape_source: str | None = None
     exact_entropy: bool = False  # its last answer carried output_token_entropy
+    #: /server_info's scheduler: SGLang's default overlap scheduler keeps one batch in
+    #: flight, so its in-place version labels run one token ahead of the weights
+    #: (core.stamping). False when the engine does not report ``disable_overlap_schedule``.
+    overlap_schedule: bool = False
+    #: why in-place labels cannot be corrected on this engine (speculative decoding commits
+    #: an unknown number of tokens per step; pipeline parallelism keeps several batches in
+    #: flight), or None
+    in_place_unexact: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -92,6 +100,25 @@ class EngineInfo:
     @property
     def has_pause_modes(self) -> bool:
         return self.version >= PAUSE_MODES_SINCE
+
+    @property
+    def label_lag(self) -> int:
+        """Tokens by which in-place version labels run ahead of the weights (0 or 1)."""
+        return 1 if self.overlap_schedule else 0
+
+
+def scheduler_facts(server: dict[str, Any]) -> tuple[bool, str | None]:
+    """(overlap scheduler on, why in-place labels cannot be made exact) from /server_info."""
+    overlap = server.get("disable_overlap_schedule") is False
+    spec = server.get("speculative_algorithm")
+    pp = server.get("pp_size")
+    if spec not in (None, "", "None"):
+        return overlap, f"speculative decoding ({spec}) commits an unknown number of tokens " \
+                        "per step, so in-place version labels cannot be corrected"
+    if isinstance(pp, int) and pp > 1:
+        return overlap, f"pipeline parallelism (pp_size {pp}) keeps several batches in flight, " \
+                        "so in-place version labels cannot be corrected"
+    return overlap, None
 
 
 def _json(content: bytes, what: str) -> Any:
@@ -270,6 +297,7 @@ class EngineClient:
                           weight_version=parse_weight_version(model.get("weight_version"),
                                                               self.engine_id),
                           incremental_stream=bool(server.get("incremental_streaming_output")))
+        info.overlap_schedule, info.in_place_unexact = scheduler_facts(server)
         flag = server.get("enable_return_routed_experts")
         info.routing_enabled = flag if isinstance(flag, bool) else None
         mp = model.get("model_path") or server.get("model_path")

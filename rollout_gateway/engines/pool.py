@@ -62,6 +62,10 @@ class Engine:
     #: cannot flush it); None once a swap flushed the cache
     cache_floor: int | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    #: leases whose request has not streamed a token yet, and the event set when none is
+    #: left (an in-place swap under the overlap scheduler waits for it: core.stamping)
+    unstarted: int = 0
+    all_started: asyncio.Event = field(default_factory=asyncio.Event)
     registered_at: float = field(default_factory=time.time)
     #: circuit breaker: failed requests in a row, trips in a row, open until (monotonic)
     failures: int = 0
@@ -71,6 +75,7 @@ class Engine:
     def __post_init__(self) -> None:
         self.gate.set()
         self.idle.set()
+        self.all_started.set()
 
     @property
     def url(self) -> str:
@@ -98,6 +103,25 @@ class Engine:
     def patience(self) -> bool:
         """Silence from this engine is expected now (paused or fenced for a swap)."""
         return not self.gate.is_set() or self.state is EngineState.PAUSED
+
+
+@dataclass(eq=False)
+class Lease:
+    """One outstanding request on an engine. ``started()`` once its first token arrived:
+    the engine has then prefilled it, so no prefill of it can be in flight."""
+
+    engine: Engine
+    tokens: int
+    is_started: bool = False
+
+    def started(self) -> None:
+        if self.is_started:
+            return
+        self.is_started = True
+        e = self.engine
+        e.unstarted -= 1
+        if e.unstarted == 0:
+            e.all_started.set()
 
 
 class EnginePool:
@@ -327,14 +351,18 @@ class EnginePool:
                                            timeout=min(limit - waited, 0.25))
 
     @contextlib.asynccontextmanager
-    async def lease(self, eng: Engine, tokens: int) -> AsyncIterator[Engine]:
+    async def lease(self, eng: Engine, tokens: int) -> AsyncIterator[Lease]:
         """Count one outstanding request of ``tokens`` expected tokens on ``eng``."""
         eng.outstanding_requests += 1
         eng.outstanding_tokens += tokens
         eng.idle.clear()
+        eng.unstarted += 1
+        eng.all_started.clear()
+        lease = Lease(eng, tokens)
         try:
-            yield eng
+            yield lease
         finally:
+            lease.started()  # over, started or not: nothing of it is left to prefill
             eng.outstanding_requests -= 1
             eng.outstanding_tokens -= tokens
             if eng.outstanding_requests == 0:
