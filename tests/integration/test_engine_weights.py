@@ -79,7 +79,9 @@ async def _swap_mid_request(eng, mode: str, checkpoint_v2, flush_cache: bool):
         assert not blocked.done()  # new requests wait while paused
         up = await c.post(eng.url + "/update_weights_from_disk", json={
             "model_path": str(checkpoint_v2), "weight_version": "1", "flush_cache": flush_cache})
-        assert (await c.get(eng.url + "/model_info")).json()["weight_version"] == "1"
+        # SGLang: /model_info moves only when the update succeeds (a refused flush keeps it)
+        info = (await c.get(eng.url + "/model_info")).json()
+        assert info["weight_version"] == ("1" if up.json()["success"] else "0")
         await c.post(eng.url + "/continue_generation", json={})
         chunks = await asyncio.wait_for(w.task, 60)
         late = await asyncio.wait_for(blocked, 60)
@@ -142,12 +144,27 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
     assert np.abs(fresh.logprobs[k + 1:] - lps[k + 1:]).max() > 1e-3
 
 
-async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2):
+async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2,
+                                                         reference_model):
+    """SGLang 0.5.23: HTTP 400, success false, the weights swapped and the scheduler labelling
+    new tokens with the new version, but /model_info keeps the old version and model_path."""
     eng = make_engine(seed=1, step_delay_ms=25)
+    path_before = httpx.get(eng.url + "/model_info").json()["model_path"]
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, True)
-    assert up.status_code == 400 and up.json()["success"] is False  # SGLang 0.5.23
-    assert "cache was not flushed" in up.json()["message"]
-    assert final["meta_info"]["weight_versions"][-1]["version"] == "1"
+    assert up.status_code == 400 and up.json() == {
+        "success": False, "num_paused_requests": 0,
+        "message": "Weights were updated, but the cache was not flushed because requests are "
+                   "still running or queued. Retract or finish them, then call /flush_cache."}
+    meta = final["meta_info"]
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": k},
+                                       {"version": "1", "start": k, "end": MAX_NEW}]
+    info = httpx.get(eng.url + "/model_info").json()
+    assert info["weight_version"] == "0" and info["model_path"] == path_before
+    ids = final["output_ids"]
+    mixed = score_mixed(reference_model((CFG, 1)), reference_model(checkpoint_v2), PROMPT + ids,
+                        len(PROMPT) + k - 1, len(PROMPT))  # swapped all the same
+    np.testing.assert_allclose([t[0] for t in meta["output_token_logprobs"]], mixed.logprobs,
+                               atol=1e-4)
 
 
 async def test_update_without_pause_waits_for_inflight(make_engine, checkpoint_v2):
