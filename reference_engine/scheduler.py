@@ -77,8 +77,6 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._task: asyncio.Task | None = None
         self.steps = 0
         self.update_session_open = False
@@ -87,7 +85,7 @@ class Scheduler:
         self.overlap = overlap
         self.separate_prefill = separate_prefill
         # overlap: the last step's results, computed but not processed yet
-        self._inflight: list[tuple[Request, int, str, int]] | None = None
+        self._inflight: list[tuple[Request, int, str, int, bool]] | None = None
         self._flush_pending = False
         # what /model_info reports (SGLang's tokenizer manager): moves only on success
         self.served_version = self.weight_version
@@ -115,43 +113,43 @@ class Scheduler:
             req.generator = torch.Generator().manual_seed(int(req.params.sampling_seed))
         self.requests[req.rid] = req
         self.waiting.append(req)
-        self._idle.clear()
         self._wake.set()
 
     # ---------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
-            if self.paused or not (self.waiting or self.running or self._inflight):
-                if not (self.waiting or self.running or self._inflight):
-                    self._idle.set()
+            if self.paused or self.fully_idle():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             async with self.step_lock:
                 if self.paused:
                     continue
-                batch = self._next_batch()
-                results = None
-                if batch:
-                    try:
-                        results = await asyncio.to_thread(self._step, batch)
-                    except Exception as exc:  # noqa: BLE001 - never kill the loop
-                        log.exception("engine step failed")
-                        results = []
-                        for r, _ in batch:
-                            self._decide(r, {"type": "abort",
-                                             "message": f"engine step failed: {exc}",
-                                             "status_code": 500,
-                                             "err_type": "InternalServerError"})
-                            results.append((r, len(r.output), "decode", 0))
-                    self.steps += 1
-                if self.overlap:  # process the previous step after launching this one
-                    prev, self._inflight = self._inflight, results
-                    if prev:
-                        self._process(prev)
-                elif results:
-                    self._process(results)
+                await self.iteration()
             await asyncio.sleep(self.step_delay_s)
+
+    async def iteration(self) -> None:
+        """One turn of the loop (caller holds ``step_lock``): run the next batch, then process
+        results: this step's, or with ``overlap`` the previous step's."""
+        batch = self._next_batch()
+        results = None
+        if batch:
+            try:
+                results = await asyncio.to_thread(self._step, batch)
+            except Exception as exc:  # noqa: BLE001 - never kill the loop
+                log.exception("engine step failed")
+                results = []
+                for r, _ in batch:
+                    self._decide(r, {"type": "abort", "message": f"engine step failed: {exc}",
+                                     "status_code": 500, "err_type": "InternalServerError"})
+                    results.append((r, len(r.output), "decode", 0, True))
+            self.steps += 1
+        if self.overlap:  # process the previous step after launching this one
+            prev, self._inflight = self._inflight, results
+            if prev:
+                self._process(prev)
+        elif results:
+            self._process(results)
 
     def _next_batch(self) -> list[tuple[Request, str]]:
         """The next step's work: ``(request, kind)`` with kind ``prefill`` (no KV yet),
@@ -179,14 +177,15 @@ class Scheduler:
                 batch.append((r, "tail"))
         return batch
 
-    def _process(self, results: list[tuple[Request, int, str, int]]) -> None:
+    def _process(self, results: list[tuple[Request, int, str, int, bool]]) -> None:
         """Make a step's results visible: radix-cache checkpoints and releases, finishes,
-        published token counts (what SGLang's ``process_batch_result`` does)."""
-        for r, n, kind, extend_end in results:
+        published token counts (what SGLang's ``process_batch_result`` does). Each result is
+        ``(request, outputs after the step, kind, KV length after the step, finished in it)``."""
+        for r, n, kind, extend_end, finishes in results:
             if r.finished:
                 continue
             r.n_pub = max(r.n_pub, n)
-            if r.pending_finish is not None:
+            if finishes:
                 self._complete(r)
             elif kind == "prefill" and self.tree is not None and r.cache is not None:
                 self._checkpoint(r, extend_end)
@@ -285,7 +284,8 @@ class Scheduler:
             self.tree.evict(need - free)
 
     # ---------------------------------------------------------------- one step (worker thread)
-    def _step(self, batch: list[tuple[Request, str]]) -> list[tuple[Request, int, str, int]]:
+    def _step(self, batch: list[tuple[Request, str]]
+              ) -> list[tuple[Request, int, str, int, bool]]:
         ids, caches, starts = [], [], []
         for r, kind in batch:
             if kind == "prefill":
@@ -319,7 +319,8 @@ class Scheduler:
             samplers.append(r)
         if samplers:
             self._sample(samplers, out.hidden[rows])
-        return [(r, len(r.output), kind, end) for r, kind, end in results]
+        return [(r, len(r.output), kind, end, kind != "tail" and r.pending_finish is not None)
+                for r, kind, end in results]
 
     def _sample(self, samplers: list[Request], hidden: torch.Tensor) -> None:
         logits = self.model.logits(hidden)
@@ -405,8 +406,6 @@ class Scheduler:
             n += 1
         self.waiting = [r for r in self.waiting if not r.finished]
         self.running = [r for r in self.running if not r.finished]
-        if not (self.waiting or self.running or self._inflight):
-            self._idle.set()
         return n
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> int:
@@ -510,7 +509,7 @@ class Scheduler:
             return
         self.updating = True
         self._resumed.clear()
-        while not (self._idle.is_set() or self.paused):
+        while not (self.fully_idle() or self.paused):
             await asyncio.sleep(0.01)
 
     def _end_drain(self) -> None:
