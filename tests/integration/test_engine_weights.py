@@ -124,8 +124,13 @@ async def test_retract_mode_recomputes_prefix_with_new_weights(make_engine, chec
     np.testing.assert_array_equal(routed(meta), new.routed_experts)  # whole prefix re-prefilled
 
 
-async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_model):
-    eng = make_engine(seed=1, step_delay_ms=25)
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_model, overlap):
+    """Exact by default (SGLang --disable-overlap-schedule). With the overlap scheduler
+    emulated (SGLang's default), the result in flight at the pause is processed after the
+    update: the first token labelled "1" was computed by the old weights."""
+    eng = make_engine(seed=1, step_delay_ms=25,
+                      extra_args=["--enable-overlap-schedule"] if overlap else [])
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, False)
     assert up.json()["success"] is True
     meta = final["meta_info"]
@@ -134,7 +139,8 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
     assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": k},
                                        {"version": "1", "start": k, "end": MAX_NEW}]
     v1, v2 = reference_model((CFG, 1)), reference_model(checkpoint_v2)
-    switch = len(PROMPT) + k - 1  # first position fed to the model under the new weights
+    # first position fed to the model under the new weights: one later under overlap
+    switch = len(PROMPT) + k - 1 + int(overlap)
     mixed = score_mixed(v1, v2, PROMPT + ids, switch, len(PROMPT))
     lps = np.array([t[0] for t in meta["output_token_logprobs"]])
     np.testing.assert_allclose(lps, mixed.logprobs, atol=1e-4)
@@ -142,6 +148,10 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
     np.testing.assert_array_equal(routed(meta), mixed.routed_experts)
     fresh = score(v2, PROMPT + ids, len(PROMPT))  # the test can tell stale KV from fresh
     assert np.abs(fresh.logprobs[k + 1:] - lps[k + 1:]).max() > 1e-3
+    if overlap:  # and the spans' own boundary is one token early
+        labelled = score_mixed(v1, v2, PROMPT + ids, len(PROMPT) + k - 1, len(PROMPT))
+        assert np.abs(labelled.logprobs[k:] - lps[k:]).max() > 1e-3
+        assert httpx.get(eng.url + "/server_info").json()["disable_overlap_schedule"] is False
 
 
 async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2,
