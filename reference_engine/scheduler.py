@@ -226,16 +226,19 @@ class Scheduler:
 
     def _match(self, r: Request) -> int:
         """Reuse the cached prefix for ``r``'s prefill (SGLang ``_compute_max_prefix_len``,
-        schedule_batch.py 1766-1785: at most ``len - 1``; at most ``logprob_start_len`` when
-        input logprobs are asked). Returns the matched length."""
+        schedule_batch.py 1766-1785: at most ``len - 1``, and with ``return_logprob`` at most
+        ``logprob_start_len``, which the scheduler sets to the prompt length when it is -1,
+        scheduler.py 3260-3264: a retracted request re-prefills its outputs). Returns the
+        matched length."""
         r.cache = KVCache()
         r.protected_len = 0
         if self.tree is None:
             return 0
         seq = self._seq(r)
         limit = len(seq) - 1
-        if r.params.return_logprob and r.params.logprob_start_len >= 0:
-            limit = min(limit, r.params.logprob_start_len)
+        if r.params.return_logprob:
+            start = r.params.logprob_start_len
+            limit = min(limit, len(r.prompt) if start < 0 else start)
         m, node = self.tree.match(seq, limit)
         if m > 0:
             kv, routed = self.tree.values(node)
