@@ -42,7 +42,7 @@ _clock = itertools.count(1)
 
 
 class Node:
-    __slots__ = ("key", "kv", "routed", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("children", "key", "kv", "last_access", "lock_ref", "parent", "routed")
 
     def __init__(self, key: list[int], kv: torch.Tensor | None, routed: np.ndarray | None,
                  parent: Node | None) -> None:

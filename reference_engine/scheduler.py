@@ -2,9 +2,9 @@
 
 One asyncio task drives the loop; each step runs in a worker thread (``asyncio.to_thread``)
 while holding ``step_lock``. Requests join at step boundaries (their prefill runs in the
-same forward as the others' decode) and leave when finished. Control operations (pause,
-abort, weight loads) take ``step_lock``, so they happen strictly between steps: every token
-sampled in a step carries the version loaded at that step.
+same forward as the others' decode, unless ``separate_prefill``) and leave when finished.
+Control operations (pause, abort, weight loads) take ``step_lock``, so they happen strictly
+between steps: every token sampled in a step carries the version loaded at that step.
 
 SGLang 0.5.23 semantics reproduced here:
 - ``pause(mode)``: ``abort`` aborts every request (partial output, finish_reason abort);
@@ -46,8 +46,8 @@ from reference_engine import checkpoint as ckpt
 from reference_engine.model import KVCache, Qwen3MoeLM
 from reference_engine.radix_cache import RadixCache
 from reference_engine.request import Request, VersionEvent
-from reference_engine.scheduler_spans import weight_version_spans  # noqa: F401 (re-export)
 from reference_engine.sampling import SamplingSpec, sample, scaled_logprobs
+from reference_engine.scheduler_spans import weight_version_spans
 from reference_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)

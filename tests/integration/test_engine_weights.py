@@ -151,7 +151,9 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
     if overlap:  # and the spans' own boundary is one token early
         labelled = score_mixed(v1, v2, PROMPT + ids, len(PROMPT) + k - 1, len(PROMPT))
         assert np.abs(labelled.logprobs[k:] - lps[k:]).max() > 1e-3
-        assert httpx.get(eng.url + "/server_info").json()["disable_overlap_schedule"] is False
+        async with httpx.AsyncClient() as c:
+            info = (await c.get(eng.url + "/server_info")).json()
+        assert info["disable_overlap_schedule"] is False
 
 
 async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2,
@@ -159,7 +161,8 @@ async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint
     """SGLang 0.5.23: HTTP 400, success false, the weights swapped and the scheduler labelling
     new tokens with the new version, but /model_info keeps the old version and model_path."""
     eng = make_engine(seed=1, step_delay_ms=25)
-    path_before = httpx.get(eng.url + "/model_info").json()["model_path"]
+    async with httpx.AsyncClient() as c:
+        path_before = (await c.get(eng.url + "/model_info")).json()["model_path"]
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, True)
     assert up.status_code == 400 and up.json() == {
         "success": False, "num_paused_requests": 0,
@@ -168,7 +171,8 @@ async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint
     meta = final["meta_info"]
     assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": k},
                                        {"version": "1", "start": k, "end": MAX_NEW}]
-    info = httpx.get(eng.url + "/model_info").json()
+    async with httpx.AsyncClient() as c:
+        info = (await c.get(eng.url + "/model_info")).json()
     assert info["weight_version"] == "0" and info["model_path"] == path_before
     ids = final["output_ids"]
     mixed = score_mixed(reference_model((CFG, 1)), reference_model(checkpoint_v2), PROMPT + ids,

@@ -85,7 +85,7 @@ def test_tree_evicts_lru_unlocked_leaves_only():
     t = RadixCache(1000)
     for i, toks in enumerate(([1, 1, 1], [2, 2, 2], [3, 3, 3])):
         t.insert(toks, *_vals(toks))
-    _, node = t.match([2, 2, 2], 3)  # touched last; [1..] is the least recently used
+    t.match([2, 2, 2], 3)  # touched last; [1..] is the least recently used
     assert t.evict(1) == 3 and t.match([1, 1, 1], 3)[0] == 0
     t.lock(t.match([3, 3, 3], 3)[1])
     assert t.evict(100) == 3  # only [2..] could go; [3..] is locked
@@ -138,7 +138,7 @@ async def test_stopped_request_caches_its_last_token_only_under_overlap(models, 
 
 async def test_retracted_request_reuses_cache_but_adds_no_cached_tokens(models):
     s = sched(models, radix_cache=True)
-    a = submit(s, "a", P, 3)
+    submit(s, "a", P, 3)
     await drain(s)
     r = submit(s, "r", P, 8)
     for _ in range(4):
