@@ -90,6 +90,7 @@ class Scheduler:
         # what /model_info reports (SGLang's tokenizer manager): moves only on success
         self.served_version = self.weight_version
         self.served_model_path: str | None = None
+        self.loaded_model_path: str | None = None  # the scheduler's (internal_states)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -562,6 +563,8 @@ class Scheduler:
                                flush_cache: bool) -> tuple[bool, str]:
         ok, msg = await self.load_named(lambda: ckpt.load_state_dict(Path(path), self.model),
                                         weight_version, flush_cache, complete=True)
+        if ok or msg == FLUSH_REFUSED:
+            self.loaded_model_path = path  # the scheduler serves it either way
         if ok:
             self.served_model_path = path
         return ok, msg

@@ -162,7 +162,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         sched.start()
         state["sched"] = sched
         state["model_path"] = _model_path(settings, model.config)
-        sched.served_model_path = state["model_path"]
+        sched.served_model_path = sched.loaded_model_path = state["model_path"]
         yield
         await sched.stop()
         dist_update.destroy(sched)
@@ -218,7 +218,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         q = r.listeners[0]
         while not r.finished:
             await q.get()
-        return format_output(r, len(r.output), s.weight_version, tok, final=True,
+        return format_output(r, len(r.output), s.served_version, tok, final=True,
                              with_spans=has_spans)
 
     async def _stream(s: Scheduler, reqs: list[GenRequest], incremental: bool):
@@ -243,7 +243,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 if i not in pending or (n == sent[i] and not final):
                     continue
                 since = sent[i] if incremental else 0
-                chunk = format_output(r, n, s.weight_version, tok, since=since, final=final,
+                # chunks carry the tokenizer manager's version (SGLang tokenizer_manager.py
+                # 2511); the final one the scheduler's spans
+                chunk = format_output(r, n, s.served_version, tok, since=since, final=final,
                                       incremental=incremental, with_spans=has_spans)
                 if len(reqs) > 1:
                     chunk["index"] = i
@@ -412,7 +414,10 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                     "max_total_tokens": settings.max_total_tokens, "page_size": 1,
                     "schedule_policy": "fcfs", "version": settings.emulate_version,
                     "internal_states": [{"num_running_reqs": len(s.running),
-                                         "num_waiting_reqs": len(s.waiting)}]}
+                                         "num_waiting_reqs": len(s.waiting),
+                                         # the scheduler's: moved even by a refused flush
+                                         "weight_version": s.weight_version,
+                                         "model_path": s.loaded_model_path}]}
         return {"version": SGLANG_VERSION, "reference_engine": True,
                 "engine": "rollout-gateway-reference", "weight_version": s.served_version,
                 "incremental_streaming_output": settings.incremental_streaming_output,

@@ -156,11 +156,14 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
         assert info["disable_overlap_schedule"] is False
 
 
+@pytest.mark.parametrize("strict", [False, True])
 async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2,
-                                                         reference_model):
+                                                         reference_model, strict):
     """SGLang 0.5.23: HTTP 400, success false, the weights swapped and the scheduler labelling
-    new tokens with the new version, but /model_info keeps the old version and model_path."""
-    eng = make_engine(seed=1, step_delay_ms=25)
+    new tokens with the new version, but /model_info keeps the old version and model_path
+    (strict /server_info: internal_states shows the scheduler's new ones)."""
+    eng = make_engine(seed=1, step_delay_ms=25, sglang_strict=strict,
+                      extra_args=["--disable-overlap-schedule"] if strict else [])
     async with httpx.AsyncClient() as c:
         path_before = (await c.get(eng.url + "/model_info")).json()["model_path"]
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, True)
@@ -173,7 +176,11 @@ async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint
                                        {"version": "1", "start": k, "end": MAX_NEW}]
     async with httpx.AsyncClient() as c:
         info = (await c.get(eng.url + "/model_info")).json()
+        server = (await c.get(eng.url + "/server_info")).json()
     assert info["weight_version"] == "0" and info["model_path"] == path_before
+    if strict:
+        assert server["internal_states"][0]["weight_version"] == "1"
+        assert server["internal_states"][0]["model_path"] == str(checkpoint_v2)
     ids = final["output_ids"]
     mixed = score_mixed(reference_model((CFG, 1)), reference_model(checkpoint_v2), PROMPT + ids,
                         len(PROMPT) + k - 1, len(PROMPT))  # swapped all the same
