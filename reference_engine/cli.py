@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -36,7 +37,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together per step (default 64)")
     p.add_argument("--step-delay-ms", type=float, default=0.0,
                    help="sleep between decode steps (test knob; default 0)")
+    radix = p.add_mutually_exclusive_group()
+    radix.add_argument("--disable-radix-cache", dest="radix_cache", action="store_false",
+                       default=None, help="no prefix cache: every prefill recomputes its whole "
+                       "prompt, cached_tokens 0 (SGLang's flag; the default outside strict mode)")
+    radix.add_argument("--enable-radix-cache", dest="radix_cache", action="store_true",
+                       help="SGLang's prefix (radix) cache: requests sharing a prefix with "
+                       "earlier ones reuse its KV, even KV computed by older weights, and report "
+                       "it as cached_tokens (the default with --sglang-strict, as in SGLang)")
+    p.add_argument("--max-total-tokens", type=int, default=65536,
+                   help="KV pool size in tokens; the prefix cache evicts least recently used "
+                   "prefixes beyond it (default 65536)")
+    overlap = p.add_mutually_exclusive_group()
+    overlap.add_argument("--disable-overlap-schedule", dest="overlap_schedule",
+                         action="store_false", default=None,
+                         help="exact version switch: every token is labelled with the weights "
+                         "that computed it (SGLang's flag; the default outside strict mode)")
+    overlap.add_argument("--enable-overlap-schedule", dest="overlap_schedule",
+                         action="store_true",
+                         help="emulate SGLang's overlap scheduler: results are processed one "
+                         "step late, so after pause(in_place) + update + continue the first "
+                         "token labelled with the new version was computed by the old weights "
+                         "(the default with --sglang-strict, as in SGLang)")
+    p.add_argument("--timeout-keep-alive", type=float, default=None,
+                   help="seconds before an idle keep-alive connection is closed (default: "
+                   "$SGLANG_TIMEOUT_KEEP_ALIVE, else 5, as uvicorn under SGLang)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def keep_alive_seconds(flag: float | None) -> float:
+    """The flag, else ``SGLANG_TIMEOUT_KEEP_ALIVE`` (SGLang environ.py: an int, default 5)."""
+    if flag is not None:
+        return flag
+    raw = os.environ.get("SGLANG_TIMEOUT_KEEP_ALIVE", "").strip()
+    if not raw:
+        return 5.0
+    try:
+        return float(int(raw))
+    except ValueError:
+        raise ValueError(f"SGLANG_TIMEOUT_KEEP_ALIVE must be an integer, got {raw!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,10 +101,13 @@ def run(args: argparse.Namespace) -> int:
             **({"emulate_version": args.emulate_version} if args.emulate_version else {}),
             incremental_streaming_output=args.incremental_streaming_output,
             max_running_requests=args.max_running_requests, step_delay_ms=args.step_delay_ms,
+            radix_cache=args.radix_cache, max_total_tokens=args.max_total_tokens,
+            overlap_schedule=args.overlap_schedule,
+            timeout_keep_alive=keep_alive_seconds(args.timeout_keep_alive),
         )
     except (ValueError, OSError) as exc:
         print(f"rollout-gateway engine: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=2)
+                timeout_graceful_shutdown=2, timeout_keep_alive=settings.timeout_keep_alive)
     return 0

@@ -95,7 +95,8 @@ async def update(sched: Any, body: dict[str, Any], weight_version: str | None) -
                        "Please call `init_weights_update_group` first.")
     pg = sched.dist_group[1]
     return await sched.load_named(lambda: _receive(pg, names, dtypes, shapes), weight_version,
-                                  bool(body.get("flush_cache", True)), complete=False)
+                                  bool(body.get("flush_cache", True)), complete=False,
+                                  done="Succeeded to update parameter online.")
 
 
 def destroy(sched: Any) -> None:

@@ -147,6 +147,32 @@ class KVCache:
         self.v[layer][self.length:end] = v
         return self.k[layer][:end], self.v[layer][:end]
 
+    @classmethod
+    def from_values(cls, kv: torch.Tensor) -> KVCache:
+        """A cache holding ``kv`` ``[layers, 2, n, kv_heads, head_dim]`` (a cached prefix)."""
+        c = cls()
+        n = kv.shape[2]
+        for layer in range(kv.shape[0]):
+            for buf, src in ((c.k, kv[layer, 0]), (c.v, kv[layer, 1])):
+                b = src.new_empty(max(16, 2 * n), *src.shape[1:])
+                b[:n] = src
+                buf.append(b)
+        c.length = n
+        return c
+
+    def values(self, start: int, end: int) -> torch.Tensor:
+        """Copy of positions ``start:end`` as ``[layers, 2, end - start, kv_heads, head_dim]``."""
+        return torch.stack([torch.stack((k[start:end], v[start:end]))
+                            for k, v in zip(self.k, self.v)])
+
+    def overwrite(self, start: int, kv: torch.Tensor) -> None:
+        """Replace positions ``start:start + n`` (already filled) with ``kv``."""
+        end = start + kv.shape[2]
+        assert end <= self.length
+        for layer in range(len(self.k)):
+            self.k[layer][start:end] = kv[layer, 0]
+            self.v[layer][start:end] = kv[layer, 1]
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
            offsets: list[int], caches: list[KVCache], layer: int) -> torch.Tensor:

@@ -257,7 +257,7 @@ def format_output(req: Request, n_out: int, current_version: str, tok: ByteToken
     meta: dict[str, Any] = {"id": req.rid, "finish_reason": finish}
     if not aborted_queued:
         meta["prompt_tokens"] = len(req.prompt)
-        meta["cached_tokens"] = 0
+        meta["cached_tokens"] = req.cached_tokens
     meta.update(completion_tokens=n_out, weight_version=current_version,
                 num_retractions=req.num_retractions,
                 e2e_latency=((req.finished_at or time.monotonic()) - req.created))

@@ -70,11 +70,24 @@ class Request:
         self.created = time.monotonic()
         self.finished_at: float | None = None
         self.admitted = False  # has been scheduled at least once (got a prefill)
+        self.cached_tokens = 0  # meta_info.cached_tokens: prefix reused at the first prefill
+        self.retracted = False  # SGLang's retracted_stain: re-prefills add no cached_tokens
+        self.tree_node: Any = None  # radix-cache node locked by this request
+        self.protected_len = 0  # leading positions whose KV the radix cache owns
+        self.pending_finish: dict[str, Any] | None = None  # decided, not yet processed
+        self.kv_tail_done = False  # overlap: the stopped request's last token got its KV
+        self.n_pub = 0  # output tokens processed (published; what version events count)
         self.listeners: list[Any] = []  # asyncio.Queue[int] of published output counts
 
     @property
     def finished(self) -> bool:
+        """Finished and processed (its last chunk may be sent)."""
         return self.finish is not None
+
+    @property
+    def stopping(self) -> bool:
+        """Finished or decided to finish (overlap: the result is not processed yet)."""
+        return self.finish is not None or self.pending_finish is not None
 
     def set_routing(self, start: int, rows: np.ndarray) -> None:
         end = start + rows.shape[0]

@@ -69,6 +69,31 @@ class EngineSettings(BaseModel):
     step_delay_ms: float = Field(0.0, ge=0, le=10_000,
                                  description="Sleep between decode steps (tests use it to catch "
                                  "requests mid-flight on fast machines); 0 in production.")
+    radix_cache: bool | None = Field(
+        None, description="SGLang's prefix (radix) cache: requests sharing a token prefix reuse "
+        "its cached KV (computed by whatever weights were loaded then) and report it as "
+        "cached_tokens. Default: on with sglang_strict (SGLang's default), off otherwise.")
+    max_total_tokens: int = Field(65536, ge=64, le=1 << 24,
+                                  description="KV pool size in tokens (SGLang's "
+                                  "--max-total-tokens): the radix cache evicts least recently "
+                                  "used prefixes when a step's new tokens do not fit.")
+    overlap_schedule: bool | None = Field(
+        None, description="Emulate SGLang's overlap scheduler: a step's results are processed "
+        "after the next step ran, so after pause(in_place) + update + continue the first token "
+        "labelled with the new version was computed by the old weights. Default: on with "
+        "sglang_strict (SGLang's default), off otherwise.")
+    timeout_keep_alive: float = Field(5.0, gt=0, le=3600,
+                                      description="Seconds an idle keep-alive connection stays "
+                                      "open (uvicorn's timeout_keep_alive; SGLang reads "
+                                      "SGLANG_TIMEOUT_KEEP_ALIVE, default 5).")
+
+    @property
+    def radix_cache_on(self) -> bool:
+        return self.sglang_strict if self.radix_cache is None else self.radix_cache
+
+    @property
+    def overlap_on(self) -> bool:
+        return self.sglang_strict if self.overlap_schedule is None else self.overlap_schedule
 
 
 def _json(content: Any, status: int = 200) -> ORJSONResponse:
@@ -131,10 +156,13 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         else:
             model = ckpt.build_model(settings.model, settings.seed)
         sched = Scheduler(model, settings.weight_version, settings.max_running_requests,
-                          settings.step_delay_ms / 1000.0)
+                          settings.step_delay_ms / 1000.0, radix_cache=settings.radix_cache_on,
+                          max_total_tokens=settings.max_total_tokens,
+                          overlap=settings.overlap_on, separate_prefill=strict)
         sched.start()
         state["sched"] = sched
         state["model_path"] = _model_path(settings, model.config)
+        sched.served_model_path = sched.loaded_model_path = state["model_path"]
         yield
         await sched.stop()
         dist_update.destroy(sched)
@@ -190,7 +218,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         q = r.listeners[0]
         while not r.finished:
             await q.get()
-        return format_output(r, len(r.output), s.weight_version, tok, final=True,
+        return format_output(r, len(r.output), s.served_version, tok, final=True,
                              with_spans=has_spans)
 
     async def _stream(s: Scheduler, reqs: list[GenRequest], incremental: bool):
@@ -215,7 +243,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 if i not in pending or (n == sent[i] and not final):
                     continue
                 since = sent[i] if incremental else 0
-                chunk = format_output(r, n, s.weight_version, tok, since=since, final=final,
+                # chunks carry the tokenizer manager's version (SGLang tokenizer_manager.py
+                # 2511); the final one the scheduler's spans
+                chunk = format_output(r, n, s.served_version, tok, since=since, final=final,
                                       incremental=incremental, with_spans=has_spans)
                 if len(reqs) > 1:
                     chunk["index"] = i
@@ -255,14 +285,18 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         n = await sched().abort(rid, bool(body.get("abort_all", False)))
         return _json({"success": True, "num_aborted": n})
 
-    @app.post("/flush_cache")
-    async def flush_cache():
-        if sched().flush_cache():
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: float = 0.0):
+        """SGLang http_server.py 1025-1040: 200 and this text when flushed; 400 and the
+        scheduler's message (or "Flush cache failed.") when refused."""
+        if timeout < 0:
+            raise ProtocolError("timeout must be >= 0")
+        ok, message = await sched().flush_cache_within(timeout)
+        if ok:
             return Response("Cache flushed.\nPlease check backend logs for more details. (When "
                             "there are running or waiting requests, the operation will not be "
                             "performed.)\n", status_code=200)
-        return Response("Cache not flushed because there are pending requests.\n",
-                        status_code=400)
+        return Response(message or "Flush cache failed.\n", status_code=400)
 
     # ------------------------------------------------------------------ weights
     def _version(body: dict[str, Any], key: str = "weight_version") -> str | None:
@@ -344,13 +378,13 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     def _model_info() -> dict[str, Any]:
         s = sched()
         if strict:  # SGLang 0.5.23's keys, nothing else (no layer or expert counts)
-            return {"model_path": state["model_path"], "tokenizer_path": state["model_path"],
+            return {"model_path": s.served_model_path, "tokenizer_path": state["model_path"],
                     "is_generation": True, "preferred_sampling_params": None,
-                    "weight_version": s.weight_version, "has_image_understanding": False,
+                    "weight_version": s.served_version, "has_image_understanding": False,
                     "has_audio_understanding": False, "model_type": "qwen3_moe",
                     "architectures": ["Qwen3MoeForCausalLM"]}
-        return {"model_path": state["model_path"], "tokenizer_path": "byte-level",
-                "is_generation": True, "weight_version": s.weight_version,
+        return {"model_path": s.served_model_path, "tokenizer_path": "byte-level",
+                "is_generation": True, "weight_version": s.served_version,
                 "served_model_name": "reference-qwen3-moe", "load_format": "safetensors",
                 "model_config": s.cfg.to_hf_dict()}
 
@@ -364,7 +398,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.get("/get_weight_version")
     async def get_weight_version():
-        return _json({"weight_version": sched().weight_version})
+        return _json({"weight_version": sched().served_version})
 
     def _server_info() -> dict[str, Any]:
         s = sched()
@@ -375,14 +409,24 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                     "incremental_streaming_output": settings.incremental_streaming_output,
                     "enable_return_routed_experts": settings.enable_return_routed_experts,
                     "max_running_requests": settings.max_running_requests,
-                    "version": settings.emulate_version,
+                    "disable_radix_cache": not settings.radix_cache_on,
+                    "disable_overlap_schedule": not settings.overlap_on,
+                    "max_total_tokens": settings.max_total_tokens, "page_size": 1,
+                    "schedule_policy": "fcfs", "version": settings.emulate_version,
                     "internal_states": [{"num_running_reqs": len(s.running),
-                                         "num_waiting_reqs": len(s.waiting)}]}
+                                         "num_waiting_reqs": len(s.waiting),
+                                         # the scheduler's: moved even by a refused flush
+                                         "weight_version": s.weight_version,
+                                         "model_path": s.loaded_model_path}]}
         return {"version": SGLANG_VERSION, "reference_engine": True,
-                "engine": "rollout-gateway-reference", "weight_version": s.weight_version,
+                "engine": "rollout-gateway-reference", "weight_version": s.served_version,
                 "incremental_streaming_output": settings.incremental_streaming_output,
                 "max_running_requests": settings.max_running_requests,
                 "enable_return_routed_experts": True, "paused": s.paused,
+                "disable_radix_cache": not settings.radix_cache_on,
+                "disable_overlap_schedule": not settings.overlap_on,
+                "max_total_tokens": settings.max_total_tokens,
+                "radix_cache_tokens": s.tree.size if s.tree is not None else 0,
                 "num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
                 "decode_steps": s.steps}
 

@@ -79,7 +79,9 @@ async def _swap_mid_request(eng, mode: str, checkpoint_v2, flush_cache: bool):
         assert not blocked.done()  # new requests wait while paused
         up = await c.post(eng.url + "/update_weights_from_disk", json={
             "model_path": str(checkpoint_v2), "weight_version": "1", "flush_cache": flush_cache})
-        assert (await c.get(eng.url + "/model_info")).json()["weight_version"] == "1"
+        # SGLang: /model_info moves only when the update succeeds (a refused flush keeps it)
+        info = (await c.get(eng.url + "/model_info")).json()
+        assert info["weight_version"] == ("1" if up.json()["success"] else "0")
         await c.post(eng.url + "/continue_generation", json={})
         chunks = await asyncio.wait_for(w.task, 60)
         late = await asyncio.wait_for(blocked, 60)
@@ -122,8 +124,13 @@ async def test_retract_mode_recomputes_prefix_with_new_weights(make_engine, chec
     np.testing.assert_array_equal(routed(meta), new.routed_experts)  # whole prefix re-prefilled
 
 
-async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_model):
-    eng = make_engine(seed=1, step_delay_ms=25)
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_model, overlap):
+    """Exact by default (SGLang --disable-overlap-schedule). With the overlap scheduler
+    emulated (SGLang's default), the result in flight at the pause is processed after the
+    update: the first token labelled "1" was computed by the old weights."""
+    eng = make_engine(seed=1, step_delay_ms=25,
+                      extra_args=["--enable-overlap-schedule"] if overlap else [])
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, False)
     assert up.json()["success"] is True
     meta = final["meta_info"]
@@ -132,7 +139,8 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
     assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": k},
                                        {"version": "1", "start": k, "end": MAX_NEW}]
     v1, v2 = reference_model((CFG, 1)), reference_model(checkpoint_v2)
-    switch = len(PROMPT) + k - 1  # first position fed to the model under the new weights
+    # first position fed to the model under the new weights: one later under overlap
+    switch = len(PROMPT) + k - 1 + int(overlap)
     mixed = score_mixed(v1, v2, PROMPT + ids, switch, len(PROMPT))
     lps = np.array([t[0] for t in meta["output_token_logprobs"]])
     np.testing.assert_allclose(lps, mixed.logprobs, atol=1e-4)
@@ -140,14 +148,44 @@ async def test_in_place_mode_keeps_old_kv(make_engine, checkpoint_v2, reference_
     np.testing.assert_array_equal(routed(meta), mixed.routed_experts)
     fresh = score(v2, PROMPT + ids, len(PROMPT))  # the test can tell stale KV from fresh
     assert np.abs(fresh.logprobs[k + 1:] - lps[k + 1:]).max() > 1e-3
+    if overlap:  # and the spans' own boundary is one token early
+        labelled = score_mixed(v1, v2, PROMPT + ids, len(PROMPT) + k - 1, len(PROMPT))
+        assert np.abs(labelled.logprobs[k:] - lps[k:]).max() > 1e-3
+        async with httpx.AsyncClient() as c:
+            info = (await c.get(eng.url + "/server_info")).json()
+        assert info["disable_overlap_schedule"] is False
 
 
-async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2):
-    eng = make_engine(seed=1, step_delay_ms=25)
+@pytest.mark.parametrize("strict", [False, True])
+async def test_in_place_flush_cache_true_fails_but_swaps(make_engine, checkpoint_v2,
+                                                         reference_model, strict):
+    """SGLang 0.5.23: HTTP 400, success false, the weights swapped and the scheduler labelling
+    new tokens with the new version, but /model_info keeps the old version and model_path
+    (strict /server_info: internal_states shows the scheduler's new ones)."""
+    eng = make_engine(seed=1, step_delay_ms=25, sglang_strict=strict,
+                      extra_args=["--disable-overlap-schedule"] if strict else [])
+    async with httpx.AsyncClient() as c:
+        path_before = (await c.get(eng.url + "/model_info")).json()["model_path"]
     k, up, final = await _swap_mid_request(eng, "in_place", checkpoint_v2, True)
-    assert up.status_code == 400 and up.json()["success"] is False  # SGLang 0.5.23
-    assert "cache was not flushed" in up.json()["message"]
-    assert final["meta_info"]["weight_versions"][-1]["version"] == "1"
+    assert up.status_code == 400 and up.json() == {
+        "success": False, "num_paused_requests": 0,
+        "message": "Weights were updated, but the cache was not flushed because requests are "
+                   "still running or queued. Retract or finish them, then call /flush_cache."}
+    meta = final["meta_info"]
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": k},
+                                       {"version": "1", "start": k, "end": MAX_NEW}]
+    async with httpx.AsyncClient() as c:
+        info = (await c.get(eng.url + "/model_info")).json()
+        server = (await c.get(eng.url + "/server_info")).json()
+    assert info["weight_version"] == "0" and info["model_path"] == path_before
+    if strict:
+        assert server["internal_states"][0]["weight_version"] == "1"
+        assert server["internal_states"][0]["model_path"] == str(checkpoint_v2)
+    ids = final["output_ids"]
+    mixed = score_mixed(reference_model((CFG, 1)), reference_model(checkpoint_v2), PROMPT + ids,
+                        len(PROMPT) + k - 1, len(PROMPT))  # swapped all the same
+    np.testing.assert_allclose([t[0] for t in meta["output_token_logprobs"]], mixed.logprobs,
+                               atol=1e-4)
 
 
 async def test_update_without_pause_waits_for_inflight(make_engine, checkpoint_v2):

@@ -61,3 +61,44 @@ def test_help_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=root)
     assert out.stdout.strip() == "False"
+
+
+def test_sglang_scheduler_flags_default_by_mode(monkeypatch):
+    """Radix cache and overlap scheduler: on with --sglang-strict (SGLang's defaults), off
+    otherwise; either way SGLang's --disable-* flags (or --enable-*) decide."""
+    seen = {}
+    import uvicorn
+
+    from reference_engine import server
+    monkeypatch.setattr(server, "create_app", lambda settings: seen.setdefault("s", settings))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.update(kw=k))
+    monkeypatch.delenv("SGLANG_TIMEOUT_KEEP_ALIVE", raising=False)
+    for argv, radix, overlap in (
+            ([], False, False), (["--sglang-strict"], True, True),
+            (["--sglang-strict", "--disable-radix-cache", "--disable-overlap-schedule"],
+             False, False),
+            (["--enable-radix-cache", "--enable-overlap-schedule"], True, True)):
+        seen.clear()
+        assert cli.run(parse(argv)) == 0
+        s = seen["s"]
+        assert (s.radix_cache_on, s.overlap_on) == (radix, overlap), argv
+        assert seen["kw"]["timeout_keep_alive"] == 5.0
+    seen.clear()
+    monkeypatch.setenv("SGLANG_TIMEOUT_KEEP_ALIVE", "9")
+    assert cli.run(parse([])) == 0 and seen["kw"]["timeout_keep_alive"] == 9.0
+    seen.clear()
+    assert cli.run(parse(["--timeout-keep-alive", "2"])) == 0
+    assert seen["kw"]["timeout_keep_alive"] == 2.0
+
+
+def test_keep_alive_env_must_be_an_integer(monkeypatch, capsys):
+    monkeypatch.setenv("SGLANG_TIMEOUT_KEEP_ALIVE", "soon")
+    assert cli.run(parse([])) == 2
+    assert "SGLANG_TIMEOUT_KEEP_ALIVE" in capsys.readouterr().err
+
+
+def test_radix_flags_are_exclusive(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        parse(["--disable-radix-cache", "--enable-radix-cache"])
