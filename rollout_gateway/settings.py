@@ -87,6 +87,12 @@ class Timeouts(BaseModel):
         "closed instead of reused. Keep it below the engine's own keep-alive timeout "
         "(uvicorn's, hence SGLang's SGLANG_TIMEOUT_KEEP_ALIVE, is 5 s): a connection the "
         "engine closes just as a request goes out on it costs a resend.")
+    quiesce_s: float = Field(
+        default=60.0, gt=0, le=3600, description="In-place swaps: with the engine fenced, max "
+        "wait until every request in flight to it has streamed its first token (then none is "
+        "being prefilled when the pause lands, and the gateway knows exactly which weights "
+        "computed each token). An engine that does not quiesce in time keeps its weights "
+        "and the swap reports it.")
     drain_s: float = Field(default=600.0, gt=0, le=86400,
                            description="Max wait for in-flight requests in drain mode, and for "
                            "a fenced engine to reopen.")

@@ -90,6 +90,15 @@ def normalize_spans(spans: Sequence[Span], n_tokens: int, fallback_version: int 
     return out
 
 
+def kv_namespace(version: int) -> str:
+    """The prefix-cache namespace (SGLang's ``cache_salt``) of requests sent to an engine at
+    ``version``. SGLang's radix cache matches and deduplicates only within one salt and
+    keeps the KV of the first request that inserted a path, so with one salt per version a
+    hit holds KV that this version computed. The gateway quiesces an engine before an
+    in-place pause, so every request sent under ``version`` was prefilled by it."""
+    return f"v{version}"
+
+
 def computed_spans(spans: Sequence[Span], installed_by: Mapping[int, Transition],
                    label_lag: int) -> list[Span]:
     """The engine's labelled spans moved to the weights that computed each token: every

@@ -18,7 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from rollout_gateway.core.stamping import Span, normalize_spans, stamp_request, stitch_routing
+from rollout_gateway.core.stamping import (
+    Span,
+    kv_namespace,
+    normalize_spans,
+    stamp_request,
+    stitch_routing,
+)
 from rollout_gateway.core.trajectory import (
     EntropyKind,
     FinishReason,
@@ -32,7 +38,7 @@ from rollout_gateway.engines.client import refusal
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
-from rollout_gateway.engines.pool import Engine, EnginePool
+from rollout_gateway.engines.pool import Engine, EnginePool, Lease
 from rollout_gateway.engines.shape import resolve_spec, routing_problem
 from rollout_gateway.errors import (
     EngineError,
@@ -210,6 +216,10 @@ class SampleRunner:
         if wants_routing(eng, req, self.settings):
             p["return_routed_experts"] = True
             p["routed_experts_start_len"] = 0
+        if eng.version is not None and eng.client.info.has_spans:
+            # the prefix cache only matches within one salt: a hit holds KV of the version
+            # this request was sent under, never an older one an in-place swap left behind
+            p["cache_salt"] = kv_namespace(eng.version)
         if state.prompt_ids is None:
             p["text"] = req.prompt
         else:
@@ -343,9 +353,13 @@ class SampleRunner:
 
                 async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
                     await on_chunk(self._stamp_delta(eng, d, how, base))
-            first = None
-            if attempts == 1 and self.on_first_token is not None:
-                def first(cb=self.on_first_token, t0=created) -> None:
+            lease: Lease | None = None
+
+            def first(cb=self.on_first_token if attempts == 1 else None, t0=created) -> None:
+                # an engine's first chunk follows its first token: the request is prefilled
+                if lease is not None:
+                    lease.started()
+                if cb is not None:
                     cb(time.time() - t0)
             state.live = {}
 
@@ -356,7 +370,7 @@ class SampleRunner:
             if ol is not None:
                 await ol.busy(trajectory_id, eng.id)
             try:
-                async with self.pool.lease(eng, remaining):
+                async with self.pool.lease(eng, remaining) as lease:
                     opts = decode_options(eng, self.settings,
                                           routing=bool(payload.get("return_routed_experts")),
                                           passthrough=passthrough.keys() if passthrough else
@@ -473,8 +487,7 @@ class SampleRunner:
                                 total, d.weight_version) if d.spans else \
             normalize_spans([], total, d.weight_version)
         st = stamp_request(spans, offset=base, engine_id=eng.id, began=began,
-                           installed_by=eng.installed_by,
-                           cached_floor=eng.cache_floor if d.cached_tokens else None)
+                           installed_by=eng.installed_by, label_lag=eng.client.info.label_lag)
         out = {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
                "logprobs": d.logprobs, "entropy": d.entropy,
                "policy_version": st.policy_version[d.offset:],
@@ -489,10 +502,9 @@ class SampleRunner:
         spans = normalize_spans([Span(int(v), int(s), int(e)) for v, s, e in dec.spans], n,
                                 dec.weight_version if dec.weight_version is not None
                                 else eng.version)
-        floor = eng.cache_floor if dec.cached_tokens else None
         st = stamp_request(spans, offset=offset, engine_id=eng.id, began=began,
                            installed_by=eng.installed_by, started_at=t0, ended_at=t1,
-                           cached_floor=floor)
+                           label_lag=eng.client.info.label_lag)
         if dec.logprobs is None:
             raise EngineError(f"engine {eng.id} returned no output_token_logprobs")
         cols = TokenColumns(token_ids=dec.output_ids, logprobs=dec.logprobs, entropy=dec.entropy,

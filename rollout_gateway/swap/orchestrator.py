@@ -155,6 +155,15 @@ class SwapOrchestrator:
                     raise FailedPrecondition(
                         f"engine {e.id} already runs version {e.version} >= {req.version}",
                         details={"engine_id": e.id, "engine_version": e.version})
+            unexact = [(e.id, e.client.info.in_place_unexact) for e in targets
+                       if effective_mode(e, req.mode) is SwapMode.IN_PLACE
+                       and e.client.info.in_place_unexact]
+            if unexact:
+                raise FailedPrecondition(
+                    "in_place cannot be stamped exactly on "
+                    + "; ".join(f"engine {i}: {why}" for i, why in unexact)
+                    + "; use mode=retract (exact under every scheduler)",
+                    details={"engines": [i for i, _ in unexact]})
             if req.mode is not SwapMode.DRAIN and not all(
                     e.client.info.has_pause_modes for e in targets):
                 raise FailedPrecondition("an engine predates pause modes (SGLang < 0.5.6); use "
@@ -226,11 +235,27 @@ class SwapOrchestrator:
                 return
             # record how the version is installed *before* any token can be sampled with it
             mode = effective_mode(e, req.mode)
+            if mode is SwapMode.IN_PLACE:
+                await self._quiesce(e)
             e.installed_by[req.version] = _INSTALLED[mode]
             await e.client.pause(_PAUSE_MODE[mode])
             r.paused_at = time.time()
         except GatewayError as exc:
             r.error = f"fence: {exc.message}"
+
+    async def _quiesce(self, e: Engine) -> None:
+        """Fenced, wait until every request in flight to ``e`` has streamed a token: none is
+        then being prefilled, so the batch SGLang's overlap scheduler holds in flight at the
+        pause is a decode batch of all of them, and each request's labels run exactly
+        ``label_lag`` tokens ahead of the weights (core.stamping)."""
+        limit = self.settings.timeouts.quiesce_s
+        try:
+            await asyncio.wait_for(e.all_started.wait(), limit)
+        except asyncio.TimeoutError as exc:
+            raise Timeout(f"engine {e.id} did not quiesce within {limit}s: {e.unstarted} "
+                          f"request(s) in flight had not streamed a token (an in-place pause "
+                          f"now could not tell which weights computed them; "
+                          f"ROLLOUT_GATEWAY_TIMEOUTS__QUIESCE_S)") from exc
 
     async def _load_disk(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.error:
@@ -301,12 +326,8 @@ class SwapOrchestrator:
 
     async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.ok:
-            if effective_mode(e, req.mode) is SwapMode.IN_PLACE:
-                old = r.version_before
-                if old is not None:
-                    e.cache_floor = old if e.cache_floor is None else min(e.cache_floor, old)
-            else:  # the update ran with flush_cache=true: no older KV is left
-                e.cache_floor = None
+            # requests sent from now on use the new version's prefix-cache namespace
+            # (stamping.kv_namespace): no hit can serve KV the old weights left behind
             e.version = req.version
             with contextlib.suppress(GatewayError):
                 await self.registry.set_engine_version(e.id, req.version)
