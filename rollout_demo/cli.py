@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from rollout_demo.job import SWAP_MODES, DemoConfig
+    from rollout_demo.job import DemoConfig
+    from rollout_gateway.core.swap_mode import SwapMode
 
     d = DemoConfig()
     p.add_argument("--loss", default=d.loss,
@@ -16,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {d.loss}")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--out", default=str(d.out), help="report directory (default ./demo-out)")
-    p.add_argument("--swap-mode", choices=SWAP_MODES, default=d.swap_mode,
+    p.add_argument("--swap-mode", type=SwapMode, choices=list(SwapMode), default=d.swap_mode,
                    help="how engines take each new version mid-generation (default in_place)")
     p.add_argument("--engines", type=int, default=d.engines, help="reference engines (default 1)")
     p.add_argument("--redis-url", help="use Redis (store + registry) instead of the embedded store")

@@ -34,11 +34,10 @@ import httpx
 import numpy as np
 
 from rollout_demo import task
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.proc import wait_healthy
 
 log = logging.getLogger("rollout_demo")
-
-SWAP_MODES = ("in_place", "retract", "abort_resume", "drain")
 
 
 @dataclass
@@ -47,7 +46,7 @@ class DemoConfig:
     steps: int = 60
     out: Path = Path("demo-out")
     engines: int = 1
-    swap_mode: str = "in_place"
+    swap_mode: SwapMode = SwapMode.IN_PLACE
     redis_url: str | None = None
     by_reference: bool = False  # learner reads trajectory bytes from Redis (needs redis_url)
     batch_groups: int = 4
@@ -459,8 +458,7 @@ def run_demo(cfg: DemoConfig, *, compare_sync: bool = False) -> dict:
     """Run the demo (and the synchronous baseline when asked); write report.json + PNGs."""
     from rollout_demo.report import write_report
 
-    if cfg.swap_mode not in SWAP_MODES:
-        raise ValueError(f"swap mode must be one of {SWAP_MODES}, got {cfg.swap_mode!r}")
+    cfg.swap_mode = SwapMode(cfg.swap_mode)  # ValueError for a word that names no mode
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="work-", dir=out))

@@ -14,6 +14,8 @@ import logging
 import tempfile
 from pathlib import Path
 
+from rollout_gateway.core.swap_mode import SwapMode
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=1, help="reference engines to start (default 1)")
@@ -31,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
-def _examples(http: str, ckpt1: Path, swap_mode: str = "in_place", settings=None) -> str:
+def _examples(http: str, ckpt1: Path, swap_mode: SwapMode = SwapMode.IN_PLACE,
+              settings=None) -> str:
     # with keys set, the examples send them (named by env var: the values are never printed)
     client = admin = ""
     if settings is not None and settings.admin_api_key:
@@ -103,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  gateway HTTP:  {http}\n  learner gRPC:  {args.host}:{grpc_port}\n"
                   f"  checkpoints:   {ckpt0} (v0, loaded), {ckpt1} (v1)", flush=True)
             # interruption sync scores partial rollouts only for abort_resume / drain swaps
-            print(_examples(http, ckpt1, "abort_resume" if mode == "interruption"
-                            else "in_place", settings), flush=True)
+            print(_examples(http, ckpt1, SwapMode.ABORT_RESUME if mode == "interruption"
+                            else SwapMode.IN_PLACE, settings), flush=True)
             print("Ctrl-C stops everything.", flush=True)
 
         asyncio.run(serve_async(settings, ready=ready))

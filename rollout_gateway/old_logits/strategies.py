@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import FailedPrecondition, GatewayError
 from rollout_gateway.settings import GatewaySettings
@@ -85,7 +86,7 @@ class OldLogitService:
         """Refuse what the strategy cannot follow (before anything is paused)."""
         if self.mode == "off" or req.source is None:
             return
-        from rollout_gateway.swap.models import DiskSource, SwapMode
+        from rollout_gateway.swap.models import DiskSource
 
         if not isinstance(req.source, DiskSource):
             raise FailedPrecondition(

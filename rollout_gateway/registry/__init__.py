@@ -6,7 +6,6 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.registry.base import (
-    SWAP_MODES,
     EngineSwapOutcome,
     Lease,
     SwapRecord,
@@ -16,8 +15,8 @@ from rollout_gateway.registry.base import (
 )
 from rollout_gateway.registry.memory import InMemoryRegistry
 
-__all__ = ["SWAP_MODES", "EngineSwapOutcome", "InMemoryRegistry", "Lease", "SwapRecord",
-           "VersionEvent", "VersionRegistry", "Watch", "create_registry"]
+__all__ = ["EngineSwapOutcome", "InMemoryRegistry", "Lease", "SwapRecord", "VersionEvent",
+           "VersionRegistry", "Watch", "create_registry"]
 
 
 def create_registry(url: str | None = None, *, prefix: str = "rollout",

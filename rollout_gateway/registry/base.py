@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.errors import Aborted, FailedPrecondition, InvalidArgument
 
-SWAP_MODES = ("in_place", "retract", "abort_resume", "drain")
 SWAP_STATUSES = ("running", "succeeded", "partial", "failed")
 
 
@@ -45,7 +45,7 @@ class SwapRecord:
     """One hot-swap to ``version``. Upserted by ``swap_id`` as it progresses."""
 
     version: int
-    mode: str
+    mode: SwapMode  # a stored record's string is parsed on construction
     rolling: bool = False
     swap_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     source: str = ""  # where the weights came from (a path, a group name)
@@ -59,8 +59,7 @@ class SwapRecord:
     message: str = ""
 
     def __post_init__(self) -> None:
-        if self.mode not in SWAP_MODES:
-            raise InvalidArgument(f"swap mode must be one of {SWAP_MODES}, got {self.mode!r}")
+        self.mode = SwapMode.parse(self.mode)
         if self.status not in SWAP_STATUSES:
             raise InvalidArgument(f"swap status must be one of {SWAP_STATUSES}")
         if self.version < 0:

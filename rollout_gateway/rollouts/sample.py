@@ -187,10 +187,9 @@ class SampleRunner:
         except GatewayError as exc:
             log.warning("registry: cannot read swap history: %s", exc.message)
             return
-        modes = {"in_place": Transition.IN_PLACE, "retract": Transition.RETRACT}
         for r in records:
-            if r.version in unknown and eng.id in r.engines and r.mode in modes:
-                eng.installed_by[r.version] = modes[r.mode]
+            if r.version in unknown and eng.id in r.engines:
+                eng.installed_by[r.version] = r.mode.transition
 
     def _payload(self, eng: Engine, req: RolloutRequest, state: SampleState, rid: str,
                  remaining: int, *, want_prompt_ids: bool,

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-class SwapMode(StrEnum):
-    """What happens to requests in flight while the weights change."""
-
-    IN_PLACE = "in_place"  # pause keeping KV; continue on new weights over the old KV
-    RETRACT = "retract"  # pause dropping KV; re-prefilled under the new weights
-    ABORT_RESUME = "abort_resume"  # abort; the gateway resubmits prompt + partial output
-    DRAIN = "drain"  # stop admitting, let in-flight requests finish on the old weights
+from rollout_gateway.core.swap_mode import SwapMode
 
 
 class DiskSource(BaseModel):

@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from rollout_gateway.core.trajectory import Transition
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.engines.pool import Engine, EnginePool, EngineState
 from rollout_gateway.errors import (
     FailedPrecondition,
@@ -34,14 +34,13 @@ from rollout_gateway.errors import (
 )
 from rollout_gateway.registry.base import EngineSwapOutcome, SwapRecord, VersionRegistry
 from rollout_gateway.settings import GatewaySettings
-from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapMode, SwapRequest
+from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
 
 log = logging.getLogger(__name__)
 
+#: the engine's pause_generation mode for each swap mode that pauses (drain does not)
 _PAUSE_MODE = {SwapMode.IN_PLACE: "in_place", SwapMode.RETRACT: "retract",
                SwapMode.ABORT_RESUME: "abort"}
-_INSTALLED = {SwapMode.IN_PLACE: Transition.IN_PLACE, SwapMode.RETRACT: Transition.RETRACT,
-              SwapMode.ABORT_RESUME: Transition.ABORT_RESUME, SwapMode.DRAIN: Transition.DRAIN}
 
 
 def effective_mode(e: Engine, mode: SwapMode) -> SwapMode:
@@ -105,7 +104,7 @@ class SwapOrchestrator:
                 self.in_progress = req
                 try:
                     async with self.registry.swap_lease(self.holder):
-                        rec = SwapRecord(version=target.version, mode=req.mode.value,
+                        rec = SwapRecord(version=target.version, mode=req.mode,
                                          source=target.source, leader=self.holder,
                                          message=f"catch-up of {eng.id}")
                         rec.engines[eng.id] = EngineSwapOutcome(
@@ -143,7 +142,7 @@ class SwapOrchestrator:
         elif isinstance(req.source, DistributedSource):
             source = f"distributed:{req.source.group_name}@{req.source.master_address}:" \
                      f"{req.source.master_port}"
-        rec = SwapRecord(version=req.version, mode=req.mode.value, rolling=req.rolling,
+        rec = SwapRecord(version=req.version, mode=req.mode, rolling=req.rolling,
                          source=source, leader=self.holder)
         if req.source is not None:
             targets = self._targets(req)
@@ -237,7 +236,7 @@ class SwapOrchestrator:
             mode = effective_mode(e, req.mode)
             if mode is SwapMode.IN_PLACE:
                 await self._quiesce(e)
-            e.installed_by[req.version] = _INSTALLED[mode]
+            e.installed_by[req.version] = mode.transition
             await e.client.pause(_PAUSE_MODE[mode])
             r.paused_at = time.time()
         except GatewayError as exc:

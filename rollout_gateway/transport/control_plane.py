@@ -11,15 +11,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from rollout_gateway.core.swap_mode import SwapMode
+from rollout_gateway.core.wire_enum import WireEnum
 from rollout_gateway.errors import InvalidArgument
 
-WEIGHT_SOURCE_KINDS = ("path", "tensor_bucket", "distributed")
-SWAP_MODES = ("in_place", "retract", "abort_resume", "drain")
+
+class WeightSourceKind(WireEnum):
+    """``rollout.v1.WeightSource.kind``: where the learner published the weights."""
+
+    PATH = "path"  # a checkpoint directory the engines can read (HTTP's "disk" source)
+    TENSOR_BUCKET = "tensor_bucket"
+    DISTRIBUTED = "distributed"  # a torch.distributed broadcast from the learner
 
 
 @dataclass(slots=True)
 class WeightSource:
-    kind: str  # path | tensor_bucket | distributed
+    kind: WeightSourceKind
     uri: str
     options: dict[str, str] = field(default_factory=dict)
 
@@ -67,10 +74,10 @@ class ControlPlane(Protocol):
         """Learner version, engine versions, whether a swap is running."""
         ...
 
-    async def announce(self, version: int, source: WeightSource, mode: str,
+    async def announce(self, version: int, source: WeightSource, mode: SwapMode,
                        rolling: bool = False) -> AnnounceResult:
         """The learner published weights ``version``; swap engines to it. Raises
-        InvalidArgument for a bad source/mode, FailedPrecondition for a version that
+        InvalidArgument for a bad version or source, FailedPrecondition for a version that
         does not move forward or while another swap runs."""
         ...
 
@@ -79,13 +86,8 @@ class ControlPlane(Protocol):
         ...
 
 
-def validate_announce(version: int, source: WeightSource, mode: str) -> None:
+def validate_announce(version: int, source: WeightSource) -> None:
     if not 0 <= version <= 2**31 - 1:  # token stamps are int32
         raise InvalidArgument(f"version must be in [0, 2**31 - 1], got {version}")
-    if source.kind not in WEIGHT_SOURCE_KINDS:
-        raise InvalidArgument(f"weight source kind must be one of {WEIGHT_SOURCE_KINDS}, "
-                              f"got {source.kind!r}")
     if not source.uri:
         raise InvalidArgument("weight source uri must be non-empty")
-    if mode not in SWAP_MODES:
-        raise InvalidArgument(f"mode must be one of {SWAP_MODES}, got {mode!r}")

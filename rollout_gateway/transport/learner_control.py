@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 import orjson
 from pydantic import ValidationError
 
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import InvalidArgument
 from rollout_gateway.registry.base import VersionRegistry
-from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapMode, SwapRequest
+from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
 from rollout_gateway.swap.orchestrator import SwapOrchestrator
 from rollout_gateway.transport.control_plane import (
     AnnounceResult,
@@ -19,17 +20,19 @@ from rollout_gateway.transport.control_plane import (
     EngineVersion,
     VersionEvent,
     WeightSource,
+    WeightSourceKind,
     validate_announce,
 )
 
 
-def swap_request_from(version: int, source: WeightSource, mode: str, rolling: bool) -> SwapRequest:
+def swap_request_from(version: int, source: WeightSource, mode: SwapMode,
+                      rolling: bool) -> SwapRequest:
     """Map the wire's WeightSource onto a SwapRequest (InvalidArgument when it cannot)."""
-    validate_announce(version, source, mode)
-    if source.kind == "path":
+    validate_announce(version, source)
+    if source.kind is WeightSourceKind.PATH:
         src: DiskSource | DistributedSource = DiskSource(path=source.uri,
                                                           load_format=source.options.get("load_format"))
-    elif source.kind == "distributed":
+    elif source.kind is WeightSourceKind.DISTRIBUTED:
         o = source.options
         try:  # ValidationError is a ValueError
             host, _, port = source.uri.rpartition(":")
@@ -48,7 +51,7 @@ def swap_request_from(version: int, source: WeightSource, mode: str, rolling: bo
         raise InvalidArgument(f"weight source kind {source.kind!r} is not supported by this "
                               "gateway; use 'path' (shared storage) or 'distributed'")
     try:
-        return SwapRequest(version=version, source=src, mode=SwapMode(mode), rolling=rolling)
+        return SwapRequest(version=version, source=src, mode=mode, rolling=rolling)
     except ValidationError as exc:
         msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise InvalidArgument(f"invalid announce: {msgs}") from None
@@ -68,7 +71,7 @@ class GatewayControlPlane:
         return ControlStatus(learner_version=await self.registry.learner_version(),
                              engines=engines, swap_in_progress=self.swaps.in_progress is not None)
 
-    async def announce(self, version: int, source: WeightSource, mode: str,
+    async def announce(self, version: int, source: WeightSource, mode: SwapMode,
                        rolling: bool = False) -> AnnounceResult:
         req = swap_request_from(version, source, mode, rolling)
         t0 = time.monotonic()

@@ -20,10 +20,11 @@ import grpc
 
 from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.errors import FailedPrecondition, GatewayError, InvalidArgument, NotFound
 from rollout_gateway.redact import clean_message
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
-from rollout_gateway.transport.control_plane import ControlPlane, WeightSource
+from rollout_gateway.transport.control_plane import ControlPlane, WeightSource, WeightSourceKind
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
 
@@ -257,8 +258,9 @@ class TrajectoryServicer:
     async def AnnounceVersion(self, request, context):
         src = request.source
         res = await self.control.announce(
-            request.version, WeightSource(src.kind, src.uri, dict(src.options)),
-            request.mode, rolling=request.rolling)
+            request.version,
+            WeightSource(WeightSourceKind.parse(src.kind), src.uri, dict(src.options)),
+            SwapMode.parse(request.mode), rolling=request.rolling)
         return spb.AnnounceResponse(accepted=res.accepted, version=res.version,
                                     message=res.message, pause_seconds=res.pause_seconds)
 

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.errors import FailedPrecondition
 from rollout_gateway.transport.control_plane import (
     AnnounceResult,
@@ -30,9 +31,9 @@ class InProcessControlPlane:
         return ControlStatus(self.learner_version,
                              [EngineVersion(e, v) for e, v in self.engines.items()])
 
-    async def announce(self, version: int, source: WeightSource, mode: str,
+    async def announce(self, version: int, source: WeightSource, mode: SwapMode,
                        rolling: bool = False) -> AnnounceResult:
-        validate_announce(version, source, mode)
+        validate_announce(version, source)
         if version <= self.learner_version:
             raise FailedPrecondition(f"version {version} does not move forward from "
                                      f"{self.learner_version}")

@@ -10,13 +10,14 @@ import numpy as np
 import orjson
 import pytest
 
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.trajectory import (FinishReason, Segment, TokenColumns, Trajectory,
                                              Transition)
 from rollout_gateway.errors import EngineError, FailedPrecondition
 from rollout_gateway.old_logits.scorer import parse_scores, score_payload
 from rollout_gateway.old_logits.strategies import OldLogitService
 from rollout_gateway.settings import load_settings
-from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapMode, SwapRequest
+from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
 
 
 def test_score_payload_scores_exactly_the_output_tokens():

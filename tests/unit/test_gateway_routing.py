@@ -91,7 +91,7 @@ def test_mask_ranges():
 
 
 def test_engines_without_spans_never_straddle_a_swap():
-    from rollout_gateway.swap.models import SwapMode
+    from rollout_gateway.core.swap_mode import SwapMode
     from rollout_gateway.swap.orchestrator import effective_mode
 
     pool = pool_of("new", "old")
