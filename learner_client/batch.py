@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from learner_client.buffers import BufferPool
+from learner_client.staleness import lag, stale_mask
 from learner_client.wire import Rollout
 
 _F32_COLS = ("rollout_logprobs", "entropy", "old_logprobs")
@@ -142,9 +143,9 @@ class TrajectoryBatch:
 
 
 def _stale_tokens(r: Rollout, learner_version: int, max_lag: int | None) -> np.ndarray:
-    if not r.masked or max_lag is None:
+    if not r.masked:
         return np.zeros(r.num_tokens, dtype=bool)
-    return (learner_version - r.policy_version.astype(np.int64)) > max_lag
+    return stale_mask(learner_version, r.policy_version, max_lag)
 
 
 def _token_mask(r: Rollout, learner_version: int, max_lag: int | None) -> np.ndarray:
@@ -198,7 +199,7 @@ def collate(rollouts: list[Rollout], learner_version: int, *,
     loss_mask = column([_token_mask(r, learner_version, max_lag) for r in rollouts],
                        np.float32, 0.0)
     versions = column([r.policy_version for r in rollouts], np.int32, -1)
-    lags = column([learner_version - r.policy_version for r in rollouts], np.int32, 0)
+    lags = column([lag(learner_version, r.policy_version) for r in rollouts], np.int32, 0)
     old = None
     if any(r.old_logprobs is not None for r in rollouts):
         old = column([r.old_logprobs if r.old_logprobs is not None

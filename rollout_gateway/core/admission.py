@@ -31,7 +31,7 @@ from enum import StrEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.core.staleness import StalePolicy, is_stale, stale_mask, trajectory_staleness
 from rollout_gateway.errors import InvalidArgument, ResourceExhausted
 
 
@@ -144,12 +144,6 @@ def capacity(cfg: AdmissionConfig, *, learner_version: int, running: int, backlo
                     concurrency_limit=cfg.max_concurrent, running=running)
 
 
-def stale_token_mask(learner_version: int, policy_version: np.ndarray, max_lag: int
-                     ) -> np.ndarray:
-    """bool [T]: True where the token is within the bound (lag <= max_lag)."""
-    return (np.int64(learner_version) - policy_version.astype(np.int64)) <= max_lag
-
-
 class AdmissionController:
     """Per-replica admission state: in-flight samples and outcome counters.
 
@@ -236,18 +230,14 @@ class AdmissionController:
         """
         self._release(1)
         cfg = self.config
-        if policy_version.size == 0:
-            self.stats.accepted += 1
-            return Judgement(Verdict.ACCEPT, 0)
-        lag = int(learner_version) - int(policy_version.min())
-        if lag <= cfg.max_staleness:
+        lag = trajectory_staleness(int(learner_version), policy_version).max_lag
+        if not is_stale(lag, cfg.max_staleness):
             self.stats.accepted += 1
             return Judgement(Verdict.ACCEPT, lag)
         if cfg.stale_policy == StalePolicy.MASK:
             self.stats.stale_masked += 1
             return Judgement(Verdict.MASK, lag,
-                             stale_token_mask(learner_version, policy_version,
-                                              cfg.max_staleness))
+                             ~stale_mask(learner_version, policy_version, cfg.max_staleness))
         if cfg.stale_policy == StalePolicy.RECYCLE:
             if recycles < cfg.max_recycles:
                 self.stats.stale_recycled += 1

@@ -20,6 +20,8 @@ import time
 
 from pydantic import BaseModel, Field
 
+from rollout_gateway.core.staleness import lag
+from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.observe.tracker import in_flight_tokens
 from rollout_gateway.observe.view import GatewayView
 
@@ -87,7 +89,7 @@ class IntraTrajectory(BaseModel):
 class PauseWindow(BaseModel):
     swap_id: str
     version: int
-    mode: str
+    mode: SwapMode
     engine: str = Field(description='engine id, or "*" for the pool-wide window')
     paused_at: float
     resumed_at: float | None
@@ -151,13 +153,13 @@ async def lag_report(view: GatewayView, *, recent_swaps: int = 10, history: bool
     for s in states:
         v = versions.get(s.engine_id) if s.engine_id else None
         if v is not None:
-            req_lags[lv - v] = req_lags.get(lv - v, 0) + 1
-    in_flight = InFlight.from_counts({lv - v: c for v, c in by_version.items()},
+            req_lags[lag(lv, v)] = req_lags.get(lag(lv, v), 0) + 1
+    in_flight = InFlight.from_counts({lag(lv, v): c for v, c in by_version.items()},
                                      samples=samples,
                                      requests_by_engine_lag=[LagBucket(lag=k, tokens=c) for k, c
                                                              in sorted(req_lags.items())])
     un = await view.store.unconsumed_tokens(scan_limit)
-    unconsumed = Unconsumed.from_counts({lv - v: c for v, c in un.tokens_by_version.items()},
+    unconsumed = Unconsumed.from_counts({lag(lv, v): c for v, c in un.tokens_by_version.items()},
                                         entries=un.entries, truncated=un.truncated)
     tr = view.tracker
     delivered = Delivered.from_counts(tr.delivered, trajectories=tr.delivered_trajectories)
@@ -170,12 +172,12 @@ async def lag_report(view: GatewayView, *, recent_swaps: int = 10, history: bool
                                        seconds=(b - a) if b is not None else None))
     st = await view.store.stats()
     adm = view.gatekeeper.counters()
-    known = [lv - e.version for e in engines if e.version is not None]
+    known = [lag(lv, e.version) for e in engines if e.version is not None]
     return LagReport(
         at=time.time(), replica=view.gatekeeper.replica_id, learner_version=lv,
         max_engine_lag=max(known, default=0),
         engines=[EngineLag(id=e.id, state=e.state.value, version=e.version,
-                           lag=(lv - e.version) if e.version is not None else None,
+                           lag=lag(lv, e.version) if e.version is not None else None,
                            outstanding_requests=e.outstanding_requests,
                            fenced=not e.gate.is_set()) for e in engines],
         in_flight=in_flight, unconsumed=unconsumed, delivered=delivered,

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rollout_gateway.core.staleness import lag
+
 if TYPE_CHECKING:
     from rollout_gateway.core.trajectory import Trajectory
     from rollout_gateway.store.base import StoredEntry
@@ -50,8 +52,8 @@ class LagTracker:
         """Tokens of a batch sent to a learner that reported ``learner_version``."""
         for e in entries:
             for v, c in e.tokens_by_version().items():
-                lag = learner_version - v
-                self.delivered[lag] = self.delivered.get(lag, 0) + c
+                k = lag(learner_version, v)
+                self.delivered[k] = self.delivered.get(k, 0) + c
         self.delivered_trajectories += len(entries)
 
     def on_finished(self, traj: Trajectory) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.core.staleness import is_stale, lag
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.engines.pool import Engine
@@ -257,9 +258,9 @@ class SessionManager:
         bound = self.settings.admission.max_staleness
         engines = {e.id: e for e in self.engines() if e.routable and e.version is not None}
         held = engines.get(last) if last else None
-        if held is not None and lv - held.version <= bound:
+        if held is not None and not is_stale(lag(lv, held.version), bound):
             return held.id
-        fresh = [e for e in engines.values() if lv - e.version <= bound]
+        fresh = [e for e in engines.values() if not is_stale(lag(lv, e.version), bound)]
         if not fresh:
             return None
         return max(fresh, key=lambda e: (e.version, -e.outstanding_requests)).id

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, Field
 
-from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.core.staleness import StalePolicy, is_stale, lag
 from rollout_gateway.core.trajectory import Trajectory
 
 
@@ -230,7 +230,8 @@ class TrajectoryStore(abc.ABC):
                    max_lag: int | None, policy: StalePolicy, block_ms: int = 0,
                    payload: bool = True) -> list[StoredEntry]:
         """read() (``payload`` passed on) plus the staleness filter. An entry is stale when
-        learner_version - min_version > max_lag. DROP: acked, counted, not returned;
+        its oldest token is (``core.staleness``: learner_version - min_version > max_lag;
+        an empty entry never is). DROP: acked, counted, not returned;
         MASK: returned with masked=True, counted; RECYCLE: prompt queued for
         take_recycled, acked, counted. Returns at most ``count`` entries."""
         out: list[StoredEntry] = []
@@ -244,7 +245,7 @@ class TrajectoryStore(abc.ABC):
             gone: list[StoredEntry] = []
             masked = 0
             for e in got:
-                if max_lag is None or e.min_version < 0 or learner_version - e.min_version <= max_lag:
+                if e.min_version < 0 or not is_stale(lag(learner_version, e.min_version), max_lag):
                     out.append(e)
                 elif policy == StalePolicy.MASK:
                     e.masked = True

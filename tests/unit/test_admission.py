@@ -14,9 +14,8 @@ from rollout_gateway.core.admission import (
     AdmissionController,
     Verdict,
     capacity,
-    stale_token_mask,
 )
-from rollout_gateway.core.staleness import StalePolicy
+from rollout_gateway.core.staleness import StalePolicy, stale_mask
 from rollout_gateway.errors import InvalidArgument, ResourceExhausted
 
 
@@ -152,7 +151,7 @@ def test_config_bounds_and_docs():
 
 
 def test_token_mask():
-    m = stale_token_mask(10, np.array([7, 8, 9, 10], np.int32), max_lag=2)
+    m = ~stale_mask(10, np.array([7, 8, 9, 10], np.int32), max_lag=2)  # usable tokens
     assert m.tolist() == [False, True, True, True]
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rollout_gateway.core.staleness import token_lag, trajectory_staleness
+from rollout_gateway.core.staleness import lag, trajectory_staleness
 from rollout_gateway.core.trajectory import (
     FinishReason, RoutedExperts, Segment, TokenColumns, Trajectory, narrowest_uint,
 )
@@ -48,7 +48,7 @@ def test_routed_experts_from_int32_checks_range():
 def test_concat_and_staleness():
     c = TokenColumns.concat([cols(2, version=1), cols(3, version=2, kv=1)])
     assert c.policy_version.tolist() == [1, 1, 2, 2, 2]
-    assert token_lag(4, c.policy_version).tolist() == [3, 3, 2, 2, 2]
+    assert lag(4, c.policy_version).tolist() == [3, 3, 2, 2, 2]
     s = trajectory_staleness(4, c.policy_version)
     assert (s.intra, s.inter, s.max_lag) == (1, 2, 3)
 
