@@ -90,12 +90,27 @@ NOOP_AT_DEFAULT: dict[str, Any] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """How one prompt's answer is written, read once from the body (:func:`parse_generate`)."""
+
+    return_logprob: bool = False  # output_token_logprobs (and the rows passed through)
+    top: int = 0  # top_logprobs_num: output_top_logprobs rows of streamed chunks
+    routed: bool = False  # return_routed_experts
+    routed_start: int = 0  # routed_experts_start_len: the routed rows from this position
+    stream: bool = False  # SGLang's SSE stream instead of one answer
+    rid: str | None = None  # the answer's meta_info.id when n == 1
+    n: int = 1  # samples of this prompt
+    entropy: bool = False  # output_token_entropy (return_entropy, or return_logprob)
+    text_in_logprobs: bool = False  # return_text_in_logprobs: token texts in the rows
+
+
 @dataclass(slots=True)
 class Item:
     """One prompt of a (possibly batched) /generate call."""
 
     req: RolloutRequest
-    opts: dict[str, Any]
+    opts: GenerateOptions
     passthrough: PassThrough | None
 
 
@@ -195,14 +210,15 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
         if routed and rs == 0:  # the engine's routed_experts text is the answer's
             pt = pt or PassThrough()
             pt.routed_experts = True
-        opts = {"return_logprob": lp, "top": top, "routed": bool(routed), "routed_start": rs,
-                "stream": bool(body.get("stream", False)), "rid": r, "n": req.n,
-                "entropy": bool(body.get("return_entropy", False)) or lp}
+        opts = GenerateOptions(
+            return_logprob=lp, top=top, routed=bool(routed), routed_start=rs,
+            stream=bool(body.get("stream", False)), rid=r, n=req.n,
+            entropy=bool(body.get("return_entropy", False)) or lp, text_in_logprobs=text_in)
         items.append(Item(req, opts, pt))
     return items
 
 
-def to_rollout_request(body: Any) -> tuple[RolloutRequest, dict[str, Any]]:
+def to_rollout_request(body: Any) -> tuple[RolloutRequest, GenerateOptions]:
     """One-prompt form of :func:`parse_generate` (the request and its output options)."""
     items = parse_generate(body)
     if len(items) != 1:
@@ -224,13 +240,13 @@ def _top_rows(rows: LogprobRows | list, with_text: bool) -> LogprobRows | list:
     return [None if r is None else [[e[0], e[1], None] for e in r] for r in rows]
 
 
-def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | None,
-                  index: int, passed: dict[str, Any] | None = None,
-                  with_text: bool = False) -> dict[str, Any]:
+def sglang_output(t: Trajectory, text: str, opts: GenerateOptions, index: int,
+                  passed: dict[str, Any] | None = None) -> dict[str, Any]:
     c = t.tokens
+    with_text = opts.text_in_logprobs
     spans = [{"version": str(s.policy_version), "start": s.start, "end": s.end} for s in t.segments]
     meta: dict[str, Any] = {
-        "id": rid if rid is not None and opts.get("n", 1) == 1 else t.trajectory_id,
+        "id": opts.rid if opts.rid is not None and opts.n == 1 else t.trajectory_id,
         "finish_reason": t.finish_reason.to_dict(),
         "prompt_tokens": int(t.prompt_token_ids.shape[0]), "completion_tokens": t.num_tokens,
         "cached_tokens": 0,
@@ -243,7 +259,7 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         "num_retractions": sum(1 for s in t.segments if s.began == "retract"),
     }
     passed = passed or {}
-    if opts["return_logprob"]:
+    if opts.return_logprob:
         if "output_token_logprobs" in passed:  # the engine's rows, token texts included
             meta["output_token_logprobs"] = _rows(passed["output_token_logprobs"], with_text)
         else:  # written from the columns (float32 logprobs as the doubles SGLang writes)
@@ -255,9 +271,9 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         for key in ("output_top_logprobs", "input_top_logprobs"):
             if key in passed:
                 meta[key] = _top_rows(passed[key], with_text)
-    if opts.get("entropy", opts["return_logprob"]):
+    if opts.entropy:
         meta["output_token_entropy"] = c.entropy
-    if opts["routed"]:
+    if opts.routed:
         if t.routed_experts is None:  # the runner refuses this earlier; never silently absent
             raise EngineError(f"trajectory {t.trajectory_id}: routed experts were requested "
                                f"but none were recorded")
@@ -265,12 +281,12 @@ def sglang_output(t: Trajectory, text: str, opts: dict[str, Any], rid: str | Non
         # as they are, instead of a bytes->str decode plus a re-scan of the multi-MB string;
         # the engine's own (validated) text when the answer is one engine request's
         b64 = passed.get("routed_experts")
-        if b64 is None or opts.get("routed_start", 0):
+        if b64 is None or opts.routed_start:
             b64 = b64encode(np.ascontiguousarray(
-                t.routed_experts.data[opts.get("routed_start", 0):], dtype="<i4"))
+                t.routed_experts.data[opts.routed_start:], dtype="<i4"))
         meta["routed_experts"] = RawString(b64)
     out: dict[str, Any] = {"text": text, "output_ids": c.token_ids, "meta_info": meta}
-    if t.sample_index or opts.get("n", 1) > 1:
+    if t.sample_index or opts.n > 1:
         out["index"] = index
     return out
 
@@ -286,24 +302,23 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
         raise InvalidArgument(f"body is not valid JSON: {exc}") from None
     items = parse_generate(body)
     as_list = len(items) > 1 or items[0].req.n > 1
-    with_text = bool(isinstance(body, dict) and body.get("return_text_in_logprobs"))
-    if items[0].opts["stream"]:
-        return sse(_stream(rollouts, pool, items, with_text))
+    if items[0].opts.stream:
+        return sse(_stream(rollouts, pool, items))
     results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough)
                                      for it in items))
     outs = []
     for it, res in zip(items, results):
         got = it.passthrough.out if it.passthrough is not None else {}
-        outs += [sglang_output(t, text, it.opts, it.opts["rid"], len(outs),
-                               got.get(j), with_text) for j, (t, text) in enumerate(res)]
+        outs += [sglang_output(t, text, it.opts, len(outs), got.get(j))
+                 for j, (t, text) in enumerate(res)]
     if as_list:
         for k, o in enumerate(outs):
             o["index"] = k
     return ORJSONResponse(outs if as_list else outs[0])
 
 
-async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item],
-                  with_text: bool) -> AsyncIterator[dict[str, Any]]:
+async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item]
+                  ) -> AsyncIterator[dict[str, Any]]:
     """SGLang-style stream: each chunk carries the sample's whole output so far
     (``finish_reason`` null, ``text`` filled in the final chunk), stamps included; the final
     chunk per sample is the complete answer. When every engine streams incrementally, so
@@ -346,7 +361,7 @@ async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item],
                 acc["pv"].append(ev["policy_version"])
                 acc["kv"].append(ev["kv_version"])
                 acc["top"].append(ev.get("top_logprobs"))
-                out = _partial(acc, it.opts, ev["trajectory_id"], i, as_list, with_text)
+                out = _partial(acc, it.opts, ev["trajectory_id"], i, as_list)
                 if incremental:
                     out = _delta(out, sent.get(i, 0))
                     sent[i] = sent.get(i, 0) + len(out["output_ids"])
@@ -354,8 +369,8 @@ async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item],
             elif ev["type"] == "trajectory":
                 sofar.pop(i, None)
                 got = it.passthrough.out if it.passthrough is not None else {}
-                out = sglang_output(ev["trajectory"], ev["text"], it.opts, it.opts["rid"], i,
-                                    got.get(ev["sample_index"]), with_text)
+                out = sglang_output(ev["trajectory"], ev["text"], it.opts, i,
+                                    got.get(ev["sample_index"]))
                 if as_list:
                     out["index"] = i
                 if incremental:  # text was not sent before: the last delta carries all
@@ -386,21 +401,21 @@ def _delta(out: dict[str, Any], since: int, keep_text: bool = False) -> dict[str
     return d
 
 
-def _partial(acc: dict[str, list], opts: dict[str, Any], tid: str, index: int,
-             as_list: bool, with_text: bool) -> dict[str, Any]:
+def _partial(acc: dict[str, list], opts: GenerateOptions, tid: str, index: int,
+             as_list: bool) -> dict[str, Any]:
     ids = np.concatenate(acc["ids"])
     pv = np.concatenate(acc["pv"])
-    meta: dict[str, Any] = {"id": opts["rid"] if opts["rid"] is not None and opts["n"] == 1
+    meta: dict[str, Any] = {"id": opts.rid if opts.rid is not None and opts.n == 1
                             else tid, "finish_reason": None,
                             "completion_tokens": int(ids.shape[0]),
                             "weight_version": str(int(pv[-1])), "trajectory_id": tid,
                             "policy_versions": pv, "kv_versions": np.concatenate(acc["kv"])}
-    if opts["return_logprob"] and all(x is not None for x in acc["lp"]):
+    if opts.return_logprob and all(x is not None for x in acc["lp"]):
         meta["output_token_logprobs"] = LogprobRows(
             np.concatenate(acc["lp"]).astype(np.float64), ids)
-        if opts["top"] > 0 and all(x is not None for x in acc["top"]):
-            rows = LogprobRows.concat([cut_top(x, opts["top"]) for x in acc["top"]])
-            meta["output_top_logprobs"] = _top_rows(rows, with_text)
+        if opts.top > 0 and all(x is not None for x in acc["top"]):
+            rows = LogprobRows.concat([cut_top(x, opts.top) for x in acc["top"]])
+            meta["output_top_logprobs"] = _top_rows(rows, opts.text_in_logprobs)
     out: dict[str, Any] = {"text": "", "output_ids": ids, "meta_info": meta}
     if as_list:
         out["index"] = index

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import base64
 import math
+from dataclasses import replace
 
 import numpy as np
 import orjson
 
 
 def test_sglang_output_routed_experts_and_logprob_pairs():
-    from rollout_gateway.api.generate import sglang_output
+    from rollout_gateway.api.generate import GenerateOptions, sglang_output
     from doubles.trajectories import make_trajectory
 
     t = make_trajectory("t", num_tokens=5, prompt_len=3, num_layers=4, top_k=2)
     from rollout_gateway.api.serialize import dumps
 
     out = orjson.loads(dumps(sglang_output(
-        t, "txt", {"return_logprob": True, "routed": True}, None, 0)))
+        t, "txt", GenerateOptions(return_logprob=True, routed=True), 0)))
     meta = out["meta_info"]
     want = np.ascontiguousarray(t.routed_experts.data, dtype="<i4")
     assert base64.b64decode(meta["routed_experts"]) == want.tobytes()
@@ -29,7 +30,7 @@ def test_sglang_output_routed_experts_and_logprob_pairs():
 
 
 def test_the_engines_routed_experts_text_is_forwarded_when_it_is_the_answer():
-    from rollout_gateway.api.generate import sglang_output
+    from rollout_gateway.api.generate import GenerateOptions, sglang_output
     from rollout_gateway.api.serialize import dumps
     from doubles.trajectories import make_trajectory
 
@@ -37,11 +38,11 @@ def test_the_engines_routed_experts_text_is_forwarded_when_it_is_the_answer():
     engine_text = base64.b64encode(np.ascontiguousarray(t.routed_experts.data, dtype="<i4"))
     body = b'{"routed_experts":"' + engine_text + b'"}'
     view = memoryview(body)[len(b'{"routed_experts":"'):-2]
-    opts = {"return_logprob": False, "routed": True}
-    out = orjson.loads(dumps(sglang_output(t, "", opts, None, 0, {"routed_experts": view})))
+    opts = GenerateOptions(return_logprob=False, routed=True)
+    out = orjson.loads(dumps(sglang_output(t, "", opts, 0, {"routed_experts": view})))
     assert out["meta_info"]["routed_experts"].encode() == engine_text
     # from a later position (routed_experts_start_len): cut and re-encoded from the columns
-    out = orjson.loads(dumps(sglang_output(t, "", dict(opts, routed_start=2), None, 0,
+    out = orjson.loads(dumps(sglang_output(t, "", replace(opts, routed_start=2), 0,
                                            {"routed_experts": view})))
     want = np.ascontiguousarray(t.routed_experts.data[2:], dtype="<i4")
     assert base64.b64decode(out["meta_info"]["routed_experts"]) == want.tobytes()

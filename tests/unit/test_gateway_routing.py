@@ -74,7 +74,7 @@ def test_generate_body_maps_onto_a_rollout_request():
     req, opts = to_rollout_request({"text": "hi", "rid": "r1", "return_logprob": True,
                                     "sampling_params": {"n": 3, "max_new_tokens": 5}})
     assert req.prompt == "hi" and req.n == 3 and req.request_id == "r1"
-    assert req.sampling_params.max_new_tokens == 5 and opts["return_logprob"]
+    assert req.sampling_params.max_new_tokens == 5 and opts.return_logprob
     for bad, needle in [([], "JSON object"), ({"text": "x", "lora_path": "y"}, "lora_path"),
                         ({"text": "x", "sampling_params": {"n": 0}}, "n"),
                         ({"text": "x", "sampling_params": {"made_up": 1}}, "made_up"),

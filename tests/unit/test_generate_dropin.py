@@ -52,12 +52,12 @@ def test_batch_lists_and_n():
                             "return_logprob": [True, False], "top_logprobs_num": 3,
                             "logprob_start_len": [0, -1]})
     assert [it.req.input_ids for it in items] == [[1, 2], [3, 4, 5]]
-    assert [it.req.n for it in items] == [2, 1] and [it.opts["rid"] for it in items] == ["a", "b"]
+    assert [it.req.n for it in items] == [2, 1] and [it.opts.rid for it in items] == ["a", "b"]
     assert items[0].passthrough.top_logprobs_num == 3
     assert items[0].passthrough.logprob_start_len == 0
     assert items[1].passthrough is None  # no return_logprob: SGLang returns no logprobs
     items = parse_generate({"text": ["x", "y"], "rid": "p"})
-    assert [it.opts["rid"] for it in items] == ["p_0", "p_1"]
+    assert [it.opts.rid for it in items] == ["p_0", "p_1"]
     for bad, needle in [({"text": ["x", "y"], "rid": ["a"]}, "rid"),
                         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
                         ({"input_ids": [1, 2], "logprob_start_len": 3}, "prompt length"),
@@ -70,6 +70,6 @@ def test_batch_lists_and_n():
 def test_routing_request_is_a_requirement():
     (it,) = parse_generate({"input_ids": [1], "return_routed_experts": True,
                             "routed_experts_start_len": 1})
-    assert it.req.return_routed_experts is True and it.opts["routed_start"] == 1
+    assert it.req.return_routed_experts is True and it.opts.routed_start == 1
     (it,) = parse_generate({"input_ids": [1]})
     assert it.req.return_routed_experts is None
