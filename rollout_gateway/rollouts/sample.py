@@ -63,6 +63,26 @@ def _unreadable(eng: Engine, exc: BaseException) -> EngineError:
                        details={"engine_id": eng.id, "dropped": True})
 
 
+class RequestFailed(Exception):
+    """An engine request failed with ``error`` after ``partial`` arrived (None: nothing
+    usable did); the sample keeps that output and goes on from it."""
+
+    def __init__(self, error: GatewayError, partial: Decoded | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.partial = partial
+
+
+def _finished(eng: Engine, dec: Decoded | None, err: GatewayError | None) -> Decoded:
+    """A stream's end: its output when it ended cleanly, else RequestFailed with what came."""
+    if err is None and dec is None:
+        err = EngineError(f"engine {eng.id} answered /generate with no output at all",
+                          details={"engine_id": eng.id})
+    if err is not None:
+        raise RequestFailed(err, dec)
+    return dec
+
+
 @dataclass(slots=True)
 class PassThrough:
     """SGLang ``/generate`` logprob fields a caller asked for, forwarded with SGLang's
@@ -226,23 +246,23 @@ class SampleRunner:
         return p
 
     async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
-                    on_delta=None, first=None,
-                    on_tokens=None) -> tuple[Decoded | None, GatewayError | None]:
-        """One engine request -> (decoded output so far, error). A broken, silent or
-        unreadable stream keeps what arrived: the last cumulative chunk, or the merged
-        deltas of an incremental stream. ``on_delta(d)`` (live streaming to a client) sees
-        every chunk's new tokens; ``first()`` is called at the first answer byte and
-        ``on_tokens(d)`` per chunk of new tokens (lag of tokens in flight)."""
+                    on_delta=None, first=None, on_tokens=None) -> Decoded:
+        """One engine request -> its decoded output, or :class:`RequestFailed`. A broken,
+        silent or unreadable stream keeps what arrived (``RequestFailed.partial``): the
+        last cumulative chunk, or the merged deltas of an incremental stream.
+        ``on_delta(d)`` (live streaming to a client) sees every chunk's new tokens;
+        ``first()`` is called at the first answer byte and ``on_tokens(d)`` per chunk of
+        new tokens (lag of tokens in flight)."""
         if not self.settings.stream_from_engines and on_delta is None:
             try:
                 body = await eng.client.generate(payload)
                 if first is not None:
                     first()
-                return decode_one(body, opts), None
+                return decode_one(body, opts)
             except GatewayError as exc:
-                return None, exc
+                raise RequestFailed(exc) from exc
             except _GARBAGE as exc:
-                return None, _unreadable(eng, exc)
+                raise RequestFailed(_unreadable(eng, exc)) from exc
         if eng.client.info.incremental_stream or on_delta is not None:
             sd = StreamDecoder(opts, keep=True)
             err: GatewayError | None = None
@@ -261,9 +281,10 @@ class SampleRunner:
             except _GARBAGE as exc:
                 err = _unreadable(eng, exc)
             try:
-                return sd.result(), err
+                merged = sd.result()
             except (GatewayError, *_GARBAGE) as exc:
-                return None, err or EngineError(f"engine {eng.id}: {exc}")
+                raise RequestFailed(err or EngineError(f"engine {eng.id}: {exc}")) from exc
+            return _finished(eng, merged, err)
         last: bytes | None = None
         prev: bytes | None = None
         err = None
@@ -276,18 +297,18 @@ class SampleRunner:
         except GatewayError as exc:
             err = exc
         if last is None:
-            return None, err
+            return _finished(eng, None, err)
         try:
-            return decode_one(last, opts), err
+            newest = decode_one(last, opts)
         except (GatewayError, *_GARBAGE) as exc:
             bad = exc if isinstance(exc, GatewayError) else _unreadable(eng, exc)
-        # the newest chunk is garbage: keep the output of the one before it, if it reads
-        if prev is not None:
+            # the newest chunk is garbage: keep the output of the one before it, if it reads
             try:
-                return decode_one(prev, opts), err or bad
+                kept = decode_one(prev, opts) if prev is not None else None
             except (GatewayError, *_GARBAGE):
-                pass
-        return None, err or bad
+                kept = None
+            raise RequestFailed(err or bad, kept) from exc
+        return _finished(eng, newest, err)
 
     async def run(self, req: RolloutRequest, trajectory_id: str, group_id: str, index: int,
                   *, sticky_key: str | None, prompt_ids: np.ndarray | None,
@@ -341,10 +362,9 @@ class SampleRunner:
             prefer = None
             state.engine_id = eng.id
             rid = f"{trajectory_id}.{attempts}"
-            want_ids = state.prompt_ids is None
-            payload = self._payload(eng, req, state, rid, remaining, want_prompt_ids=want_ids,
+            payload = self._payload(eng, req, state, rid, remaining,
+                                    want_prompt_ids=state.prompt_ids is None,
                                     passthrough=passthrough)
-            input_len = len(payload.get("input_ids", ()))
             t0 = time.time()
             on_delta = None
             if on_chunk is not None:
@@ -374,49 +394,21 @@ class SampleRunner:
                                           routing=bool(payload.get("return_routed_experts")),
                                           passthrough=passthrough.keys() if passthrough else
                                           frozenset())
-                    dec, err = await self._call(eng, payload, opts, on_delta, first, on_tokens)
-            finally:
-                state.live = {}
-            t1 = time.time()
-            refused = refusal(eng.id, dec.finish_reason) if dec is not None else None
-            if refused is not None:  # the request is bad: failing over would not help
-                raise refused
-            if dec is not None and dec.num_tokens:
-                eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT
-            if dec is not None and want_ids:
-                ids = dec.input_token_ids
-                if ids is None or len(ids) == 0:
-                    raise EngineError(f"engine {eng.id} did not return the prompt's token ids")
-                state.prompt_ids = np.asarray(ids, np.int32)
-                input_len = len(ids)
-            if dec is not None and len(dec.output_ids) > 0:
-                if state.prompt_ids is None:
-                    raise EngineError(f"engine {eng.id} returned output but no prompt ids")
-                if len(dec.spans) > 1 and self.registry is not None:
-                    await self._learn_install_modes(eng, {v for v, _, _ in dec.spans[1:]})
-                piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
-                piece.input_start = payload["logprob_start_len"]
-                state.pieces.append(piece)
-            if ol is not None:  # the partial output is in the state: a swap may score it
-                await ol.busy(trajectory_id, None)
-            fin = dec.finish_reason if dec is not None else None
-            if err is None and fin is not None and fin.get("type") != "abort":
-                self.pool.record_success(eng)
-                finish = fin
-                break
-            if err is None and dec is None:
-                err = EngineError(f"engine {eng.id} answered /generate with no output at all",
-                                  details={"engine_id": eng.id})
-            if err is not None:
-                if not isinstance(err, EngineError | Timeout):
-                    raise err  # e.g. InvalidArgument: the engine refused our request (a 4xx)
-                log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id,
-                            eng.id, err.message)
-                self.pool.record_failure(eng, err.message)
-                last_error = err.message
+                    dec = await self._call(eng, payload, opts, on_delta, first, on_tokens)
+            except RequestFailed as failed:  # what arrived before the failure is kept
+                await self._settle(state, eng, failed.partial, began, payload, t0)
+                last_error = self._failing_over(eng, failed.error, trajectory_id)
                 exclude.add(eng.id)
                 began = Transition.FAILOVER
                 continue
+            finally:
+                state.live = {}
+            await self._settle(state, eng, dec, began, payload, t0)
+            fin = dec.finish_reason
+            if fin is not None and fin.get("type") != "abort":
+                self.pool.record_success(eng)
+                finish = fin
+                break
             # aborted: by a swap's pause (ours or another replica's) or a failed load. Resume
             # from the tokens so far, same engine if it is still in rotation; max_attempts
             # bounds an engine that keeps aborting.
@@ -430,6 +422,45 @@ class SampleRunner:
         if passthrough is not None:
             passthrough.out[index] = self._passed(passthrough, state, trajectory_id)
         return traj, text
+
+    async def _settle(self, state: SampleState, eng: Engine, dec: Decoded | None,
+                      began: Transition, payload: dict[str, Any], t0: float) -> None:
+        """An engine request is over: its output (all of it, or what arrived before it
+        failed) leaves ``live`` and joins the sample's pieces (unless the engine refused the
+        request: that is raised)."""
+        state.live = {}
+        t1 = time.time()
+        if dec is not None:
+            refused = refusal(eng.id, dec.finish_reason)
+            if refused is not None:  # the request is bad: failing over would not help
+                raise refused
+            input_len = len(payload.get("input_ids", ()))
+            if dec.num_tokens:
+                eng.client.info.exact_entropy = dec.entropy_kind is EntropyKind.EXACT
+            if state.prompt_ids is None:  # the request was sent as text
+                ids = dec.input_token_ids
+                if ids is None or len(ids) == 0:
+                    raise EngineError(f"engine {eng.id} did not return the prompt's token ids")
+                state.prompt_ids = np.asarray(ids, np.int32)
+                input_len = len(ids)
+            if len(dec.output_ids) > 0:
+                if len(dec.spans) > 1 and self.registry is not None:
+                    await self._learn_install_modes(eng, {v for v, _, _ in dec.spans[1:]})
+                piece = self._piece(eng, dec, began, state.generated, input_len, t0, t1)
+                piece.input_start = payload["logprob_start_len"]
+                state.pieces.append(piece)
+        if self.oldlogits is not None:  # the partial output is in the state: a swap may score it
+            await self.oldlogits.busy(state.trajectory_id, None)
+
+    def _failing_over(self, eng: Engine, err: GatewayError, trajectory_id: str) -> str:
+        """An engine request failed: raise when another engine would not help (the failure
+        is not the engine's); otherwise count it against the engine and return why."""
+        if not isinstance(err, EngineError | Timeout):
+            raise err  # e.g. InvalidArgument: the engine refused our request (a 4xx)
+        log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id, eng.id,
+                    err.message)
+        self.pool.record_failure(eng, err.message)
+        return err.message
 
     @staticmethod
     def _passed(pt: PassThrough, state: SampleState, tid: str) -> dict[str, Any]:
