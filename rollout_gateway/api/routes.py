@@ -27,6 +27,7 @@ from rollout_gateway.api.serialize import dumps, trajectory_to_json
 from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
+from rollout_gateway.registry.base import SwapStatus
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.settings import EngineSpec
 from rollout_gateway.swap.models import SwapRequest
@@ -84,10 +85,10 @@ async def swap_weights(req: SwapRequest, swaps: Swaps) -> Response:
     """Announce a new version; with a source, hot-swap the engines to it."""
     rec = await swaps.swap(req)
     body = rec.to_dict()
-    body["ok"] = rec.status == "succeeded"
+    body["ok"] = rec.status is SwapStatus.SUCCEEDED
     # a swap that left engines out of rotation is still a completed swap: 200 with the
     # per-engine outcome; only "no engine took the version" is an error status
-    if rec.status == "failed":
+    if rec.status is SwapStatus.FAILED:
         raise EngineError(f"no engine took version {rec.version}: {rec.message}",
                           details={"swap": body})
     return ORJSONResponse(body)

@@ -180,9 +180,8 @@ class OldLogitService:
             log.warning("old logits: cannot read the swap history: %s", exc.message)
             return
         for r in records:
-            if r.source and not r.source.startswith("distributed:") and r.status in (
-                    "succeeded", "partial"):
-                self.scorer.sources.setdefault(int(r.version), r.source)
+            if r.checkpoint:
+                self.scorer.sources.setdefault(int(r.version), r.checkpoint)
 
     # ---- finish: fill the column before judge/publish -----------------------------------
     async def fill(self, traj: Trajectory, temperature: float) -> None:

@@ -9,14 +9,15 @@ from rollout_gateway.registry.base import (
     EngineSwapOutcome,
     Lease,
     SwapRecord,
+    SwapStatus,
     VersionEvent,
     VersionRegistry,
     Watch,
 )
 from rollout_gateway.registry.memory import InMemoryRegistry
 
-__all__ = ["EngineSwapOutcome", "InMemoryRegistry", "Lease", "SwapRecord", "VersionEvent",
-           "VersionRegistry", "Watch", "create_registry"]
+__all__ = ["EngineSwapOutcome", "InMemoryRegistry", "Lease", "SwapRecord", "SwapStatus",
+           "VersionEvent", "VersionRegistry", "Watch", "create_registry"]
 
 
 def create_registry(url: str | None = None, *, prefix: str = "rollout",

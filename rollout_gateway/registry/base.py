@@ -19,9 +19,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollout_gateway.core.swap_mode import SwapMode
+from rollout_gateway.core.wire_enum import WireEnum
 from rollout_gateway.errors import Aborted, FailedPrecondition, InvalidArgument
 
-SWAP_STATUSES = ("running", "succeeded", "partial", "failed")
+#: ``SwapRecord.source`` of a distributed broadcast begins so: ``distributed:group@host:port``
+DISTRIBUTED_SOURCE = "distributed:"
+
+
+class SwapStatus(WireEnum):
+    """Where a swap stands."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # every target engine took the version
+    PARTIAL = "partial"  # some did; the others kept their version or left rotation
+    FAILED = "failed"  # none did
 
 
 @dataclass(slots=True)
@@ -45,12 +56,12 @@ class SwapRecord:
     """One hot-swap to ``version``. Upserted by ``swap_id`` as it progresses."""
 
     version: int
-    mode: SwapMode  # a stored record's string is parsed on construction
+    mode: SwapMode  # a stored record's strings (mode, status) are parsed on construction
     rolling: bool = False
     swap_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    source: str = ""  # where the weights came from (a path, a group name)
+    source: str = ""  # where the weights came from: a path, or DISTRIBUTED_SOURCE + group
     leader: str = ""  # the replica that led it
-    status: str = "running"
+    status: SwapStatus = SwapStatus.RUNNING
     started_at: float = field(default_factory=time.time)
     paused_at: float | None = None  # pool-wide pause window (non-rolling)
     resumed_at: float | None = None
@@ -60,10 +71,19 @@ class SwapRecord:
 
     def __post_init__(self) -> None:
         self.mode = SwapMode.parse(self.mode)
-        if self.status not in SWAP_STATUSES:
-            raise InvalidArgument(f"swap status must be one of {SWAP_STATUSES}")
+        self.status = SwapStatus.parse(self.status)
         if self.version < 0:
             raise InvalidArgument(f"version must be >= 0, got {self.version}")
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint directory this swap installed on at least one engine (what a
+        late engine or the old-logit scorer can load again); None when it took nowhere,
+        only announced, or came by a distributed broadcast."""
+        took = self.status in (SwapStatus.SUCCEEDED, SwapStatus.PARTIAL)
+        if took and self.source and not self.source.startswith(DISTRIBUTED_SOURCE):
+            return self.source
+        return None
 
     @property
     def tokens_reprefilled(self) -> int:

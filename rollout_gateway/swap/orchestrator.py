@@ -32,7 +32,13 @@ from rollout_gateway.errors import (
     Timeout,
     Unavailable,
 )
-from rollout_gateway.registry.base import EngineSwapOutcome, SwapRecord, VersionRegistry
+from rollout_gateway.registry.base import (
+    DISTRIBUTED_SOURCE,
+    EngineSwapOutcome,
+    SwapRecord,
+    SwapStatus,
+    VersionRegistry,
+)
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
 
@@ -91,14 +97,13 @@ class SwapOrchestrator:
         self.pool.close_gate(eng)
         try:
             records = await self.registry.swaps(50)
-            done = [r for r in records if r.status in ("succeeded", "partial") and r.source
-                    and not r.source.startswith("distributed:")]
+            done = [r for r in records if r.checkpoint]
             if not done:
                 return None
             target = max(done, key=lambda r: r.version)
             if eng.version is not None and eng.version >= target.version:
                 return None
-            req = SwapRequest(version=target.version, source=DiskSource(path=target.source),
+            req = SwapRequest(version=target.version, source=DiskSource(path=target.checkpoint),
                               mode=SwapMode.ABORT_RESUME, engines=[eng.id])
             async with self._lock:
                 self.in_progress = req
@@ -112,7 +117,7 @@ class SwapOrchestrator:
                             version_after=eng.version)
                         await self._swap_group([eng], req, rec)
                         ok = rec.engines[eng.id].ok
-                        rec.status = "succeeded" if ok else "failed"
+                        rec.status = SwapStatus.SUCCEEDED if ok else SwapStatus.FAILED
                         rec.finished_at = time.time()
                         await self.registry.record_swap(rec)
                         return rec
@@ -140,8 +145,8 @@ class SwapOrchestrator:
         if isinstance(req.source, DiskSource):
             source = req.source.path
         elif isinstance(req.source, DistributedSource):
-            source = f"distributed:{req.source.group_name}@{req.source.master_address}:" \
-                     f"{req.source.master_port}"
+            source = f"{DISTRIBUTED_SOURCE}{req.source.group_name}@" \
+                     f"{req.source.master_address}:{req.source.master_port}"
         rec = SwapRecord(version=req.version, mode=req.mode, rolling=req.rolling,
                          source=source, leader=self.holder)
         if req.source is not None:
@@ -183,7 +188,8 @@ class SwapOrchestrator:
         oks = [o.ok for o in rec.engines.values()]
         if req.source is None or any(oks):
             await self.registry.set_learner_version(req.version)
-        rec.status = ("succeeded" if all(oks) else "failed" if not any(oks) else "partial")
+        rec.status = (SwapStatus.SUCCEEDED if all(oks) else SwapStatus.FAILED if not any(oks)
+                      else SwapStatus.PARTIAL)
         kept = [f"{o.engine_id} (still v{o.version_after})" for o in rec.engines.values()
                 if not o.ok and o.kept_version]
         out = [o.engine_id for o in rec.engines.values() if not o.ok and not o.kept_version]

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import InvalidArgument
-from rollout_gateway.registry.base import VersionRegistry
+from rollout_gateway.registry.base import SwapStatus, VersionRegistry
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
 from rollout_gateway.swap.orchestrator import SwapOrchestrator
 from rollout_gateway.transport.control_plane import (
@@ -77,7 +77,7 @@ class GatewayControlPlane:
         t0 = time.monotonic()
         rec = await self.swaps.swap(req)
         windows = [(b or time.time()) - a for _e, a, b in rec.pause_windows()]
-        return AnnounceResult(accepted=rec.status != "failed", version=version,
+        return AnnounceResult(accepted=rec.status is not SwapStatus.FAILED, version=version,
                               message=f"{rec.status}: {rec.message}",
                               pause_seconds=max(windows, default=time.monotonic() - t0))
 

@@ -10,7 +10,7 @@ import pytest
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.trajectory import Transition
 from rollout_gateway.errors import InvalidArgument
-from rollout_gateway.registry.base import SwapRecord
+from rollout_gateway.registry.base import SwapRecord, SwapStatus
 from rollout_gateway.transport.control_plane import WeightSourceKind
 
 
@@ -37,3 +37,16 @@ def test_a_stored_swap_record_reads_back_as_the_enum():
     d = orjson.loads(orjson.dumps(rec.to_dict()))
     assert d["mode"] == "retract"
     assert SwapRecord.from_dict(d).mode is SwapMode.RETRACT
+
+
+def test_a_record_names_the_checkpoint_it_installed():
+    disk = {"version": 2, "mode": "abort_resume", "source": "/ckpt/v2"}
+    assert SwapRecord(**disk, status="succeeded").checkpoint == "/ckpt/v2"
+    assert SwapRecord(**disk, status=SwapStatus.PARTIAL).checkpoint == "/ckpt/v2"
+    assert SwapRecord(**disk, status="failed").checkpoint is None
+    assert SwapRecord(**disk).checkpoint is None  # still running
+    assert SwapRecord(version=3, mode="drain", status="succeeded",
+                      source="distributed:g@h:1").checkpoint is None
+    assert SwapRecord(version=3, mode="drain", status="succeeded").checkpoint is None  # announce
+    with pytest.raises(InvalidArgument, match="swap status must be one of running"):
+        SwapRecord(version=1, mode="drain", status="done")
