@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -144,6 +145,14 @@ class ModelShape(BaseModel):
     num_experts: int | None = Field(default=None, ge=1, le=1 << 20, description="Experts per layer.")
 
 
+class OldLogitsMode(StrEnum):
+    """Which exact old-logit strategy fills ``old_logprobs`` (:class:`OldLogitsSettings`)."""
+
+    OFF = "off"
+    MODEL = "model"
+    INTERRUPTION = "interruption"
+
+
 class OldLogitsSettings(BaseModel):
     """Exact old logits (pi_old) filled into the trajectory's ``old_logprobs`` column by a
     dedicated scorer engine (a reference/SGLang engine outside the generation pool, used
@@ -158,8 +167,8 @@ class OldLogitsSettings(BaseModel):
       ``mode=abort_resume`` or ``drain`` swaps from disk, not rolling.
     Both need disk sources (the scorer reloads checkpoints by path)."""
 
-    mode: Literal["off", "model", "interruption"] = Field(
-        default="off", description="Which exact old-logit strategy fills old_logprobs.")
+    mode: OldLogitsMode = Field(
+        default=OldLogitsMode.OFF, description="Which exact old-logit strategy fills old_logprobs.")
     scorer_url: str | None = Field(
         default=None, min_length=8, description="Base URL of the scorer engine (not in the pool).")
     scorer_api_key: str | None = Field(default=None, description="Scorer admin API key.")
@@ -172,8 +181,8 @@ class OldLogitsSettings(BaseModel):
 
     @model_validator(mode="after")
     def _scorer_needed(self) -> OldLogitsSettings:
-        if self.mode != "off" and not self.scorer_url:
-            raise ValueError(f"old_logits.mode={self.mode!r} needs old_logits.scorer_url "
+        if self.mode is not OldLogitsMode.OFF and not self.scorer_url:
+            raise ValueError(f"old_logits.mode={self.mode.value!r} needs old_logits.scorer_url "
                              "(a scorer engine outside the generation pool)")
         return self
 

@@ -14,6 +14,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from rollout_gateway.settings import OldLogitsMode
+
 log = logging.getLogger("rollout_gateway.serve")
 
 
@@ -27,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an engine to register (repeatable)")
     p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
     p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
-    p.add_argument("--old-logits", choices=["off", "model", "interruption"],
+    p.add_argument("--old-logits", type=OldLogitsMode, choices=list(OldLogitsMode),
                    help="fill old_logprobs exactly: a dedicated scorer (model) or at swaps "
                         "(interruption); default off")
     p.add_argument("--old-logits-scorer", metavar="URL",

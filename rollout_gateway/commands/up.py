@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from rollout_gateway.core.swap_mode import SwapMode
+from rollout_gateway.settings import OldLogitsMode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="memory://", help="trajectory store URL (default memory://)")
     p.add_argument("--registry", default="memory://", help="version registry URL")
     p.add_argument("--workdir", help="where checkpoints go (default: a temp dir)")
-    p.add_argument("--old-logits", choices=["off", "model", "interruption"], default="off",
+    p.add_argument("--old-logits", type=OldLogitsMode, choices=list(OldLogitsMode),
+                   default=OldLogitsMode.OFF,
                    help="exact old logits: start a scorer engine and fill old_logprobs with "
                         "it for every trajectory (model) or at swaps (interruption)")
     p.add_argument("--insecure", action="store_true", default=None,
@@ -84,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.engines):
             engines.append(EngineProcess(checkpoint=ckpt0, weight_version="0", host=args.host).start())
         extra = {}
-        mode = getattr(args, "old_logits", "off")
-        if mode != "off":  # a dedicated scorer engine, outside the generation pool
+        mode = getattr(args, "old_logits", OldLogitsMode.OFF)
+        if mode is not OldLogitsMode.OFF:  # a dedicated scorer engine, outside the generation pool
             scorer = EngineProcess(checkpoint=ckpt0, weight_version="0", host=args.host).start()
             engines.append(scorer)
             extra["old_logits"] = {"mode": mode, "scorer_url": scorer.url,
@@ -101,13 +103,14 @@ def run(args: argparse.Namespace) -> int:
             http = f"http://{args.host}:{http_port}"
             print(f"rollout-gateway up: {len(pool)} reference engine(s) "
                   f"({', '.join(e.url for e in pool)})", flush=True)
-            if mode != "off":
+            if mode is not OldLogitsMode.OFF:
                 print(f"  old logits:    {mode} (scorer {engines[-1].url})", flush=True)
             print(f"  gateway HTTP:  {http}\n  learner gRPC:  {args.host}:{grpc_port}\n"
                   f"  checkpoints:   {ckpt0} (v0, loaded), {ckpt1} (v1)", flush=True)
             # interruption sync scores partial rollouts only for abort_resume / drain swaps
-            print(_examples(http, ckpt1, SwapMode.ABORT_RESUME if mode == "interruption"
-                            else SwapMode.IN_PLACE, settings), flush=True)
+            swap = (SwapMode.ABORT_RESUME if mode is OldLogitsMode.INTERRUPTION
+                    else SwapMode.IN_PLACE)
+            print(_examples(http, ckpt1, swap, settings), flush=True)
             print("Ctrl-C stops everything.", flush=True)
 
         asyncio.run(serve_async(settings, ready=ready))

@@ -18,7 +18,7 @@ import numpy as np
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import FailedPrecondition, GatewayError
-from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.settings import GatewaySettings, OldLogitsMode
 
 from .scorer import OldLogitScorer
 
@@ -64,7 +64,7 @@ class OldLogitService:
 
     # ---- sample hooks (interruption mode keeps partial scores per sample) -------------
     def track(self, state: Any, temperature: float) -> None:
-        if self.mode == "interruption":
+        if self.mode is OldLogitsMode.INTERRUPTION:
             self.live[state.trajectory_id] = _Live(state, temperature)
 
     def untrack(self, trajectory_id: str) -> _Live | None:
@@ -84,7 +84,7 @@ class OldLogitService:
     # ---- swap hooks ---------------------------------------------------------------------
     def check_swap(self, req: Any) -> None:
         """Refuse what the strategy cannot follow (before anything is paused)."""
-        if self.mode == "off" or req.source is None:
+        if self.mode is OldLogitsMode.OFF or req.source is None:
             return
         from rollout_gateway.swap.models import DiskSource
 
@@ -92,7 +92,7 @@ class OldLogitService:
             raise FailedPrecondition(
                 f"old_logits.mode={self.mode} needs disk sources: the scorer reloads "
                 "checkpoints by path (a distributed broadcast cannot be replayed)")
-        if self.mode == "interruption":
+        if self.mode is OldLogitsMode.INTERRUPTION:
             if req.mode not in (SwapMode.ABORT_RESUME, SwapMode.DRAIN):
                 raise FailedPrecondition(
                     "old_logits.mode=interruption needs swap mode abort_resume or drain: "
@@ -107,7 +107,7 @@ class OldLogitService:
         """Interruption sync: after the fence (requests aborted), wait until every sample
         that was on these engines has its partial output, then score the unscored tokens
         under the outgoing version (the scorer holds it) before the new weights load."""
-        if self.mode != "interruption":
+        if self.mode is not OldLogitsMode.INTERRUPTION:
             return
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -163,10 +163,10 @@ class OldLogitService:
     async def after_swap(self, version: int, source: str | None, ok: bool) -> None:
         """Record the new version's checkpoint; interruption mode moves the scorer now
         (inside the pause window), model mode loads lazily when a token needs it."""
-        if self.mode == "off" or not source:
+        if self.mode is OldLogitsMode.OFF or not source:
             return
         self.scorer.add_source(version, source)
-        if self.mode == "interruption" and ok:
+        if self.mode is OldLogitsMode.INTERRUPTION and ok:
             async with self.scorer.lock:
                 await self.scorer.ensure(version)
 
@@ -188,7 +188,7 @@ class OldLogitService:
         """Fill ``traj.tokens.old_logprobs`` (every token, exact under its version). On
         failure the trajectory is delivered without the column, marked
         ``metadata["old_logits_error"]`` and counted (``fill_failed``) - never a silent gap."""
-        if self.mode == "off":
+        if self.mode is OldLogitsMode.OFF:
             return
         live = self.untrack(traj.trajectory_id)
         n = traj.num_tokens
