@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from rollout_gateway.core.staleness import lag
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.wire_enum import WireEnum
 from rollout_gateway.errors import InvalidArgument
@@ -48,7 +49,7 @@ class ControlStatus:
     def max_engine_lag(self) -> int:
         if not self.engines:
             return 0
-        return self.learner_version - min(e.version for e in self.engines)
+        return max(lag(self.learner_version, e.version) for e in self.engines)
 
 
 @dataclass(slots=True)
