@@ -23,6 +23,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from rollout_gateway.core.staleness import lag
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.observe.tracker import in_flight_tokens
 from rollout_gateway.observe.view import GatewayView
@@ -156,7 +157,7 @@ class _Live:
         if lv is not None:
             for e in engines:
                 if e.version is not None:
-                    g.add_metric([e.id], lv - e.version)
+                    g.add_metric([e.id], lag(lv, e.version))
         yield g
         lags = view.gatekeeper.lag_counts
         fam = CounterMetricFamily("rollout_gateway_trajectory_lag",
@@ -195,7 +196,7 @@ class _Live:
         if lv is not None:
             yield lag_histogram("rollout_gateway_inflight_token_lag",
                                 "Tokens generated so far by running samples, by lag",
-                                {lv - v: n for v, n in by_version.items()})
+                                {lag(lv, v): n for v, n in by_version.items()})
         if view.old_logits is not None:  # exact old logits (old_logits.mode)
             for k, v in view.old_logits.metrics().items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -236,7 +237,8 @@ class _Live:
             if un is not None and lv is not None:
                 yield lag_histogram("rollout_gateway_unconsumed_token_lag",
                                     "Output tokens finished but not yet acknowledged, by lag",
-                                    {lv - v: n for v, n in un.tokens_by_version.items()}, shared)
+                                    {lag(lv, v): n for v, n in un.tokens_by_version.items()},
+                                    shared)
 
 
 def _gauge(name: str, help_: str, value: float, labels: dict[str, str] | None = None):
