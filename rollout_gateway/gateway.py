@@ -28,7 +28,7 @@ from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.sessions.manager import SessionManager
-from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.settings import GatewaySettings, OldLogitsMode
 from rollout_gateway.store.base import TrajectoryStore
 from rollout_gateway.store.factory import store_from_url
 from rollout_gateway.swap.orchestrator import SwapOrchestrator
@@ -64,7 +64,7 @@ class Gateway:
         # ---- rollouts: admission, exact old logits (optional), samples ----
         self.gatekeeper = Gatekeeper(s.admission, self.store, self.registry)
         self.old_logits = None
-        if s.old_logits.mode != "off":
+        if s.old_logits.mode is not OldLogitsMode.OFF:
             self.old_logits = OldLogitService(s, self.registry)
         self.rollouts = RolloutService(self.pool, self.store, s, gatekeeper=self.gatekeeper,
                                        oldlogits=self.old_logits)
