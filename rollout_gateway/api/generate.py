@@ -50,7 +50,7 @@ from rollout_gateway.api.routes import sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import RawString, segment_to_json
-from rollout_gateway.core.trajectory import Trajectory
+from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import EngineError, InvalidArgument
@@ -256,7 +256,7 @@ def sglang_output(t: Trajectory, text: str, opts: GenerateOptions, index: int,
         "kv_versions": c.kv_version, "entropy_kind": t.entropy_kind.value,
         "entropy_error_bound": _f(float(t.entropy_error_bound)),
         "segments": [segment_to_json(s) for s in t.segments],
-        "num_retractions": sum(1 for s in t.segments if s.began == "retract"),
+        "num_retractions": sum(1 for s in t.segments if s.began is Transition.RETRACT),
     }
     passed = passed or {}
     if opts.return_logprob:

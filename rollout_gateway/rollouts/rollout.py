@@ -128,7 +128,8 @@ class RolloutService:
         self.counters["samples"] += 1
         self.counters["tokens"] += traj.num_tokens
         self.counters["failovers"] += sum(1 for s in traj.segments if s.began == "failover")
-        self.counters["abort_resumes"] += sum(1 for s in traj.segments if s.began == "abort_resume")
+        self.counters["abort_resumes"] += sum(1 for s in traj.segments
+                                              if s.began is Transition.ABORT_RESUME)
         # a retract / resubmission re-prefills prompt + output so far (exact, from segments)
         p = int(traj.prompt_token_ids.shape[0])
         self.counters["tokens_reprefilled"] += sum(
