@@ -1,35 +1,9 @@
-"""The gateway's staleness rule, on the learner's side (``learner_client`` does not import
-``rollout_gateway``): the same ``lag``, ``is_stale`` and ``stale_mask`` as
-``rollout_gateway/core/staleness.py``, held equal by ``tests/unit/test_staleness_rules.py``.
+"""The gateway's staleness rule on the learner's side: ``lag``, ``is_stale`` and
+``stale_mask`` from ``rollout_proto.staleness``, the one copy both sides use
+(``learner_client`` does not import ``rollout_gateway``). (``learner_client.staleness_monitor``
+is another thing: what staleness costs a training step, and the learning rate that keeps
+it stable.)"""
 
-A token's lag is ``learner_version - policy_version``; it is stale when ``lag > max_lag``
-(a lag of exactly ``max_lag`` is within the bound; no bound, None, is never stale). The
-gateway flags a delivery ``masked`` when its oldest token is stale under the ``max_lag``
-the learner pulled with; :func:`stale_mask` then names the tokens that get no loss.
-(``learner_client.staleness_monitor`` is another thing: what staleness costs a training
-step, and the learning rate that keeps it stable.)
-"""
+from rollout_proto.staleness import is_stale, lag, stale_mask
 
-from __future__ import annotations
-
-import numpy as np
-
-
-def lag(learner_version: int, version: int | np.ndarray) -> int | np.ndarray:
-    """``learner_version - version``: an int for one version, int64 per token for a column."""
-    if isinstance(version, np.ndarray):
-        return np.int64(learner_version) - version.astype(np.int64)
-    return learner_version - version
-
-
-def is_stale(lag: int | np.ndarray, max_lag: int | None) -> bool | np.ndarray:
-    """``lag > max_lag`` (elementwise for a column); never stale without a bound."""
-    if max_lag is None:
-        return np.zeros(np.shape(lag), bool) if np.ndim(lag) else False
-    return lag > max_lag
-
-
-def stale_mask(learner_version: int, policy_version: np.ndarray, max_lag: int | None
-               ) -> np.ndarray:
-    """bool [T]: True on the tokens past the bound."""
-    return is_stale(lag(learner_version, policy_version), max_lag)
+__all__ = ["is_stale", "lag", "stale_mask"]

@@ -1,9 +1,9 @@
 """Staleness is derived, never stored: how far versions lag behind the learner.
 
 The one rule, used wherever the gateway decides staleness (admission at finish, the
-store's filter at delivery, an agent session's choice of engine) and mirrored for
-learners in ``learner_client/staleness.py`` (``tests/unit/test_staleness_rules.py`` runs
-the same cases against both):
+store's filter at delivery, an agent session's choice of engine); ``lag``, ``is_stale``
+and ``stale_mask`` are ``rollout_proto.staleness``'s, the one copy the learner uses too
+(``tests/unit/test_staleness_rules.py`` runs the same cases through both sides' names):
 
 * ``lag = learner_version - version``: how many versions the learner moved past the
   version a token was sampled with (its policy version) or an engine runs (the lag its
@@ -22,6 +22,11 @@ from enum import StrEnum
 
 import numpy as np
 
+from rollout_proto.staleness import is_stale, lag, stale_mask
+
+__all__ = ["StalePolicy", "TrajectoryStaleness", "is_stale", "lag", "stale_mask",
+           "trajectory_staleness"]
+
 
 class StalePolicy(StrEnum):
     """What happens to a trajectory whose lag exceeds the bound."""
@@ -29,26 +34,6 @@ class StalePolicy(StrEnum):
     DROP = "drop"  # discard it (counted)
     MASK = "mask"  # deliver it with its stale tokens masked out of the loss
     RECYCLE = "recycle"  # discard the response, re-queue its prompt for fresh generation
-
-
-def lag(learner_version: int, version: int | np.ndarray) -> int | np.ndarray:
-    """``learner_version - version``: an int for one version, int64 per token for a column."""
-    if isinstance(version, np.ndarray):
-        return np.int64(learner_version) - version.astype(np.int64)
-    return learner_version - version
-
-
-def is_stale(lag: int | np.ndarray, max_lag: int | None) -> bool | np.ndarray:
-    """``lag > max_lag`` (elementwise for a column); never stale without a bound."""
-    if max_lag is None:
-        return np.zeros(np.shape(lag), bool) if np.ndim(lag) else False
-    return lag > max_lag
-
-
-def stale_mask(learner_version: int, policy_version: np.ndarray, max_lag: int | None
-               ) -> np.ndarray:
-    """bool [T]: True on the tokens past the bound."""
-    return is_stale(lag(learner_version, policy_version), max_lag)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """The staleness rule, one set of cases run against the gateway's ``core/staleness.py`` and
-the learner's mirror ``learner_client/staleness.py`` (which may not import the gateway):
+the learner's ``learner_client/staleness.py`` (which may not import the gateway; both re-export
+``rollout_proto/staleness.py``, the one copy):
 lag = learner_version - version; stale when lag > max_lag (inclusive bound, None: no bound);
 a trajectory is as stale as its oldest token."""
 
