@@ -355,9 +355,11 @@ async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item]
             it = items[k]
             i = base[k] + ev["sample_index"]
             if ev["type"] == "chunk":
-                acc = sofar.setdefault(i, {key: [] for key in ("ids", "lp", "pv", "kv", "top")})
+                acc = sofar.setdefault(i, {key: [] for key in ("ids", "lp", "ent", "pv", "kv",
+                                                               "top")})
                 acc["ids"].append(ev["token_ids"])
                 acc["lp"].append(ev["logprobs"])
+                acc["ent"].append(ev.get("entropy"))
                 acc["pv"].append(ev["policy_version"])
                 acc["kv"].append(ev["kv_version"])
                 acc["top"].append(ev.get("top_logprobs"))
@@ -416,6 +418,10 @@ def _partial(acc: dict[str, list], opts: GenerateOptions, tid: str, index: int,
         if opts.top > 0 and all(x is not None for x in acc["top"]):
             rows = LogprobRows.concat([cut_top(x, opts.top) for x in acc["top"]])
             meta["output_top_logprobs"] = _top_rows(rows, opts.text_in_logprobs)
+    # as the final chunk has it: an incremental stream's final delta holds only the tokens
+    # no chunk before it carried, so each chunk carries its own tokens' entropies
+    if opts.entropy and all(x is not None for x in acc["ent"]):
+        meta["output_token_entropy"] = np.concatenate(acc["ent"])
     out: dict[str, Any] = {"text": "", "output_ids": ids, "meta_info": meta}
     if as_list:
         out["index"] = index

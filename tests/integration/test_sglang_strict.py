@@ -335,4 +335,7 @@ def test_generate_streams_deltas_when_engines_are_incremental(make_engine):
         tops = [r for c in chunks for r in c["meta_info"]["output_top_logprobs"]]
         pv = [v for c in chunks for v in c["meta_info"]["policy_versions"]]
         assert [r[1] for r in rows] == ids and len(tops) == 6 and pv == [0] * 6
+        # each delta carries its own tokens' entropies (the final delta holds only the rest)
+        ents = [e for c in chunks for e in c["meta_info"].get("output_token_entropy", [])]
+        assert len(ents) == 6
         assert "".join(c["text"] for c in chunks) == chunks[-1]["text"]
