@@ -1,0 +1,485 @@
+"""The gateway as users start it (``rollout-gateway serve --engine e0=<SGLang url>``) in front of
+the real SGLang 0.5.23 server (its default overlap scheduler), every stamp of every trajectory
+compared with recomputation under each version's weights (``_stamp_truth.GroundTruth``: which
+weights computed each token and which KV it attended to, found from the sampled tokens' logprobs
+alone, never from the stamps).
+
+Counted per test, each asserted to be 0: tokens no recomputation explains, ``policy_version``,
+``kv_version``, logprobs against recomputation under the stamped versions (1e-4), routed-experts
+rows (prompt and output: the routing of the forward that sampled from each position), segments
+(tiling, one true version each, a boundary and the swap's transition at every true switch),
+entropy within its stated bound, top-k and input logprobs where asked, and the stamps of every
+streamed chunk.
+
+Servers: ``sglang`` (SGLang's defaults: overlap scheduler, cumulative streams; restored to v0 by
+its fixture) and ``sglang_inc`` (the same plus ``--incremental-streaming-output``, the launch
+docs/gateway.md documents; restored here). A fresh gateway per test (its learner version starts
+at 0 each time); swaps go through ``POST /v1/weights`` while rollouts stream, landed after every
+stream has delivered its first chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import numpy as np
+import pytest
+from _stamp_truth import (
+    ChunkGate,
+    GatewayServe,
+    GroundTruth,
+    Report,
+    from_generate,
+    from_rollout,
+    from_wire,
+    generate_chunks,
+    post_json,
+    rollout_chunks,
+    sse,
+)
+
+from reference_engine.tokenizer import BOS_ID, ByteTokenizer
+
+TOK = ByteTokenizer()
+NEW = 20  # output tokens per sample of a swap test (10-35 tok/s each under overlap)
+SWAP_AFTER = 3  # chunks every stream has delivered before the swap is posted
+
+
+def prompt(seed: int, length: int = 12, bos: bool = True) -> list[int]:
+    """A prompt of its own: ``<|bos|>`` (shared by every prompt, as in real use) then a byte
+    no other prompt of the test has; ``bos=False``: no prefix shared with any other."""
+    rng = np.random.default_rng(seed)
+    head = [BOS_ID] if bos else []
+    body = [33 + seed % 90] + [int(x) for x in rng.integers(32, 127, length - 1 - len(head))]
+    return head + body
+
+
+def sampling(n_new: int = NEW, temperature: float = 1.0) -> dict:
+    return {"max_new_tokens": n_new, "temperature": temperature, "ignore_eos": True}
+
+
+@pytest.fixture(scope="session")
+def truth(sglang_reference) -> GroundTruth:
+    return GroundTruth(sglang_reference)
+
+
+def restore(srv, checkpoints) -> None:
+    """Back to v0 / version "0", unpaused, empty radix cache (as conftest's ``sglang``)."""
+    if not srv.running():
+        srv.restart(model_path=checkpoints.path("0"), weight_version="0")
+        return
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        c.post("/continue_generation", json={})
+        info = c.get("/model_info").json()
+        if info["weight_version"] != "0" or info["model_path"] != str(checkpoints.path("0")):
+            r = c.post("/update_weights_from_disk",
+                       json={"model_path": str(checkpoints.path("0")), "weight_version": "0"})
+            if r.status_code != 200 or not r.json().get("success"):
+                srv.restart(model_path=checkpoints.path("0"), weight_version="0")
+                return
+            srv.model_path, srv.weight_version = checkpoints.path("0"), "0"
+        if c.post("/flush_cache").status_code != 200:
+            srv.restart(model_path=checkpoints.path("0"), weight_version="0")
+
+
+@pytest.fixture
+def sglang_inc(sglang_pool, sglang_checkpoints):
+    """A shared server with ``--incremental-streaming-output`` (overlap scheduler), put back
+    to v0 with an empty cache after the test."""
+    srv = sglang_pool.get(incremental_streaming_output=True)
+    restore(srv, sglang_checkpoints)
+    yield srv
+    restore(srv, sglang_checkpoints)
+
+
+@pytest.fixture
+def serve(sglang_logs):
+    started: list[GatewayServe] = []
+
+    def factory(**engines) -> GatewayServe:
+        gw = GatewayServe({k: v.url for k, v in engines.items()}, log_dir=sglang_logs)
+        started.append(gw)
+        return gw.start()
+
+    yield factory
+    for gw in started:
+        gw.stop()
+
+
+def assert_exact(rep: Report, title: str, *gateways: GatewayServe) -> None:
+    print("\n" + rep.summary(title))
+    logs = "".join(f"\n--- {gw.log_path} (tail)\n{gw.log_tail(3000)}" for gw in gateways)
+    assert rep.total == 0, rep.summary(title) + logs
+
+
+def disk(ckpts, version: int, mode: str, **kw) -> dict:
+    return {"version": version, "source": {"kind": "disk", "path": str(ckpts.path(version))},
+            "mode": mode, **kw}
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios (asyncio: streams are read while other calls are made)
+
+
+class Run:
+    """Requests against one gateway, their answers converted to :class:`Stamped`."""
+
+    def __init__(self, gw: GatewayServe, incremental: bool = False) -> None:
+        self.gw = gw
+        self.incremental = incremental
+        self.gate = ChunkGate()
+        self.items = []
+
+    async def rollout(self, c, ids, *, n=1, temperature=1.0, n_new=NEW, label="", **extra):
+        body = {"input_ids": ids, "n": n, "sampling_params": sampling(n_new, temperature),
+                **extra}
+        got = await post_json(c, "/v1/rollouts", body)
+        out = [from_rollout(t, temperature, f"{label}/rollouts[{i}]")
+               for i, t in enumerate(got["trajectories"])]
+        assert len(out) == n
+        self.items += out
+        return out
+
+    async def rollout_stream(self, c, ids, *, n=1, temperature=1.0, n_new=NEW, label="",
+                             gated=True, **extra):
+        key = (label, "rollouts")
+        keys = [(key, i) for i in range(n)]
+        if gated:
+            for k in keys:
+                self.gate.register(k)
+        body = {"input_ids": ids, "n": n, "sampling_params": sampling(n_new, temperature),
+                **extra}
+
+        def on_event(ev):
+            if ev.get("type") == "chunk":
+                self.gate.hit((key, ev["sample_index"]))
+        events = await sse(c, "/v1/rollouts", body, on_event)
+        errors = [e for e in events if e.get("type") == "error"]
+        assert not errors, errors
+        trajs = {e["sample_index"]: e["trajectory"] for e in events if e["type"] == "trajectory"}
+        assert sorted(trajs) == list(range(n)), events[-3:]
+        out = [from_rollout(trajs[i], temperature, f"{label}/rollouts-stream[{i}]",
+                            rollout_chunks(events, i)) for i in range(n)]
+        self.items += out
+        return out
+
+    async def generate(self, c, body, *, temperature=1.0, label="", stream=False, gated=False):
+        body = {**body, "sampling_params": {**sampling(NEW, temperature),
+                                            **body.get("sampling_params", {})}}
+        ids = body.get("input_ids")
+        start = body.get("logprob_start_len", -1)
+        if not stream:
+            got = await post_json(c, "/generate", body)
+            outs = got if isinstance(got, list) else [got]
+            res = [from_generate(o, ids, temperature, f"{label}/generate[{k}]",
+                                 logprob_start_len=start) for k, o in enumerate(outs)]
+        else:
+            key = (label, "generate")
+            if gated:
+                self.gate.register(key)
+            events = await sse(c, "/generate", body, lambda ev: self.gate.hit(key))
+            n = body.get("sampling_params", {}).get("n", 1)
+            res = []
+            for k in range(n):
+                idx = k if n > 1 else None
+                mine = [e for e in events if idx is None or e.get("index") == idx]
+                final = mine[-1]
+                assert final["meta_info"]["finish_reason"] is not None, final
+                if self.incremental:  # deltas: the answer is their concatenation
+                    final = merge_incremental(mine)
+                res.append(from_generate(final, ids, temperature,
+                                         f"{label}/generate-stream[{k}]",
+                                         generate_chunks(mine[:-1], idx, self.incremental),
+                                         logprob_start_len=start))
+        self.items += res
+        return res
+
+
+_PER_TOKEN = ("output_token_logprobs", "output_top_logprobs", "output_token_entropy",
+              "policy_versions", "kv_versions")
+
+
+def merge_incremental(events: list[dict]) -> dict:
+    """The whole answer from an incremental ``/generate`` stream (per-token lists are deltas;
+    the last event carries the rest and every per-request field)."""
+    last = events[-1]
+    meta = dict(last["meta_info"])
+    ids = []
+    per = {k: [] for k in _PER_TOKEN}
+    for e in events:
+        ids += list(e["output_ids"])
+        for k in _PER_TOKEN:
+            if e["meta_info"].get(k) is not None:
+                per[k] += list(e["meta_info"][k])
+    for k in _PER_TOKEN:
+        if per[k] or k in meta:
+            meta[k] = per[k]
+    assert meta["completion_tokens"] == len(ids), (meta["completion_tokens"], len(ids))
+    return {**last, "output_ids": ids, "meta_info": meta}
+
+
+def client(gw: GatewayServe) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=gw.url, timeout=httpx.Timeout(300.0, connect=10.0))
+
+
+async def swap_mid_generation(run: Run, c: httpx.AsyncClient, streams, swap_body: dict,
+                              after=None) -> dict:
+    """Start ``streams`` (coroutines from ``run``), wait until every gated stream delivered
+    ``SWAP_AFTER`` chunks, post the swap, then run ``after`` (coroutines started once the swap
+    answered) and wait for everything. Returns the swap's answer."""
+    tasks = [asyncio.create_task(s) for s in streams]
+    waiter = asyncio.create_task(run.gate.wait(SWAP_AFTER))
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    if waiter not in done:  # a stream ended (or failed) before the others were under way
+        for t in done:
+            t.result()
+        raise AssertionError(f"a stream finished before every stream had {SWAP_AFTER} chunks: "
+                             f"{dict(run.gate.counts)}")
+    t0 = time.monotonic()
+    r = await c.post("/v1/weights", json=swap_body)
+    swap_s = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    rec = r.json()
+    assert rec["status"] == "succeeded", rec
+    later = [asyncio.create_task(a) for a in (after or ())]
+    await asyncio.gather(*tasks, *later)
+    rec["_took_s"] = swap_s
+    return rec
+
+
+def spans_swap(rep: Report) -> list[str]:
+    return [b["label"] for b in rep.boundaries if b["versions"] > 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. no swap: every route, stream kind and option
+
+
+def test_every_route_stamped_exactly(sglang, sglang_inc, serve, truth):
+    """``/v1/rollouts`` (n > 1; plain and streamed) and ``/generate`` (plain, streamed: cumulative
+    from a default server, deltas from an ``--incremental-streaming-output`` one; top-k; input
+    logprobs from ``logprob_start_len``; routed experts for prompt and output; a text prompt
+    through SGLang's tokenizer; ``sampling_params.n``)."""
+    g_cum, g_inc = serve(e0=sglang), serve(e0=sglang_inc)
+
+    async def on(gw: GatewayServe, incremental: bool, base: int) -> Run:
+        run = Run(gw, incremental)
+        tag = "inc" if incremental else "cum"
+        async with client(gw) as c:
+            await asyncio.gather(
+                run.rollout(c, prompt(base + 1), n=3, n_new=16, label=tag),
+                run.rollout_stream(c, prompt(base + 2), n=2, n_new=16, temperature=0.7,
+                                   label=tag, gated=False),
+                run.generate(c, {"input_ids": prompt(base + 3), "return_logprob": True,
+                                 "top_logprobs_num": 3, "logprob_start_len": 0,
+                                 "return_routed_experts": True,
+                                 "sampling_params": {"max_new_tokens": 12}}, label=tag),
+                run.generate(c, {"input_ids": prompt(base + 4, 14), "return_logprob": True,
+                                 "top_logprobs_num": 2, "logprob_start_len": 5,
+                                 "return_routed_experts": True,
+                                 "sampling_params": {"max_new_tokens": 12}},
+                             label=tag, stream=True),
+                run.generate(c, {"text": f"The quick brown fox {tag}", "return_logprob": True,
+                                 "logprob_start_len": 0, "return_routed_experts": True,
+                                 "sampling_params": {"max_new_tokens": 10, "n": 2}},
+                             temperature=0.8, label=tag + "-text"),
+            )
+        return run
+
+    async def both():
+        return await asyncio.gather(on(g_cum, False, 100), on(g_inc, True, 200))
+
+    runs = asyncio.run(both())
+    rep = Report()
+    for run in runs:
+        rep.add(truth.check_all(run.items, (0,), engines={"e0"}))
+    n_traj = sum(len(r.items) for r in runs)
+    assert n_traj == 2 * (3 + 2 + 1 + 1 + 2)
+    text_prompts = [st.prompt for r in runs for st in r.items if "text" in st.label]
+    assert text_prompts[0] == TOK.encode("The quick brown fox cum")  # SGLang's tokenizer path
+    assert_exact(rep, f"every route, no swap ({n_traj} trajectories)", g_cum, g_inc)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. every swap mode mid-generation, and rolling across two engines
+
+
+SWAP_SERVER = {"in_place": "default", "retract": "incremental", "abort_resume": "default",
+               "drain": "incremental"}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort_resume", "drain"])
+def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang_checkpoints):
+    """Rollouts streaming (two ``/v1/rollouts`` with n=2 and one ``/generate``) when
+    ``POST /v1/weights`` swaps v0 -> v1 in ``mode``; one more rollout after the swap. Every
+    token of every trajectory stamped with the weights that computed it and the KV it saw
+    (in_place under the overlap scheduler: SGLang labels the boundary one token early, the
+    gateway must correct it; retract: the routed rows of the positions before the swap must be
+    the routing that sampled them, not the re-prefill's)."""
+    incremental = SWAP_SERVER[mode] == "incremental"
+    srv = request.getfixturevalue("sglang_inc" if incremental else "sglang")
+    gw = serve(e0=srv)
+    run = Run(gw, incremental)
+    tag = f"{mode}"
+
+    async def go():
+        async with client(gw) as c:
+            streams = [run.rollout_stream(c, prompt(300 + k), n=2, label=f"{tag}{k}")
+                       for k in range(2)]
+            streams.append(run.generate(c, {"input_ids": prompt(310), "return_logprob": True,
+                                            "top_logprobs_num": 2,
+                                            "return_routed_experts": True},
+                                        label=tag, stream=True, gated=True))
+            after = [run.rollout(c, prompt(320), n=2, n_new=8, label=f"{tag}-after")]
+            return await swap_mid_generation(run, c, streams,
+                                             disk(sglang_checkpoints, 1, mode), after)
+
+    rec = asyncio.run(go())
+    began = {"drain": set()}.get(mode, {mode})
+    rep = truth.check_all(run.items, (0, 1), engines={"e0"}, began_at_switch=began)
+    rep.notes.insert(0, f"swap {mode}: {rec['_took_s']:.2f}s, {rec['message']}")
+    straddlers = spans_swap(rep)
+    if mode == "drain":  # nothing straddles: the in-flight samples finished on v0
+        assert not straddlers, straddlers
+    else:
+        assert straddlers, f"no trajectory spans the {mode} swap: {rep.boundaries}"
+    after = [b for b in rep.boundaries if "-after" in b["label"]]
+    assert after and all(set(b["truth"]) == {1} for b in after), after
+    assert_exact(rep, f"{mode} swap mid-generation ({len(run.items)} trajectories, "
+                      f"{len(straddlers)} across it)", gw)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "abort_resume"])
+def test_rolling_swap_across_two_engines(mode, sglang, sglang_inc, serve, truth,
+                                         sglang_checkpoints):
+    """Two SGLang engines (cumulative and incremental streams) behind one gateway; a rolling
+    swap (one engine at a time, the other keeps serving) while samples stream on both."""
+    gw = serve(e0=sglang, e1=sglang_inc)
+    run = Run(gw, incremental=False)
+
+    async def go():
+        async with client(gw) as c:
+            streams = [run.rollout_stream(c, prompt(400 + k), n=2, label=f"roll-{mode}{k}",
+                                          group_id=f"g{k}") for k in range(4)]
+            after = [run.rollout(c, prompt(410), n=2, n_new=8, label=f"roll-{mode}-after")]
+            return await swap_mid_generation(
+                run, c, streams, disk(sglang_checkpoints, 1, mode, rolling=True), after)
+
+    rec = asyncio.run(go())
+    assert set(rec["engines"]) == {"e0", "e1"}
+    rep = truth.check_all(run.items, (0, 1), engines={"e0", "e1"}, began_at_switch={mode})
+    rep.notes.insert(0, f"rolling {mode}: {rec['_took_s']:.2f}s, {rec['message']}")
+    used = {s["engine_id"] for st in run.items for s in st.segments}
+    assert used == {"e0", "e1"}, f"samples ran on {used} only"
+    assert spans_swap(rep), f"no trajectory spans the rolling swap: {rep.boundaries}"
+    assert_exact(rep, f"rolling {mode} swap over two engines ({len(run.items)} trajectories)",
+                 gw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. prefix-cache hits after an in-place swap
+
+
+_PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+
+
+def prefills(srv, since: int) -> tuple[list[tuple[int, int, int]], int]:
+    """SGLang's own account of its prefill batches logged after byte ``since`` of its log:
+    (sequences, new tokens, cached tokens) each; and the log's new end."""
+    with open(srv.log_path, "rb") as f:
+        f.seek(since)
+        data = f.read()
+    return ([tuple(map(int, m.groups())) for m in _PREFILL.finditer(data.decode(errors="replace"))],
+            since + len(data))
+
+
+def test_prefix_cache_hits_after_in_place_swap(sglang, serve, truth, sglang_checkpoints):
+    """After an in-place swap (v0 -> v1, a sample straddling it) nothing is flushed: prompts
+    sharing a prefix with one cached under v0 (by a v0 sample, by the straddler) and with one
+    cached under v1 run afterwards; SGLang reports the cached tokens of each prefill (its log).
+    Whatever KV a hit holds (the first writer's), ``kv_version`` must name it."""
+    gw = serve(e0=sglang)
+    run = Run(gw)
+    # C's prompt shares nothing with what v0 wrote (no <|bos|>): its prefix is v1's KV only
+    pa, ps, pc = prompt(500, 16), prompt(501, 16), prompt(502, 16, bos=False)
+    hits: dict[str, list] = {}
+
+    async def one(c, label, ids, n=1):
+        """A sample after the swap; what SGLang logged for its prefill."""
+        _, mark = prefills(sglang, 0)
+        await run.rollout(c, ids, n=n, n_new=8, label=label)
+        hits[label], _ = prefills(sglang, mark)
+
+    async def go():
+        async with client(gw) as c:
+            await run.rollout(c, pa, n_new=8, label="A(v0)")  # cached under v0
+            await swap_mid_generation(
+                run, c, [run.rollout_stream(c, ps, n_new=NEW, label="S(straddler)")],
+                disk(sglang_checkpoints, 1, "in_place"))
+            await one(c, "B(prefix of A)", pa[:12] + [7, 8, 9])
+            await one(c, "E(prefix of S)", ps[:12] + [7, 8, 9])
+            await one(c, "C(v1)", pc)  # cached under v1 (nothing to hit)
+            await one(c, "D(prefix of C)", pc[:12] + [7, 8, 9])
+            await one(c, "F(= C's prompt)", pc, n=2)
+
+    asyncio.run(go())
+    rep = truth.check_all(run.items, (0, 1), engines={"e0"}, began_at_switch={"in_place"})
+    for label, lines in hits.items():
+        rep.notes.insert(0, f"SGLang prefill of {label}: (seqs, new, cached) {lines}")
+    cached = {k: sum(x[2] for x in v) for k, v in hits.items()}
+    # hits on KV the new weights wrote exist under any cache policy: these must be exercised
+    assert cached["D(prefix of C)"] > 0 and cached["F(= C's prompt)"] > 0, hits
+    assert spans_swap(rep), rep.boundaries
+    assert_exact(rep, f"prefix-cache hits after an in-place swap (cached tokens {cached})", gw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. a learner pulling over gRPC
+
+
+def test_learner_pulls_exact_trajectories_over_grpc(sglang_inc, serve, truth, sglang_checkpoints):
+    """Samples streamed across an abort_resume swap (and after it), then pulled by a learner
+    (``learner_client.TrajectoryClient``, the README's calls) over the gateway's gRPC: every
+    delivered trajectory equals what the HTTP client got, and its stamps equal recomputation."""
+    from learner_client import TrajectoryClient
+
+    gw = serve(e0=sglang_inc)
+    run = Run(gw, incremental=True)
+
+    async def go():
+        async with client(gw) as c:
+            streams = [run.rollout_stream(c, prompt(600 + k), n=2, label=f"grpc{k}")
+                       for k in range(2)]
+            after = [run.rollout(c, prompt(610), n=2, n_new=8, label="grpc-after")]
+            return await swap_mid_generation(run, c, streams,
+                                             disk(sglang_checkpoints, 1, "abort_resume"), after)
+
+    asyncio.run(go())
+    by_http = {st.label: st for st in run.items}
+    want = len(run.items)
+    got = []
+    with TrajectoryClient(gw.grpc_target, group="conformance", learner_version=1,
+                          max_lag=4) as learner:
+        learner.create_group()
+        deadline = time.monotonic() + 60
+        while len(got) < want and time.monotonic() < deadline:
+            got += learner.pull(want - len(got), timeout=10)
+        learner.ack(got)
+    assert len(got) == want, f"pulled {len(got)} of {want}"
+    rep = Report()
+    delivered = [from_wire(r, 1.0, f"grpc:{r.trajectory_id}") for r in got]
+    # the same trajectories as over HTTP (ids, tokens, stamps, routing)
+    http_by_tokens = {(tuple(s.prompt), tuple(s.out)): s for s in by_http.values()}
+    for d in delivered:
+        h = http_by_tokens.get((tuple(d.prompt), tuple(d.out)))
+        assert h is not None, f"{d.label}: delivered a trajectory no HTTP client got"
+        assert np.array_equal(h.policy_version, d.policy_version)
+        assert np.array_equal(h.kv_version, d.kv_version)
+        assert np.allclose(h.logprobs, d.logprobs, atol=1e-6, rtol=0)
+        assert np.array_equal(h.rows, d.rows)
+    rep.add(truth.check_all(delivered, (0, 1), engines={"e0"}, began_at_switch={"abort_resume"}))
+    assert spans_swap(rep), rep.boundaries
+    assert_exact(rep, f"delivered over gRPC ({len(delivered)} trajectories)", gw)
