@@ -544,9 +544,12 @@ class GroundTruth:
                          f"{lo}..{lo + got.shape[0]} for {want_rows.shape[0]} positions")
             else:
                 rowbad = np.flatnonzero((got != want_rows[lo:]).any(axis=(1, 2))) + lo
+                whose = [c.name for c in chains if rowbad.size and np.array_equal(
+                    got[rowbad - lo], c.topk[rowbad])]
                 rep.miss("routed_rows", rowbad.size + lo,
                          f"{tag}: routed rows differ from the sampling forward's at positions "
-                         f"{rowbad.tolist()} (prompt {p}, output {n})" if rowbad.size else None)
+                         f"{rowbad.tolist()} (prompt {p}, output {n}); they are the rows of "
+                         f"{whose or 'no chain'}" if rowbad.size else None)
         elif st.rows is None:
             rep.miss("routed_rows", 1, f"{tag}: no routed_experts")
 

@@ -313,12 +313,18 @@ SWAP_SERVER = {"in_place": "default", "retract": "incremental", "abort_resume": 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort_resume", "drain"])
 def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang_checkpoints):
-    """Rollouts streaming (two ``/v1/rollouts`` with n=2 and one ``/generate``) when
-    ``POST /v1/weights`` swaps v0 -> v1 in ``mode``; one more rollout after the swap. Every
-    token of every trajectory stamped with the weights that computed it and the KV it saw
-    (in_place under the overlap scheduler: SGLang labels the boundary one token early, the
-    gateway must correct it; retract: the routed rows of the positions before the swap must be
-    the routing that sampled them, not the re-prefill's)."""
+    """Rollouts streaming (two ``/v1/rollouts`` with n=2, a streamed and a plain ``/generate``)
+    when ``POST /v1/weights`` swaps v0 -> v1 in ``mode``; one more rollout after the swap.
+    Every token of every trajectory stamped with the weights that computed it and the KV it
+    saw.
+
+    in_place under the overlap scheduler: SGLang labels the boundary one token early (the
+    token in flight at the pause was computed by v0, research §1); the gateway must stamp the
+    truth. retract: SGLang re-prefills prompt + output under v1 and returns the re-prefill's
+    routing for every position (research §4); the rows of the positions that sampled the
+    tokens before the swap must be the routing that sampled them (v0's, as the gateway's own
+    ``stitch_routing`` keeps them for a resumed sample), else routing replay trains the
+    pre-swap tokens' logprobs under experts that never produced them."""
     incremental = SWAP_SERVER[mode] == "incremental"
     srv = request.getfixturevalue("sglang_inc" if incremental else "sglang")
     gw = serve(e0=srv)
@@ -333,6 +339,8 @@ def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang
                                             "top_logprobs_num": 2,
                                             "return_routed_experts": True},
                                         label=tag, stream=True, gated=True))
+            streams.append(run.generate(c, {"input_ids": prompt(311), "return_logprob": True,
+                                            "return_routed_experts": True}, label=tag))
             after = [run.rollout(c, prompt(320), n=2, n_new=8, label=f"{tag}-after")]
             return await swap_mid_generation(run, c, streams,
                                              disk(sglang_checkpoints, 1, mode), after)
