@@ -301,6 +301,25 @@ def test_every_route_stamped_exactly(sglang, sglang_inc, serve, truth):
     text_prompts = [st.prompt for r in runs for st in r.items if "text" in st.label]
     assert text_prompts[0] == TOK.encode("The quick brown fox cum")  # SGLang's tokenizer path
     assert_exact(rep, f"every route, no swap ({n_traj} trajectories)", g_cum, g_inc)
+    checker_sees_wrong_stamps(truth, runs[0].items[0])
+
+
+def checker_sees_wrong_stamps(truth: GroundTruth, st) -> None:
+    """The check is not vacuous: each kind of wrong stamp on a true trajectory is counted."""
+    import copy
+
+    def bad(kind: str, edit) -> None:
+        x = copy.deepcopy(st)
+        edit(x)
+        got = truth.check(x, (0, 1)).counts
+        assert got[kind] > 0, (kind, dict(got))
+
+    bad("policy_version", lambda x: x.policy_version.__setitem__(-1, 1))
+    bad("kv_version", lambda x: x.kv_version.__setitem__(-1, 1))
+    bad("unexplained", lambda x: x.logprobs.__setitem__(2, x.logprobs[2] + 1e-3))
+    bad("routed_rows", lambda x: x.rows.__setitem__((x.p, 0), x.rows[x.p, 0][::-1]))
+    bad("segments", lambda x: x.segments.__setitem__(0, {**x.segments[0], "end": 2}))
+    bad("entropy", lambda x: x.entropy.__setitem__(0, x.entropy[0] + x.entropy_bound + 0.1))
 
 
 # ---------------------------------------------------------------------------------------------
