@@ -370,8 +370,11 @@ class SampleRunner:
             if on_chunk is not None:
                 base, how = state.generated, began
 
-                async def on_delta(d: Decoded, eng=eng, base=base, how=how) -> None:
-                    await on_chunk(self._stamp_delta(eng, d, how, base))
+                labels: list[Span] = []  # this request's chunks by their version labels
+
+                async def on_delta(d: Decoded, eng=eng, base=base, how=how,
+                                   labels=labels) -> None:
+                    await on_chunk(self._stamp_delta(eng, d, how, base, labels))
             lease: Lease | None = None
 
             def first(cb=self.on_first_token if attempts == 1 else None, t0=created) -> None:
@@ -510,12 +513,23 @@ class SampleRunner:
         return out
 
     @staticmethod
-    def _stamp_delta(eng: Engine, d: Decoded, began: Transition, base: int) -> dict[str, Any]:
-        """A live chunk: the new tokens of one engine stream chunk, stamped."""
+    def _stamp_delta(eng: Engine, d: Decoded, began: Transition, base: int,
+                     labels: list[Span]) -> dict[str, Any]:
+        """A live chunk: the new tokens of one engine stream chunk, stamped. Only the final
+        chunk carries the engine's spans; before it, ``labels`` (this request's chunks so far,
+        each under the version the engine labelled it with) stands in for them, so an
+        in-place switch inside the request keeps the older KV and moves by the label lag."""
         total = d.offset + d.num_tokens
-        spans = normalize_spans([Span(int(v), int(a), int(b)) for v, a, b in d.spans if a < total],
-                                total, d.weight_version) if d.spans else \
-            normalize_spans([], total, d.weight_version)
+        if d.spans:
+            spans = normalize_spans([Span(int(v), int(a), int(b)) for v, a, b in d.spans
+                                     if a < total], total, d.weight_version)
+        else:
+            v = d.weight_version if d.weight_version is not None else eng.version
+            if v is not None and labels and labels[-1].version == v:
+                labels[-1] = Span(v, labels[-1].start, total)
+            elif v is not None:
+                labels.append(Span(int(v), d.offset, total))
+            spans = normalize_spans(labels, total, v)
         st = stamp_request(spans, offset=base, engine_id=eng.id, began=began,
                            installed_by=eng.installed_by, label_lag=eng.client.info.label_lag)
         out = {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,

@@ -152,3 +152,47 @@ def test_update_weight_version_is_sent_with_explicit_abort_flag(make_engine, ckp
     out = asyncio.run(go())
     assert out["meta_info"]["finish_reason"]["type"] == "length"  # not aborted
     assert out["meta_info"]["completion_tokens"] == 12
+
+
+def test_streamed_chunks_stamped_as_the_trajectory_across_an_in_place_swap(make_engine, ckpts,
+                                                                           models):
+    """Live chunks of ``/v1/rollouts`` streams carry no engine spans (SGLang sends them with
+    the last chunk only): a chunk after an in-place switch must still keep the older KV
+    version and the label lag of the overlap scheduler, i.e. equal the final trajectory."""
+    import json
+    import threading
+
+    e = strict(make_engine, ckpts[0])
+    with GatewayProcess({"e0": e.url}) as gw:
+        events: list[dict] = []
+        started = threading.Event()
+
+        def stream():
+            body = {"input_ids": [9, 8, 7], "n": 2, "stream": True,
+                    "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0,
+                                        "ignore_eos": True}}
+            with httpx.stream("POST", gw.url + "/v1/rollouts", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+                        if sum(ev.get("type") == "chunk" for ev in events) >= 6:
+                            started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        r = httpx.post(gw.url + "/v1/weights", json=disk(ckpts[1], 1, "in_place"), timeout=60)
+        assert r.status_code == 200, r.text
+        t.join(120)
+        trajs = [ev["trajectory"] for ev in events if ev["type"] == "trajectory"]
+        assert len(trajs) == 2 and any(set(x["policy_version"]) == {0, 1} for x in trajs)
+        for traj in trajs:
+            check_against_ground_truth(traj, models)
+            pv, kv = {}, {}
+            for ev in events:
+                if ev["type"] == "chunk" and ev["trajectory_id"] == traj["trajectory_id"]:
+                    for k in range(len(ev["token_ids"])):
+                        pv[ev["offset"] + k] = ev["policy_version"][k]
+                        kv[ev["offset"] + k] = ev["kv_version"][k]
+            assert [pv[i] for i in range(NEW_TOKENS)] == traj["policy_version"]
+            assert [kv[i] for i in range(NEW_TOKENS)] == traj["kv_version"]
