@@ -394,8 +394,8 @@ class Report:
 
     def summary(self, title: str) -> str:
         out = [f"== {title}: {self.total} mismatches", self.table()]
-        out += [f"  boundary {b}" for b in self.boundaries if b.get("versions", 0) > 1
-                or b["truth"] != b["stamped"]]
+        out += [f"  {b['label']}: first token of each version: true {b['truth']}, stamped "
+                f"{b['stamped']} (chains {b['chains']})" for b in self.boundaries]
         out += [f"  ! {n}" for n in self.notes[:40]]
         if len(self.notes) > 40:
             out.append(f"  ... {len(self.notes) - 40} more")

@@ -44,8 +44,8 @@ from _stamp_truth import (
 from reference_engine.tokenizer import BOS_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
-NEW = 20  # output tokens per sample of a swap test (10-35 tok/s each under overlap)
-SWAP_AFTER = 3  # chunks every stream has delivered before the swap is posted
+NEW = 24  # output tokens per sample of a swap test (10-35 tok/s each under overlap)
+SWAP_AFTER = 2  # chunks every stream has delivered (so each is decoding) before the swap
 
 
 def prompt(seed: int, length: int = 12, bos: bool = True) -> list[int]:
@@ -370,11 +370,11 @@ def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang
     rep.notes.insert(0, f"swap {mode}: {rec['_took_s']:.2f}s, {rec['message']}")
     straddlers = spans_swap(rep)
     if mode == "drain":  # nothing straddles: the in-flight samples finished on v0
-        assert not straddlers, straddlers
+        assert not straddlers, rep.summary(f"{mode}: straddlers {straddlers}")
     else:
-        assert straddlers, f"no trajectory spans the {mode} swap: {rep.boundaries}"
+        assert straddlers, rep.summary(f"no trajectory spans the {mode} swap")
     after = [b for b in rep.boundaries if "-after" in b["label"]]
-    assert after and all(set(b["truth"]) == {1} for b in after), after
+    assert after and all(set(b["truth"]) == {1} for b in after), rep.summary(f"after: {after}")
     assert_exact(rep, f"{mode} swap mid-generation ({len(run.items)} trajectories, "
                       f"{len(straddlers)} across it)", gw)
 
@@ -400,8 +400,8 @@ def test_rolling_swap_across_two_engines(mode, sglang, sglang_inc, serve, truth,
     rep = truth.check_all(run.items, (0, 1), engines={"e0", "e1"}, began_at_switch={mode})
     rep.notes.insert(0, f"rolling {mode}: {rec['_took_s']:.2f}s, {rec['message']}")
     used = {s["engine_id"] for st in run.items for s in st.segments}
-    assert used == {"e0", "e1"}, f"samples ran on {used} only"
-    assert spans_swap(rep), f"no trajectory spans the rolling swap: {rep.boundaries}"
+    assert used == {"e0", "e1"}, rep.summary(f"samples ran on {used} only")
+    assert spans_swap(rep), rep.summary("no trajectory spans the rolling swap")
     assert_exact(rep, f"rolling {mode} swap over two engines ({len(run.items)} trajectories)",
                  gw)
 
@@ -459,7 +459,7 @@ def test_prefix_cache_hits_after_in_place_swap(sglang, serve, truth, sglang_chec
     cached = {k: sum(x[2] for x in v) for k, v in hits.items()}
     # hits on KV the new weights wrote exist under any cache policy: these must be exercised
     assert cached["D(prefix of C)"] > 0 and cached["F(= C's prompt)"] > 0, hits
-    assert spans_swap(rep), rep.boundaries
+    assert spans_swap(rep), rep.summary("the straddler does not span the swap")
     assert_exact(rep, f"prefix-cache hits after an in-place swap (cached tokens {cached})", gw)
 
 
@@ -484,7 +484,7 @@ def test_learner_pulls_exact_trajectories_over_grpc(sglang_inc, serve, truth, sg
             return await swap_mid_generation(run, c, streams,
                                              disk(sglang_checkpoints, 1, "abort_resume"), after)
 
-    asyncio.run(go())
+    rec = asyncio.run(go())
     by_http = {st.label: st for st in run.items}
     want = len(run.items)
     got = []
@@ -508,5 +508,6 @@ def test_learner_pulls_exact_trajectories_over_grpc(sglang_inc, serve, truth, sg
         assert np.allclose(h.logprobs, d.logprobs, atol=1e-6, rtol=0)
         assert np.array_equal(h.rows, d.rows)
     rep.add(truth.check_all(delivered, (0, 1), engines={"e0"}, began_at_switch={"abort_resume"}))
-    assert spans_swap(rep), rep.boundaries
+    rep.notes.insert(0, f"swap abort_resume: {rec['_took_s']:.2f}s, {rec['message']}")
+    assert spans_swap(rep), rep.summary("no delivered trajectory spans the swap")
     assert_exact(rep, f"delivered over gRPC ({len(delivered)} trajectories)", gw)
