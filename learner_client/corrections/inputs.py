@@ -33,6 +33,10 @@ class LossInputError(ValueError):
     """Inputs that a loss cannot use (shape mismatch, missing column, bad dtype)."""
 
 
+# Finite values up to this magnitude at masked positions are left in place (harmless under
+# the mask, see LossInputs._sanitize_inactive); a field holding anything else is zeroed there.
+MASKED_ABS_BOUND = 1e6
+
 _FLOAT_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs",
                  "entropy", "entropy_error_bound")
 _TOKEN_FIELDS = ("logprobs", "rollout_logprobs", "advantages", "loss_mask",
@@ -87,16 +91,22 @@ class LossInputs:
         self._sanitize_inactive()
 
     def _sanitize_inactive(self) -> None:
-        """Tokens with loss_mask 0 never change a loss or its gradient. Finite values at
-        masked positions are harmless (every loss multiplies by the mask before anything
-        can overflow), but NaN/+-inf (collate's NaN old_logprobs outside responses, an
-        engine's -inf logprob) would survive that (NaN * 0 = NaN). So a float field whose
-        sum is not finite (one cheap reduction per field) is replaced by
-        ``torch.where(active, x, 0)`` (detached: the losses never differentiate through
-        them). ``logprobs`` keeps the caller's tensor: ``flat("logprobs")`` then applies the
-        same where on each call (a fresh autograd node, so one LossInputs can feed several
-        losses and backward passes; the gradient at masked positions is exactly 0).
-        Nothing happens when every token is active (one count, cached as ``mask_count``)."""
+        """Tokens with loss_mask 0 never change a loss or its gradient. The losses multiply
+        by the mask (or only compare) at masked positions, which neutralizes moderate finite
+        values there: the most a loss forms from an input x is a ratio clamped at e^20 times
+        a weight clamped at e^20 times x, far below float32's max (3.4e38) for
+        |x| <= ``MASKED_ABS_BOUND`` (1e6). Anything else survives the multiply as NaN:
+        NaN/+-inf (collate's NaN old_logprobs outside responses, an engine's -inf logprob;
+        NaN * 0 = NaN) and huge finite values (an advantage or log-ratio of 1e30:
+        r * A = e^20 * 1e30 overflows float32 to inf, inf * 0 = NaN). So a float field that
+        fails one cheap reduction, its sum of squares ``dot(x, x) <= bound^2`` (False for
+        NaN/+-inf and whenever some |x| > bound; a large batch of ordinary values may fail
+        it too, which only costs the where), is replaced by ``torch.where(active, x, 0)``
+        (detached: the losses never differentiate through them). ``logprobs`` keeps the
+        caller's tensor: ``flat("logprobs")`` then applies the same where on each call (a
+        fresh autograd node, so one LossInputs can feed several losses and backward passes;
+        the gradient at masked positions is exactly 0). Nothing happens when every token is
+        active (one count, cached as ``mask_count``)."""
         self._mask_logprobs = False
         if int(self.mask_count) == self.num_tokens:
             return
@@ -105,7 +115,8 @@ class LossInputs:
             t = getattr(self, name)
             if t is None or not torch.is_floating_point(t) or t.numel() == 0:
                 continue
-            if bool(torch.isfinite(t.detach().sum())):
+            x = t.detach().reshape(-1)
+            if bool(torch.dot(x, x) <= MASKED_ABS_BOUND ** 2):  # False for NaN/inf too
                 continue
             if name == "logprobs":
                 self._mask_logprobs = True
@@ -118,7 +129,8 @@ class LossInputs:
     # ---- flat views (cheap: reshape, no copies for contiguous inputs) -------------------
 
     def flat(self, name: str) -> Tensor | None:
-        """Field ``name`` as a 1-D [N] tensor (None when absent); 0 at masked positions."""
+        """Field ``name`` as a 1-D [N] tensor (None when absent); at masked positions 0 or a
+        finite value of magnitude <= MASKED_ABS_BOUND (see _sanitize_inactive)."""
         t = getattr(self, name)
         if t is None:
             return None
