@@ -139,3 +139,22 @@ def test_one_loss_inputs_feeds_several_losses_and_backward_passes():
         loss.backward()
         assert torch.isfinite(loss) and bool(torch.isfinite(lp.grad).all())
         assert bool((lp.grad[:4] == 0).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_estr_quantile_ignores_masked_entropy_of_minus_eps_h(backend, dtype):
+    """An inactive token whose entropy is -eps_h has the score 0/0 = NaN in ESTR's
+    target-rate mode (its d is masked to 0, and H + eps_h = 0): it must not move tau."""
+    rng = np.random.default_rng(3)
+    clean = _inputs(rng, [7, 9, 5], False, 0.6, dtype)
+    inactive = clean["loss_mask"] == 0
+    assert bool(inactive.any()) and not bool(inactive.all())
+    dirty = dict(clean)
+    dirty["entropy"] = torch.where(inactive, torch.tensor(-0.01, dtype=dtype), clean["entropy"])
+    cfg = {"target_mask_rate": 0.25, "eps_h": 0.01, "backend": backend}
+    l0, g0, m0 = _run("estr", cfg, clean)
+    l1, g1, m1 = _run("estr", cfg, dirty)
+    assert _same(l0, l1) and _same(g0, g1)
+    for k in ("tau", "mask_rate"):
+        assert _same(m0[k].to(dtype), m1[k].to(dtype)), (k, m0[k], m1[k])

@@ -23,7 +23,8 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     every token (a drop on an inactive token changes nothing: its loss, gradient and mask
     weight are 0). Target rate without missing entropy: the tail comes out of the exact
     selection of tau on score * mask (inactive entries 0, see ops.quantile_and_tail).
-    Missing entropy (NaN, detected by one sum) takes the masked-copy path for tau.
+    A NaN score (missing entropy, or 0/0 where an inactive token's H is -eps_h; detected
+    by one sum) takes the masked-copy path for tau.
     """
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)
@@ -50,12 +51,13 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
             drop = indices_above(score, cfg.tau)
         else:
             # score on active tokens, 0 on inactive ones (below every active score for the
-            # quantile); NaN where the entropy is missing
+            # quantile); NaN where the entropy is missing, and 0/0 = NaN on an inactive
+            # token whose H is -eps_h: NaN scores leave the quantile, as in the reference
             score = torch.mul(d, m).square_().div_(h + cfg.eps_h)
-            if not any_missing:
+            if not any_missing and not bool(torch.isnan(score.sum())):
                 tau, drop = quantile_and_tail(score, int(n_act), 1.0 - cfg.target_mask_rate)
             else:
-                valid = inputs.active & ~missing_b
+                valid = inputs.active & ~torch.isnan(score)
                 tau = masked_quantile(score, None, 1.0 - cfg.target_mask_rate, valid)
                 drop = indices_above(score, float(tau))
         if not bool(torch.isfinite(tau)):
