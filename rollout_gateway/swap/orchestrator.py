@@ -283,6 +283,8 @@ class SwapOrchestrator:
         leases = [x for x in e.leases if x.routed and x.rid]
         if not leases:
             return
+        log.info("engine %s: retract swap breaks off %d request(s) asking for routed experts",
+                 e.id, len(leases))
         limit = self.settings.timeouts.quiesce_s
         deadline = time.monotonic() + limit
         while True:
