@@ -92,8 +92,9 @@ class Timeouts(BaseModel):
         default=60.0, gt=0, le=3600, description="In-place swaps: with the engine fenced, max "
         "wait until every request in flight to it has streamed its first token (then none is "
         "being prefilled when the pause lands, and the gateway knows exactly which weights "
-        "computed each token). An engine that does not quiesce in time keeps its weights "
-        "and the swap reports it.")
+        "computed each token). Retract swaps: max wait until the requests in flight that "
+        "asked for routed experts have ended after their abort. An engine that does not "
+        "quiesce in time keeps its weights and the swap reports it.")
     drain_s: float = Field(default=600.0, gt=0, le=86400,
                            description="Max wait for in-flight requests in drain mode, and for "
                            "a fenced engine to reopen.")

@@ -66,6 +66,8 @@ class Engine:
     #: left (an in-place swap under the overlap scheduler waits for it: core.stamping)
     unstarted: int = 0
     all_started: asyncio.Event = field(default_factory=asyncio.Event)
+    #: requests in flight to it (a retract swap breaks off those asking for routing)
+    leases: set[Lease] = field(default_factory=set)
     registered_at: float = field(default_factory=time.time)
     #: circuit breaker: failed requests in a row, trips in a row, open until (monotonic)
     failures: int = 0
@@ -112,7 +114,10 @@ class Lease:
 
     engine: Engine
     tokens: int
+    rid: str = ""  # the engine request's rid
+    routed: bool = False  # it asked for routed experts
     is_started: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def started(self) -> None:
         if self.is_started:
@@ -351,17 +356,22 @@ class EnginePool:
                                            timeout=min(limit - waited, 0.25))
 
     @contextlib.asynccontextmanager
-    async def lease(self, eng: Engine, tokens: int) -> AsyncIterator[Lease]:
-        """Count one outstanding request of ``tokens`` expected tokens on ``eng``."""
+    async def lease(self, eng: Engine, tokens: int, rid: str = "",
+                    routed: bool = False) -> AsyncIterator[Lease]:
+        """Count one outstanding request of ``tokens`` expected tokens on ``eng`` (engine rid
+        ``rid``; ``routed``: it asks for routed experts)."""
         eng.outstanding_requests += 1
         eng.outstanding_tokens += tokens
         eng.idle.clear()
         eng.unstarted += 1
         eng.all_started.clear()
-        lease = Lease(eng, tokens)
+        lease = Lease(eng, tokens, rid, routed)
+        eng.leases.add(lease)
         try:
             yield lease
         finally:
+            eng.leases.discard(lease)
+            lease.ended.set()
             lease.started()  # over, started or not: nothing of it is left to prefill
             eng.outstanding_requests -= 1
             eng.outstanding_tokens -= tokens

@@ -392,9 +392,9 @@ class SampleRunner:
             if ol is not None:
                 await ol.busy(trajectory_id, eng.id)
             try:
-                async with self.pool.lease(eng, remaining) as lease:
-                    opts = decode_options(eng, self.settings,
-                                          routing=bool(payload.get("return_routed_experts")),
+                routed = bool(payload.get("return_routed_experts"))
+                async with self.pool.lease(eng, remaining, rid, routed) as lease:
+                    opts = decode_options(eng, self.settings, routing=routed,
                                           passthrough=passthrough.keys() if passthrough else
                                           frozenset())
                     dec = await self._call(eng, payload, opts, on_delta, first, on_tokens)
@@ -412,7 +412,8 @@ class SampleRunner:
                 self.pool.record_success(eng)
                 finish = fin
                 break
-            # aborted: by a swap's pause (ours or another replica's) or a failed load. Resume
+            # aborted: by a swap's pause (ours or another replica's), a retract swap breaking
+            # off a request that asked for routing (swap.orchestrator), or a failed load. Resume
             # from the tokens so far, same engine if it is still in rotation; max_attempts
             # bounds an engine that keeps aborting.
             if eng.routable:
