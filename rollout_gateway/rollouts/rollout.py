@@ -14,6 +14,7 @@ import numpy as np
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.admission import Verdict
 from rollout_gateway.core.trajectory import Trajectory, Transition
+from rollout_gateway.core.version_policy import ANY
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import AlreadyExists, GatewayError, InvalidArgument
 from rollout_gateway.redact import clean_message
@@ -38,11 +39,13 @@ class RolloutService:
         self.settings = settings
         self.gatekeeper = gatekeeper
         self.oldlogits = oldlogits  # oldlogits.OldLogitService: fills old_logprobs, or None
-        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
                          "replayed": 0}
+        # the runner adds its version-policy counters to these
+        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits,
+                                   counters=self.counters)
         self._background: set[asyncio.Task[None]] = set()
         self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
         #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
@@ -83,6 +86,13 @@ class RolloutService:
             if size > s.max_metadata_bytes:
                 raise InvalidArgument(f"metadata has {size} bytes; the limit is "
                                       f"{s.max_metadata_bytes}")
+
+    async def check_policy(self) -> None:
+        """Before admission: a request whose version policy no engine satisfies is answered
+        503 + Retry-After now (streams too, before their first event), not per sample."""
+        policy = self.runner.policy()
+        if policy != ANY:
+            await self.runner.route(policy)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""
@@ -229,6 +239,7 @@ class RolloutService:
         """Samples a previous run with the same ``request_id`` stored are answered from the
         store (their text is not stored: ""); only the others are generated."""
         self.validate(req)
+        await self.check_policy()
         claim = await self._claim(req)
         try:
             group, ids, sticky, stored = await self._plan(req)
@@ -274,6 +285,7 @@ class RolloutService:
         is read to the end, or at all. Samples stored by an earlier run with the same
         ``request_id`` come first, from the store."""
         self.validate(req)
+        await self.check_policy()
         claim = await self._claim(req)
         slots: list[Slot] = []
         try:
