@@ -7,6 +7,9 @@ is a 400."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import orjson
 import pytest
@@ -64,6 +67,15 @@ def three(make_engine):
 
 def test_requests_land_only_on_engines_their_policy_admits(three):
     gw, _ = three
+    # the fleet's version cut at a glance: /v1/lag and rollout-gateway status
+    cut = httpx.get(gw.url + "/v1/lag").json()["version_cut"]
+    assert cut == [{"version": 3, "lag": 0, "engines": ["a"], "routable": ["a"]},
+                   {"version": 2, "lag": 1, "engines": ["b"], "routable": ["b"]},
+                   {"version": 1, "lag": 2, "engines": ["c"], "routable": ["c"]}]
+    p = subprocess.run([sys.executable, "-m", "rollout_gateway", "status", "--url", gw.url],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "version cut: v3 (lag 0): a  |  v2 (lag 1): b  |  v1 (lag 2): c" in p.stdout
     # no policy: the load spreads over all three (what the policies below must narrow)
     r = _post(gw, "/v1/rollouts", _body(n=9))
     assert r.status_code == 200, r.text
