@@ -20,7 +20,7 @@ from rollout_gateway.errors import AlreadyExists, GatewayError, InvalidArgument
 from rollout_gateway.redact import clean_message
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import PassThrough, SampleRunner
+from rollout_gateway.rollouts.sample import VERSION_POLICY, PassThrough, SampleRunner
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 
@@ -46,6 +46,7 @@ class RolloutService:
         # the runner adds its version-policy counters to these
         self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits,
                                    counters=self.counters)
+        self.default_policy = self.runner.default_policy
         self._background: set[asyncio.Task[None]] = set()
         self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
         #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
@@ -90,7 +91,7 @@ class RolloutService:
     async def check_policy(self) -> None:
         """Before admission: a request whose version policy no engine satisfies is answered
         503 + Retry-After now (streams too, before their first event), not per sample."""
-        policy = self.runner.policy()
+        policy = VERSION_POLICY.get() or self.default_policy
         if policy != ANY:
             await self.runner.route(policy)
 
