@@ -147,8 +147,9 @@ class LagReport(BaseModel):
                                 "None unless the caller is the admin, when an admin key is set)")
     learner_version: int
     max_engine_lag: int = Field(description="max lag over engines with a known version")
-    version_cut: list[VersionCut] = Field(default_factory=list, description="the fleet's version cut: engines by "
-                                          "the version they run, newest first")
+    version_cut: list[VersionCut] = Field(
+        default_factory=list, description="the fleet's version cut: engines by the version "
+        "they run, newest first")
     engines: list[EngineLag]
     in_flight: InFlight
     unconsumed: Unconsumed

@@ -74,16 +74,7 @@ def test_setting_is_validated_and_canonical(monkeypatch):
 def test_version_cut_groups_engines_newest_first():
     from types import SimpleNamespace as E
 
-    from rollout_gateway.commands.status import render
-    from rollout_gateway.observe.lag import (
-        Delivered,
-        InFlight,
-        IntraTrajectory,
-        LagReport,
-        StaleHandling,
-        Unconsumed,
-        version_cut,
-    )
+    from rollout_gateway.observe.lag import version_cut
 
     engines = [E(id="a", version=3, routable=True), E(id="b", version=1, routable=False),
                E(id="c", version=None, routable=True), E(id="d", version=3, routable=True),
@@ -93,17 +84,3 @@ def test_version_cut_groups_engines_newest_first():
                    {"version": 2, "lag": 1, "engines": ["e"], "routable": ["e"]},
                    {"version": 1, "lag": 2, "engines": ["b"], "routable": []},
                    {"version": None, "lag": None, "engines": ["c"], "routable": ["c"]}]
-    rep = LagReport(
-        at=0, replica="r", learner_version=3, max_engine_lag=2, engines=[],
-        version_cut=version_cut(engines, 3), in_flight=InFlight.from_counts({}, samples=0),
-        unconsumed=Unconsumed.from_counts({}, entries=0),
-        delivered=Delivered.from_counts({}, trajectories=0),
-        intra_trajectory=IntraTrajectory(trajectories=0, tokens=0, spanning_versions=0,
-                                         max_intra_lag=0, tokens_after_switch=0,
-                                         tokens_on_stale_kv=0),
-        pause_windows=[], staleness=StaleHandling(
-            tokens_reprefilled=0, at_finish_dropped=0, at_finish_masked=0, at_finish_recycled=0,
-            at_delivery_dropped=0, at_delivery_masked=0, at_delivery_recycled=0,
-            dead_lettered=0), store_backlog=0, groups=[]).model_dump()
-    assert ("version cut: v3 (lag 0): a, d  |  v2 (lag 1): e  |  v1 (lag 2): b (out)  |  "
-            "v? (lag ?): c") in render(rep)
