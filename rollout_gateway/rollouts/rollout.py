@@ -90,7 +90,9 @@ class RolloutService:
 
     async def check_policy(self) -> None:
         """Before admission: a request whose version policy no engine satisfies is answered
-        503 + Retry-After now (streams too, before their first event), not per sample."""
+        503 + Retry-After now (streams too, before their first event), not per sample.
+        Samples a retried ``request_id`` stored earlier are answered whatever the fleet's
+        versions now."""
         policy = VERSION_POLICY.get() or self.default_policy
         if policy != ANY:
             await self.runner.route(policy)
@@ -240,7 +242,6 @@ class RolloutService:
         """Samples a previous run with the same ``request_id`` stored are answered from the
         store (their text is not stored: ""); only the others are generated."""
         self.validate(req)
-        await self.check_policy()
         claim = await self._claim(req)
         try:
             group, ids, sticky, stored = await self._plan(req)
@@ -248,6 +249,7 @@ class RolloutService:
             results: list[Any] = [(stored[i], "") if i in stored else None
                                   for i in range(req.n)]
             if todo:
+                await self.check_policy()
                 await self._timed_admission("new", self.gatekeeper.admit(len(todo)))
                 slots = [Slot() for _ in todo]
                 try:  # every exit path below returns the slots no sample released
@@ -286,7 +288,6 @@ class RolloutService:
         is read to the end, or at all. Samples stored by an earlier run with the same
         ``request_id`` come first, from the store."""
         self.validate(req)
-        await self.check_policy()
         claim = await self._claim(req)
         slots: list[Slot] = []
         try:
@@ -297,6 +298,7 @@ class RolloutService:
                 queue.put_nowait({"type": "trajectory", "sample_index": i, "trajectory": t,
                                   "text": ""})
             if todo:
+                await self.check_policy()
                 await self._timed_admission("new", self.gatekeeper.admit(len(todo)))
                 slots = [Slot() for _ in todo]
                 self.counters["rollouts"] += 1
