@@ -95,7 +95,7 @@ class RolloutService:
         versions now."""
         policy = VERSION_POLICY.get() or self.default_policy
         if policy != ANY:
-            await self.runner.route(policy)
+            await self.runner.route(policy, probe=True)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""

@@ -213,13 +213,15 @@ class SampleRunner:
 
     async def route(self, policy: VersionPolicy, *, sticky_key: str | None = None,
                     prefer: str | None = None, exclude: set[str] | None = None,
-                    why: str | None = None) -> Engine:
+                    why: str | None = None, probe: bool = False) -> Engine:
         """An engine ``policy`` admits (``EnginePool.acquire``), counted; failovers and
-        resumes come here too, so every engine request of a sample obeys its policy."""
+        resumes come here too, so every engine request of a sample obeys its policy.
+        ``probe``: a check before admission, not an engine request (not counted as
+        filtered; a 503 is counted)."""
         lv = 0
         if policy.needs_learner and self.registry is not None:
             lv = await self.registry.learner_version()
-        if policy != ANY and self.pool.barred(policy, lv):
+        if not probe and policy != ANY and self.pool.barred(policy, lv):
             self.counters["policy_filtered"] += 1
         try:
             return await self.pool.acquire(sticky_key=sticky_key, prefer=prefer,
