@@ -157,6 +157,7 @@ def _rollout_info(r: Reply, sid: str | None) -> dict[str, Any]:
             "turn": r.turn_index, "branched": r.branched or None,
             "token_ids": r.token_ids, "policy_version": t.tokens.policy_version,
             "kv_version": t.tokens.kv_version, "engine_ids": t.engine_ids,
+            "spanning_versions": t.min_version != t.max_version,
             "segments": [{"start": s.start, "end": s.end, "policy_version": s.policy_version,
                           "engine_id": s.engine_id, "began": s.began.value,
                           "ended": s.ended.value} for s in t.segments]}

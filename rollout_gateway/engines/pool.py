@@ -27,9 +27,16 @@ from typing import Any
 
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.core.trajectory import Transition
+from rollout_gateway.core.version_policy import ANY, VersionPolicy
 from rollout_gateway.engines.client import AnswerGate, EngineClient, Health
 from rollout_gateway.engines.shape import routing_problem
-from rollout_gateway.errors import AlreadyExists, GatewayError, NotFound, Unavailable
+from rollout_gateway.errors import (
+    AlreadyExists,
+    GatewayError,
+    NotFound,
+    Unavailable,
+    VersionPolicyUnmet,
+)
 from rollout_gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -288,20 +295,29 @@ class EnginePool:
         self._engines.clear()
 
     # ---- routing -----------------------------------------------------------------------
-    def _candidates(self, exclude: Iterable[str]) -> list[Engine]:
+    def _candidates(self, exclude: Iterable[str], policy: VersionPolicy = ANY,
+                    learner_version: int = 0) -> list[Engine]:
         ex = set(exclude)
-        return [e for e in self._engines.values() if e.routable and e.id not in ex]
+        return [e for e in self._engines.values() if e.routable and e.id not in ex
+                and policy.admits(e.version, learner_version)]
+
+    def barred(self, policy: VersionPolicy, learner_version: int) -> list[Engine]:
+        """Engines in rotation that ``policy`` keeps a request from."""
+        return [e for e in self._engines.values()
+                if e.routable and not policy.admits(e.version, learner_version)]
 
     def choose(self, *, sticky_key: str | None = None, prefer: str | None = None,
-               exclude: Iterable[str] = ()) -> Engine | None:
-        """Pick an engine now (None if none is routable).
+               exclude: Iterable[str] = (), policy: VersionPolicy = ANY,
+               learner_version: int = 0) -> Engine | None:
+        """Pick an engine now (None if none is routable and admitted by ``policy``, whose
+        ``max_staleness`` / ``latest`` read ``learner_version``).
 
         Open gates first; ``prefer`` (same engine after abort_resume) if routable;
         else the sticky engine for ``sticky_key`` (rendezvous hash) unless it carries
         ``sticky_imbalance`` more requests than the least loaded; else least load.
         A fenced engine is returned only when every candidate is fenced (we then wait at
         its gate rather than fail)."""
-        cands = self._candidates(exclude)
+        cands = self._candidates(exclude, policy, learner_version)
         if not cands:
             return None
         if prefer is not None:
@@ -322,25 +338,42 @@ class EnginePool:
         return least
 
     async def acquire(self, *, sticky_key: str | None = None, prefer: str | None = None,
-                      exclude: Iterable[str] = (), why: str | None = None) -> Engine:
-        """Wait until an engine is routable and its gate open; return it (not yet leased).
+                      exclude: Iterable[str] = (), why: str | None = None,
+                      policy: VersionPolicy = ANY, learner_version: int = 0) -> Engine:
+        """Wait until an engine ``policy`` admits is routable and its gate open; return it
+        (not yet leased).
 
-        Waits up to ``timeouts.drain_s`` for a fenced engine to reopen, and up to
-        ``timeouts.no_engine_s`` for any engine to come into rotation."""
+        Waits up to ``timeouts.drain_s`` for a fenced engine to reopen, up to
+        ``timeouts.no_engine_s`` for any engine to come into rotation, and up to
+        ``version_policy_wait_s`` for one the policy admits when engines in rotation are
+        all barred by it (then :class:`VersionPolicyUnmet`: never another version)."""
         exclude = set(exclude)
         t = self.settings.timeouts
         start = time.monotonic()
         while True:
-            eng = self.choose(sticky_key=sticky_key, prefer=prefer, exclude=exclude)
+            eng = self.choose(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
+                              policy=policy, learner_version=learner_version)
             if eng is None and exclude:
                 # an engine that failed this request earlier and has since passed a health
                 # probe (failures take it out of rotation until then) may be tried again
-                eng = self.choose(sticky_key=sticky_key)
+                eng = self.choose(sticky_key=sticky_key, policy=policy,
+                                  learner_version=learner_version)
             if eng is not None and eng.gate.is_set():
                 return eng
+            barred = self.barred(policy, learner_version) if eng is None else []
             waited = time.monotonic() - start
-            limit = t.no_engine_s if eng is None else t.drain_s
+            limit = (t.drain_s if eng is not None else
+                     self.settings.version_policy_wait_s if barred else t.no_engine_s)
             if waited >= limit:
+                if barred:
+                    raise VersionPolicyUnmet(
+                        f"no engine satisfies version policy {policy} (learner version "
+                        f"{learner_version}; engines in rotation: " + ", ".join(
+                            f"{e.id} v{e.version if e.version is not None else '?'}"
+                            for e in barred) + ")",
+                        details={"version_policy": str(policy),
+                                 "learner_version": learner_version,
+                                 "engine_versions": {e.id: e.version for e in barred}})
                 if eng is None:
                     msg = "no engine available"
                     if exclude:
