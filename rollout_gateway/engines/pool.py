@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.aio import Periodic
 from rollout_gateway.core.trajectory import Transition
 from rollout_gateway.core.version_policy import ANY, VersionPolicy
 from rollout_gateway.engines.client import AnswerGate, EngineClient, Health
@@ -146,7 +146,8 @@ class EnginePool:
                         if settings.max_large_answers > 0 else None)
         self._engines: dict[str, Engine] = {}
         self._changed = asyncio.Condition()
-        self._health_task: asyncio.Task[None] | None = None
+        self._health = Periodic(self._probe_all, settings.health_interval_s,
+                                what="health round", log=log, trace=True)
         #: called with an engine that came back from UNHEALTHY (e.g. to catch its weights up)
         self.on_recovered: Callable[[Engine], Awaitable[Any]] | None = None
 
@@ -274,22 +275,18 @@ class EnginePool:
             eng.state = EngineState.UNHEALTHY
         eng.last_error = why
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            for eng in list(self._engines.values()):
-                try:
-                    await self.probe(eng)
-                except Exception:  # noqa: BLE001 - the loop must survive anything
-                    log.exception("health probe of %s failed", eng.id)
+    async def _probe_all(self) -> None:
+        for eng in list(self._engines.values()):
+            try:
+                await self.probe(eng)
+            except Exception:  # noqa: BLE001 - one engine's failure skips no other
+                log.exception("health probe of %s failed", eng.id)
 
     def start(self) -> None:
-        if self._health_task is None:
-            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        self._health.start()
 
     async def close(self) -> None:
-        task, self._health_task = self._health_task, None
-        await cancel_and_wait(task)
+        await self._health.stop()
         for eng in list(self._engines.values()):
             await eng.client.close()
         self._engines.clear()

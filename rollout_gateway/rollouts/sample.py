@@ -49,7 +49,7 @@ from rollout_gateway.errors import (
     Unavailable,
     VersionPolicyUnmet,
 )
-from rollout_gateway.registry.base import VersionRegistry
+from rollout_gateway.registry.base import VersionRegistry, read_swaps
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.settings import GatewaySettings
 
@@ -237,12 +237,7 @@ class SampleRunner:
         unknown = {v for v in versions if v not in eng.installed_by}
         if not unknown:
             return
-        try:
-            records = await self.registry.swaps(50)
-        except GatewayError as exc:
-            log.warning("registry: cannot read swap history: %s", exc.message)
-            return
-        for r in records:
+        for r in await read_swaps(self.registry, 50, "rollouts"):
             if r.version in unknown and eng.id in r.engines:
                 eng.installed_by[r.version] = r.mode.transition
 
