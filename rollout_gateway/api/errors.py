@@ -37,12 +37,20 @@ def _safe(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _field(x: object) -> bool:
+    """A location step that names a field or an index (not "body", not a pydantic union
+    branch such as ``function-after[_utf8(), str]``)."""
+    return x != "body" and not (isinstance(x, str) and ("[" in x or "(" in x))
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict]]:
-    errs = []
-    parts = []
+    errs: list[dict] = []
+    parts: list[str] = []
     for e in exc.errors()[:20]:
-        loc = _safe(".".join(str(x) for x in e.get("loc", ()) if x != "body"))
+        loc = _safe(".".join(str(x) for x in e.get("loc", ()) if _field(x)))
         msg = _safe(str(e.get("msg", "invalid")))
+        if {"loc": loc, "msg": msg} in errs:
+            continue
         parts.append(f"{loc}: {msg}" if loc else msg)
         errs.append({"loc": loc, "msg": msg})
     return "; ".join(parts) or "invalid request", errs
