@@ -218,7 +218,7 @@ class GatewaySettings(BaseSettings):
     registry_url: str = Field(default="memory://",
                               description="Version registry: memory:// or redis://host:port/db.")
     http_host: str = Field(default="127.0.0.1", description="HTTP API bind address (a "
-                           "non-loopback one needs the admin and learner keys, or insecure).")
+                           "non-loopback one needs the admin, learner and client keys, or insecure).")
     http_port: int = Field(default=8000, ge=0, le=65535, description="HTTP API port (0 = any).")
     grpc_host: str = Field(default="127.0.0.1", description="Learner gRPC bind address (as "
                            "http_host).")
@@ -241,7 +241,8 @@ class GatewaySettings(BaseSettings):
         description="Client token for /v1/rollouts and /generate. Unset: those are open.")
     insecure: bool = Field(
         default=False, description="Allow binding a non-loopback address without the admin "
-        "and learner keys (serve/up refuse otherwise; flag --insecure).")
+        "and learner keys (and, for the HTTP bind, the client key): serve/up refuse "
+        "otherwise; flag --insecure.")
     tls_cert_file: str | None = Field(
         default=None, description="PEM certificate chain: serve HTTPS and gRPC over TLS "
         "(needs tls_key_file).")

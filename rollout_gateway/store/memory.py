@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
+from rollout_gateway.errors import NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -26,6 +26,7 @@ from rollout_gateway.store.base import (
     UnconsumedTokens,
     check_name,
     entry_facts,
+    entry_numbers,
     parse_version_tokens,
     version_tokens,
 )
@@ -277,12 +278,7 @@ class MemoryStore(TrajectoryStore):
 
     @staticmethod
     def _seqs(entry_ids: list[str]) -> list[int]:
-        out = []
-        for i in entry_ids:
-            if not (isinstance(i, str) and i.isdigit()):
-                raise InvalidArgument(f"malformed entry id {i!r}")
-            out.append(int(i))
-        return out
+        return [entry_numbers(i, dashed=False)[0] for i in entry_ids]
 
     async def ack(self, group: str, entry_ids: list[str]) -> int:
         self._check_open()

@@ -36,7 +36,7 @@ from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
+from rollout_gateway.errors import NotFound, ResourceExhausted, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -46,6 +46,7 @@ from rollout_gateway.store.base import (
     UnconsumedTokens,
     check_name,
     entry_facts,
+    entry_numbers,
     parse_version_tokens,
     version_tokens,
 )
@@ -111,11 +112,8 @@ log = logging.getLogger(__name__)
 
 
 def _parse_id(eid: str) -> tuple[int, int]:
-    try:
-        ms, seq = eid.split("-")
-        return int(ms), int(seq)
-    except ValueError:
-        raise InvalidArgument(f"malformed entry id {eid!r}") from None
+    ms, seq = entry_numbers(eid, dashed=True)
+    return ms, seq
 
 
 def _s(v: bytes | str) -> str:
