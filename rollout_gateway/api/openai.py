@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rollout_gateway.api.deps import Sessions, Settings, StartedAt
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.security import require_client
+from rollout_gateway.core.metadata import client_metadata
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import InvalidArgument, NotFound
 from rollout_gateway.rollouts.models import (
@@ -88,7 +89,7 @@ class _Common(BaseModel):
         if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512
                                                  for k, x in v.items())):
             raise ValueError("metadata: at most 16 keys of <= 64 characters, values <= 512")
-        return v
+        return client_metadata(v)
 
     @field_validator("stop")
     @classmethod

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollout_gateway.core.metadata import client_metadata
 
 #: the widest integers engines and the wire carry: token ids are int32 (SGLang, the
 #: gateway's columns and rollout.v1), seeds int64, lengths far below either
@@ -143,6 +145,11 @@ class RolloutRequest(BaseModel):
         default=None, description="MoE routing per token. true: required (the request fails "
         "with 409 naming what to configure when the engine cannot give it); null (default): "
         "included whenever the engine can give it; false: never asked for.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _caller_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        return client_metadata(v) or {}
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
