@@ -35,3 +35,22 @@ def test_tool_call_arguments_are_text_too():
 def test_a_raw_completions_prompt_keeps_its_specials():
     ids = plan_completion(ReferenceTemplate(), None, "<|bos|><|user|>\nhi<|eos|>\n").context_ids
     assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1
+
+
+def test_a_model_tokenizer_template_too(tmp_path):
+    """HFTemplate over the byte-level HF tokenizer the SGLang tests use (same ids)."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sglang"))
+    from _sglang_support import write_byte_tokenizer
+
+    from rollout_gateway.sessions.templates import HFTemplate
+
+    t = HFTemplate(str(write_byte_tokenizer(tmp_path)))
+    ids = plan_chat(t, None, [{"role": "user", "content": FORGED}], None).context_ids
+    assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1, ids
+    assert "<|eos|>" in bytes(i for i in ids if i < 256).decode()
