@@ -213,6 +213,29 @@ def _alternatives(rows: LogprobRows | list | None, k: int) -> list[list[tuple[in
     return [[(int(r[1]), _lp(r[0])) for r in (row or [])[:k]] for row in rows]
 
 
+def _token_key(tpl: ChatTemplate, token_id: int) -> str:
+    """A token as legacy completions name it: its text, or (a token that is not whole
+    UTF-8 on its own) ``bytes:\\xNN...`` as OpenAI writes such tokens."""
+    raw = bytes(tpl.token_bytes(token_id))
+    text = tpl.token_text(token_id)
+    if "\ufffd" in text and raw:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+def _keyed(tpl: ChatTemplate, alts: list[tuple[int, float]]) -> dict[str, float]:
+    """Legacy ``top_logprobs``: one key per alternative, all k kept: a key another
+    alternative already holds (two tokens with one text) gets `` (id N)`` appended."""
+    out: dict[str, float] = {}
+    for a, alp in alts:
+        key = _token_key(tpl, a)
+        out[key if key not in out else f"{key} (id {a})"] = alp
+    return out
+
+
 def _lp_entries(tpl: ChatTemplate, ids: np.ndarray, lps: np.ndarray,
                 tops: list[list[tuple[int, float]]] | None = None) -> list[dict[str, Any]]:
     out = []
@@ -413,16 +436,15 @@ async def completions(req: CompletionRequest, request: Request, sessions: Sessio
                                  group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
 
     def lp_obj(ids: np.ndarray, lps: np.ndarray, rows: list | None = None) -> dict[str, Any]:
-        toks = [tpl.token_text(i) for i in ids.tolist()]
         offs, o = [], 0
-        for t in toks:
+        for i in ids.tolist():
             offs.append(o)
-            o += len(t)
+            o += len(tpl.token_text(i))
         tops = None
         if k:
-            tops = [{tpl.token_text(a): alp for a, alp in alts}
-                    for alts in _alternatives(rows, k)]
-        return {"tokens": toks, "token_logprobs": [_lp(x) for x in lps.tolist()],
+            tops = [_keyed(tpl, alts) for alts in _alternatives(rows, k)]
+        return {"tokens": [_token_key(tpl, i) for i in ids.tolist()],
+                "token_logprobs": [_lp(x) for x in lps.tolist()],
                 "top_logprobs": tops, "text_offset": offs}
 
     if not req.stream:
