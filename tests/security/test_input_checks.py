@@ -246,3 +246,16 @@ def test_a_jobs_status_shows_its_own_groups_only(gw):
         st = shared.status()  # the shared learner token (and admin) still see everything
     assert {"job-a-main", "job-b-main"} <= {g.group for g in st.lag.groups}
     assert st.lag.replica
+
+
+def test_samples_that_fail_answer_503_with_retry_after():
+    """A request whose samples cannot be served (here: its engine is gone) answers 503 with
+    Retry-After (try again later), never a 500; docs/gateway.md says what was kept."""
+    from rollout_gateway.commands.engine_process import free_port
+
+    env = {**PATIENT_HEALTH, "ROLLOUT_GATEWAY_RETRY_AFTER_S": "2",
+           "ROLLOUT_GATEWAY_ADMISSION__ENABLED": "false"}
+    with GatewayProcess({"e0": f"http://127.0.0.1:{free_port()}"}, env=env) as g:
+        r = httpx.post(g.url + "/v1/rollouts", json=rollout(n=4), timeout=120)
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "2" and r.json()["error"]["message"]
