@@ -43,10 +43,19 @@ def _field(x: object) -> bool:
     return x != "body" and not (isinstance(x, str) and ("[" in x or "(" in x))
 
 
+def validation_text(errors: list) -> str:
+    """pydantic errors as one message: ``field.path: what is wrong; ...``."""
+    return _validation_lines(errors)[0]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict]]:
+    return _validation_lines(exc.errors())
+
+
+def _validation_lines(errors: list) -> tuple[str, list[dict]]:
     errs: list[dict] = []
     parts: list[str] = []
-    for e in exc.errors()[:20]:
+    for e in list(errors)[:20]:
         loc = _safe(".".join(str(x) for x in e.get("loc", ()) if _field(x)))
         msg = _safe(str(e.get("msg", "invalid")))
         if {"loc": loc, "msg": msg} in errs:

@@ -45,7 +45,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from rollout_gateway.api.deps import Pool, Rollouts
-from rollout_gateway.api.errors import ORJSONResponse
+from rollout_gateway.api.errors import ORJSONResponse, validation_text
 from rollout_gateway.api.routes import sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
@@ -201,8 +201,8 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
                 request_id=r, metadata=body.get("metadata") or {},
                 return_routed_experts=True if routed else None)
         except ValidationError as exc:
-            msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise InvalidArgument(f"invalid /generate request: {msgs}") from None
+            raise InvalidArgument("invalid /generate request: "
+                                  + validation_text(exc.errors())) from None
         lp = _flag(_per(body, "return_logprob", i, len(prompts), batched), "return_logprob")
         top = _int(_per(body, "top_logprobs_num", i, len(prompts), batched), "top_logprobs_num", 0)
         start = _int(_per(body, "logprob_start_len", i, len(prompts), batched),

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rollout_gateway.api.deps import Sessions, Settings, StartedAt
-from rollout_gateway.api.errors import ORJSONResponse
+from rollout_gateway.api.errors import ORJSONResponse, validation_text
 from rollout_gateway.api.security import require_client
 from rollout_gateway.core.metadata import client_metadata
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
@@ -120,8 +120,7 @@ class _Common(BaseModel):
         try:
             return SamplingParams(**kw)
         except ValidationError as exc:  # a bound of the engine's, narrower than OpenAI's
-            raise InvalidArgument("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                            for e in exc.errors())) from None
+            raise InvalidArgument(validation_text(exc.errors())) from None
 
 
 class ChatCompletionRequest(_Common):
