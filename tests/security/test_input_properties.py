@@ -119,23 +119,15 @@ def send(gw, route: str, body) -> httpx.Response:
     return r
 
 
-def test_chat_bodies_never_5xx(gw):
+@pytest.mark.parametrize("route,bodies", [("/v1/chat/completions", chat_body),
+                                          ("/v1/completions", completion_body)])
+def test_openai_bodies_never_5xx(gw, route, bodies):
     @PROPS
-    @given(body=chat_body)
+    @given(body=bodies)
     def run(body):
-        send(gw, "/v1/chat/completions", body)
+        send(gw, route, body)
     run()
-    seen = SEEN["/v1/chat/completions"]
-    assert seen[200] and sum(v for k, v in seen.items() if k >= 400), seen
-
-
-def test_completion_bodies_never_5xx(gw):
-    @PROPS
-    @given(body=completion_body)
-    def run(body):
-        send(gw, "/v1/completions", body)
-    run()
-    seen = SEEN["/v1/completions"]
+    seen = SEEN[route]
     assert seen[200] and sum(v for k, v in seen.items() if k >= 400), seen
 
 
