@@ -6,7 +6,6 @@ chat messages stays text; legacy ``logprobs: k`` keeps all k alternatives; a job
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import grpc
