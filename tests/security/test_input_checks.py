@@ -261,3 +261,14 @@ def test_samples_that_fail_answer_503_with_retry_after():
         r = httpx.post(g.url + "/v1/rollouts", json=rollout(n=4), timeout=120)
         assert r.status_code == 503, r.text
         assert r.headers["retry-after"] == "2" and r.json()["error"]["message"]
+
+
+def test_the_openapi_document_states_the_openai_bounds(gw):
+    comps = httpx.get(gw.url + "/openapi.json", timeout=30).json()["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = comps[name]["properties"]
+        n = [b for b in [props["n"], *props["n"].get("anyOf", [])] if b.get("type") == "integer"]
+        assert n and n[0]["maximum"] == 8, props["n"]  # max_samples_per_request here
+        seed = props["seed"]["anyOf"][0]
+        # (the document writes bounds as JSON numbers: 2^63-1 reads back as 2^63)
+        assert seed["minimum"] == 0 and seed["maximum"] == pytest.approx(2 ** 63), props["seed"]
