@@ -138,11 +138,17 @@ class ModelShape(BaseModel):
     shape stays unknown, a request that asks for routing fails with 409 naming these
     settings (logged once per engine at registration); every ``routed_experts`` payload is
     checked against the shape (rows x layers x top_k ids), a mismatch is an engine error.
-    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``."""
+    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``,
+    ``__VOCAB_SIZE``."""
 
     num_layers: int | None = Field(default=None, ge=1, le=1024, description="Model layers.")
     top_k: int | None = Field(default=None, ge=1, le=256, description="Experts per token.")
     num_experts: int | None = Field(default=None, ge=1, le=1 << 20, description="Experts per layer.")
+    vocab_size: int | None = Field(
+        default=None, ge=1, le=1 << 31, description="Vocabulary size: prompt and stop token "
+        "ids at or above it are refused with 400 before any engine sees them (SGLang does "
+        "not check input ids). Unset: the engines' config.json / model_config, else "
+        "unchecked. Env: ROLLOUT_GATEWAY_MODEL__VOCAB_SIZE.")
 
 
 class OldLogitsMode(StrEnum):

@@ -140,8 +140,8 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(
-        description="Text or token ids (0 to 2^31-1; the engine refuses ids outside its "
-        "vocabulary with a 400).")
+        description="Text or token ids (0 to 2^31-1, and below the model's vocabulary: "
+        "400 otherwise).")
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 

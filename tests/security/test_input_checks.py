@@ -120,6 +120,23 @@ def test_probe_gets_its_4xx(gw, route, body, status, word):
         assert leak not in r.text, r.text[:400]
 
 
+def test_token_ids_past_the_vocabulary_are_refused_by_the_gateway(gw):
+    """SGLang does not check prompt ids against its vocabulary (an id past it indexes the
+    embedding): the gateway does, for every route, from the engines' config."""
+    for route, body in (("/v1/rollouts", rollout(input_ids=[1, 259])),
+                        ("/v1/rollouts", rollout(sampling_params={"max_new_tokens": 2,
+                                                                  "stop_token_ids": [300]})),
+                        ("/generate", {"input_ids": [5000]}),
+                        ("/v1/completions", completion(prompt=[100_000])),
+                        ("/v1/completions", completion(prompt=[[1, 2 ** 31 - 1]]))):
+        r = post(gw, route, body)
+        assert r.status_code == 400, (route, r.text)
+        err = r.json()["error"]
+        assert "vocabulary" in err["message"] and "engine" not in err["message"], err
+        assert err["details"]["vocab_size"] == 259, err  # the reference model's
+    assert post(gw, "/v1/rollouts", rollout(input_ids=[0, 258])).status_code == 200
+
+
 def test_every_gateway_key_is_refused_on_every_route(gw):
     for key in sorted(GATEWAY_KEYS):
         md = {"mine": "1", key: "forged"}
