@@ -134,7 +134,7 @@ class ChatCompletionRequest(_Common):
 
     @field_validator("messages", "tools", "tool_choice")
     @classmethod
-    def _unicode(cls, v, info):
+    def _unicode_chat(cls, v, info):  # (a name of its own: _unicode would replace _Common's)
         return no_surrogates(v, info.field_name)
 
 
