@@ -140,11 +140,17 @@ class ModelShape(BaseModel):
     shape stays unknown, a request that asks for routing fails with 409 naming these
     settings (logged once per engine at registration); every ``routed_experts`` payload is
     checked against the shape (rows x layers x top_k ids), a mismatch is an engine error.
-    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``."""
+    Env: ``ROLLOUT_GATEWAY_MODEL__NUM_LAYERS``, ``__TOP_K``, ``__NUM_EXPERTS``,
+    ``__VOCAB_SIZE``."""
 
     num_layers: int | None = Field(default=None, ge=1, le=1024, description="Model layers.")
     top_k: int | None = Field(default=None, ge=1, le=256, description="Experts per token.")
     num_experts: int | None = Field(default=None, ge=1, le=1 << 20, description="Experts per layer.")
+    vocab_size: int | None = Field(
+        default=None, ge=1, le=1 << 31, description="Vocabulary size: prompt and stop token "
+        "ids at or above it are refused with 400 before any engine sees them (SGLang does "
+        "not check input ids). Unset: the engines' config.json / model_config, else "
+        "unchecked. Env: ROLLOUT_GATEWAY_MODEL__VOCAB_SIZE.")
 
 
 class OldLogitsMode(StrEnum):
@@ -220,7 +226,7 @@ class GatewaySettings(BaseSettings):
     registry_url: str = Field(default="memory://",
                               description="Version registry: memory:// or redis://host:port/db.")
     http_host: str = Field(default="127.0.0.1", description="HTTP API bind address (a "
-                           "non-loopback one needs the admin and learner keys, or insecure).")
+                           "non-loopback one needs the admin, learner and client keys, or insecure).")
     http_port: int = Field(default=8000, ge=0, le=65535, description="HTTP API port (0 = any).")
     grpc_host: str = Field(default="127.0.0.1", description="Learner gRPC bind address (as "
                            "http_host).")
@@ -243,7 +249,8 @@ class GatewaySettings(BaseSettings):
         description="Client token for /v1/rollouts and /generate. Unset: those are open.")
     insecure: bool = Field(
         default=False, description="Allow binding a non-loopback address without the admin "
-        "and learner keys (serve/up refuse otherwise; flag --insecure).")
+        "and learner keys (and, for the HTTP bind, the client key): serve/up refuse "
+        "otherwise; flag --insecure.")
     tls_cert_file: str | None = Field(
         default=None, description="PEM certificate chain: serve HTTPS and gRPC over TLS "
         "(needs tls_key_file).")

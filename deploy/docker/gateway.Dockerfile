@@ -11,6 +11,7 @@ RUN pip install --no-cache-dir . && python -m compileall -q /app
 RUN useradd --uid 10001 --user-group --no-create-home gateway
 USER 10001
 EXPOSE 8000 50051
-# listening beyond loopback needs ROLLOUT_GATEWAY_ADMIN_API_KEY and ROLLOUT_GATEWAY_LEARNER_API_KEY
+# listening beyond loopback needs ROLLOUT_GATEWAY_ADMIN_API_KEY, ROLLOUT_GATEWAY_LEARNER_API_KEY
+# and ROLLOUT_GATEWAY_CLIENT_API_KEY
 # (docker run -e ...); serve refuses to start without them (docs/gateway.md, "Security")
 ENTRYPOINT ["rollout-gateway", "serve", "--host", "0.0.0.0", "--grpc-host", "0.0.0.0"]

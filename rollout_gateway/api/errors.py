@@ -37,12 +37,29 @@ def _safe(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _field(x: object) -> bool:
+    """A location step that names a field or an index (not "body", not a pydantic union
+    branch such as ``function-after[_utf8(), str]``)."""
+    return x != "body" and not (isinstance(x, str) and ("[" in x or "(" in x))
+
+
+def validation_text(errors: list) -> str:
+    """pydantic errors as one message: ``field.path: what is wrong; ...``."""
+    return _validation_lines(errors)[0]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict]]:
-    errs = []
-    parts = []
-    for e in exc.errors()[:20]:
-        loc = _safe(".".join(str(x) for x in e.get("loc", ()) if x != "body"))
+    return _validation_lines(exc.errors())
+
+
+def _validation_lines(errors: list) -> tuple[str, list[dict]]:
+    errs: list[dict] = []
+    parts: list[str] = []
+    for e in list(errors)[:20]:
+        loc = _safe(".".join(str(x) for x in e.get("loc", ()) if _field(x)))
         msg = _safe(str(e.get("msg", "invalid")))
+        if {"loc": loc, "msg": msg} in errs:
+            continue
         parts.append(f"{loc}: {msg}" if loc else msg)
         errs.append({"loc": loc, "msg": msg})
     return "; ".join(parts) or "invalid request", errs
@@ -64,7 +81,7 @@ def install_error_handlers(app: FastAPI) -> None:
             log.warning("request failed: %s", exc.message)
         headers = None
         gw = getattr(req.app.state, "gateway", None)
-        if (exc.http_status == 429 or exc.retryable) and gw is not None:
+        if (exc.http_status in (429, 503) or exc.retryable) and gw is not None:  # try again later
             headers = {"Retry-After": str(gw.settings.retry_after_s)}
         return ORJSONResponse({"error": client_error_body(req, exc)},
                               status_code=exc.http_status, headers=headers)

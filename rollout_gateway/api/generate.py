@@ -47,7 +47,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from rollout_gateway.api.deps import Pool, Rollouts
-from rollout_gateway.api.errors import ORJSONResponse
+from rollout_gateway.api.errors import ORJSONResponse, validation_text
 from rollout_gateway.api.routes import sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
@@ -137,6 +137,16 @@ def _int(v: Any, name: str, default: int) -> int:
     return v
 
 
+def _flag(v: Any, name: str, default: bool = False) -> bool:
+    """A boolean field (strict: ``[null, null]`` or ``"yes"`` is a 400, not "truthy")."""
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"{name} must be true or false (or one per prompt of a "
+                              f"batch), got {type(v).__name__}")
+    return v
+
+
 def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
     """Map an SGLang /generate body onto one RolloutRequest per prompt."""
     if not isinstance(body, dict):
@@ -167,7 +177,9 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
         if not isinstance(rid, str):
             raise InvalidArgument("rid must be a string or a list of strings")
         rid = [f"{rid}_{i}" for i in range(len(prompts))]  # SGLang: a prefix per item
-    text_in = bool(body.get("return_text_in_logprobs", False))
+    text_in = _flag(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
+    stream = _flag(body.get("stream"), "stream")
+    entropy = _flag(body.get("return_entropy"), "return_entropy")
     items: list[Item] = []
     for i, prompt in enumerate(prompts):
         sp = _per(body, "sampling_params", i, len(prompts), batched) or {}
@@ -183,7 +195,8 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
             raise InvalidArgument(f"rid has {len(rid)} entries for {len(prompts)} prompts")
         if r is not None and not isinstance(r, str):
             raise InvalidArgument("rid must be a string (or one per prompt)")
-        routed = _per(body, "return_routed_experts", i, len(prompts), batched)
+        routed = _flag(_per(body, "return_routed_experts", i, len(prompts), batched),
+                       "return_routed_experts")
         try:
             req = RolloutRequest(
                 prompt=prompt if text is not None else None,
@@ -192,9 +205,9 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
                 request_id=r, metadata=body.get("metadata") or {},
                 return_routed_experts=True if routed else None)
         except ValidationError as exc:
-            msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise InvalidArgument(f"invalid /generate request: {msgs}") from None
-        lp = bool(_per(body, "return_logprob", i, len(prompts), batched, False))
+            raise InvalidArgument("invalid /generate request: "
+                                  + validation_text(exc.errors())) from None
+        lp = _flag(_per(body, "return_logprob", i, len(prompts), batched), "return_logprob")
         top = _int(_per(body, "top_logprobs_num", i, len(prompts), batched), "top_logprobs_num", 0)
         start = _int(_per(body, "logprob_start_len", i, len(prompts), batched),
                      "logprob_start_len", -1)
@@ -215,9 +228,8 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
             pt = pt or PassThrough()
             pt.routed_experts = True
         opts = GenerateOptions(
-            return_logprob=lp, top=top, routed=bool(routed), routed_start=rs,
-            stream=bool(body.get("stream", False)), rid=r, n=req.n,
-            entropy=bool(body.get("return_entropy", False)) or lp, text_in_logprobs=text_in)
+            return_logprob=lp, top=top, routed=routed, routed_start=rs,
+            stream=stream, rid=r, n=req.n, entropy=entropy or lp, text_in_logprobs=text_in)
         items.append(Item(req, opts, pt))
     return items
 

@@ -15,14 +15,25 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rollout_gateway.api.deps import Sessions, Settings, StartedAt
-from rollout_gateway.api.errors import ORJSONResponse
+from rollout_gateway.api.errors import ORJSONResponse, validation_text
 from rollout_gateway.api.security import require_client
+from rollout_gateway.core.metadata import client_metadata
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import InvalidArgument, NotFound
-from rollout_gateway.rollouts.models import SamplingParams
+from rollout_gateway.rollouts.models import (
+    MAX_N,
+    MAX_STOP_CHARS,
+    Reward,
+    SamplingParams,
+    Seed,
+    StopText,
+    Text,
+    TokenId,
+    no_surrogates,
+)
 from rollout_gateway.sessions.manager import Reply
 from rollout_gateway.sessions.messages import canonical_messages
 from rollout_gateway.sessions.templates import ChatTemplate
@@ -37,28 +48,40 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+#: stop strings of one OpenAI request (OpenAI's own limit is 4)
+MAX_OPENAI_STOPS = 16
 
-    model: str | None = Field(default=None, description="Must be the served model name.")
-    max_tokens: int | None = Field(default=None, ge=1)
+
+class _Common(BaseModel):
+    """Fields of both OpenAI routes. Types are strict (``n: "3"`` is a 422, not 3) and every
+    number and string is bounded: see docs/agents.md, "Limits"."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Text | None = Field(default=None, max_length=256,
+                               description="Must be the served model name.")
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 31)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N, description="Choices (at most the gateway's "
+                   "max_samples_per_request).")
+    stop: StopText | list[StopText] | None = Field(
+        default=None, description=f"Up to {MAX_OPENAI_STOPS} non-empty stop strings of at most "
+        f"{MAX_STOP_CHARS} characters.")
+    seed: Seed | None = Field(default=None, description="0 to 2^63-1.")
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    user: str | None = None
-    session_id: str | None = Field(default=None, description="Session id (extra_body); the "
-                                   "x-session-id header does the same.")
+    user: Text | None = Field(default=None, max_length=256)
+    session_id: Text | None = Field(default=None, max_length=200,
+                                    description="Session id (extra_body); the x-session-id "
+                                    "header does the same.")
     group_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,200}$",
                                  description="Group of the trajectory (GRPO: sessions of one "
                                  "task); default: the session id.")
-    metadata: dict[str, str] | None = Field(default=None, description="Stored with the "
-                                            "trajectory (up to 16 keys).")
+    metadata: dict[Text, Text] | None = Field(default=None, description="Stored with the "
+                                              "trajectory (up to 16 keys).")
 
     @field_validator("metadata")
     @classmethod
@@ -66,14 +89,19 @@ class _Common(BaseModel):
         if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512
                                                  for k, x in v.items())):
             raise ValueError("metadata: at most 16 keys of <= 64 characters, values <= 512")
-        return v
+        return client_metadata(v)
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if isinstance(v, list) and (len(v) > 16 or not all(isinstance(s, str) and s for s in v)):
-            raise ValueError("stop must be up to 16 non-empty strings")
+        if isinstance(v, list) and (len(v) > MAX_OPENAI_STOPS or not all(v)):
+            raise ValueError(f"stop must be up to {MAX_OPENAI_STOPS} non-empty strings")
         return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _unicode(cls, v, info):
+        return no_surrogates(v, info.field_name)
 
     def sampling(self, max_new: int, limit: int) -> SamplingParams:
         if self.seed is not None and self.n > 1:
@@ -89,41 +117,47 @@ class _Common(BaseModel):
             v = getattr(self, theirs)
             if v is not None:
                 kw[ours] = v
-        return SamplingParams(**kw)
+        try:
+            return SamplingParams(**kw)
+        except ValidationError as exc:  # a bound of the engine's, narrower than OpenAI's
+            raise InvalidArgument(validation_text(exc.errors())) from None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[Any]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 31)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=1024)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages", "tools", "tool_choice")
+    @classmethod
+    def _unicode_chat(cls, v, info):  # (a name of its own: _unicode would replace _Common's)
+        return no_surrogates(v, info.field_name)
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(
+        description="Text or token ids (0 to 2^31-1, and below the model's vocabulary: "
+        "400 otherwise).")
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 
 
 class EndSession(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reward: float | None = Field(default=None, description="Outcome reward of the session.")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reward: Reward | None = Field(default=None, description="Outcome reward of the session "
+                                  "(finite, within +-MAX_ABS_REWARD = 1e6).")
     await_reward: bool = Field(default=False, description="Without a reward: hold the "
                                "trajectory until POST /v1/trajectories/{id}/reward (bounded "
                                "by session_reward_wait_s).")
 
 
 class RewardBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reward: float
-
-
-def _finite(x: float | None, name: str) -> None:
-    if x is not None and not math.isfinite(x):
-        raise InvalidArgument(f"{name} must be a finite number")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reward: Reward = Field(description="Finite, within +-MAX_ABS_REWARD = 1e6.")
 
 
 def _session_id(request: Request, body_sid: str | None) -> str | None:
@@ -177,6 +211,29 @@ def _alternatives(rows: LogprobRows | list | None, k: int) -> list[list[tuple[in
         return [[(i, _lp(lp)) for lp, i in zip(lr, ir)]
                 for lr, ir in zip(top.logprobs.tolist(), top.ids.tolist())]
     return [[(int(r[1]), _lp(r[0])) for r in (row or [])[:k]] for row in rows]
+
+
+def _token_key(tpl: ChatTemplate, token_id: int) -> str:
+    """A token as legacy completions name it: its text, or (a token that is not whole
+    UTF-8 on its own) ``bytes:\\xNN...`` as OpenAI writes such tokens."""
+    raw = bytes(tpl.token_bytes(token_id))
+    text = tpl.token_text(token_id)
+    if "\ufffd" in text and raw:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+def _keyed(tpl: ChatTemplate, alts: list[tuple[int, float]]) -> dict[str, float]:
+    """Legacy ``top_logprobs``: one key per alternative, all k kept: a key another
+    alternative already holds (two tokens with one text) gets `` (id N)`` appended."""
+    out: dict[str, float] = {}
+    for a, alp in alts:
+        key = _token_key(tpl, a)
+        out[key if key not in out else f"{key} (id {a})"] = alp
+    return out
 
 
 def _lp_entries(tpl: ChatTemplate, ids: np.ndarray, lps: np.ndarray,
@@ -404,16 +461,15 @@ async def completions(req: CompletionRequest, request: Request, sessions: Sessio
                                  group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
 
     def lp_obj(ids: np.ndarray, lps: np.ndarray, rows: list | None = None) -> dict[str, Any]:
-        toks = [tpl.token_text(i) for i in ids.tolist()]
         offs, o = [], 0
-        for t in toks:
+        for i in ids.tolist():
             offs.append(o)
-            o += len(t)
+            o += len(tpl.token_text(i))
         tops = None
         if k:
-            tops = [{tpl.token_text(a): alp for a, alp in alts}
-                    for alts in _alternatives(rows, k)]
-        return {"tokens": toks, "token_logprobs": [_lp(x) for x in lps.tolist()],
+            tops = [_keyed(tpl, alts) for alts in _alternatives(rows, k)]
+        return {"tokens": [_token_key(tpl, i) for i in ids.tolist()],
+                "token_logprobs": [_lp(x) for x in lps.tolist()],
                 "top_logprobs": tops, "text_offset": offs}
 
     if not req.stream:
@@ -472,7 +528,6 @@ async def end_session(session_id: str, request: Request, sessions: Sessions) -> 
         body = EndSession.model_validate_json(raw) if raw.strip() else EndSession()
     except ValueError as exc:
         raise InvalidArgument(f"invalid body: {exc}") from None
-    _finite(body.reward, "reward")
     return ORJSONResponse(await sessions.end(session_id, body.reward, body.await_reward))
 
 
@@ -480,6 +535,5 @@ async def end_session(session_id: str, request: Request, sessions: Sessions) -> 
 async def trajectory_reward(trajectory_id: str, body: RewardBody,
                             sessions: Sessions) -> Response:
     """Attach a reward to a session trajectory held with ``await_reward``; publishes it."""
-    _finite(body.reward, "reward")
     return ORJSONResponse(await sessions.attach_reward(trajectory_id, body.reward))
 

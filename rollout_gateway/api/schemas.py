@@ -78,6 +78,11 @@ def apply_limits(doc: dict[str, Any], settings: Any) -> dict[str, Any]:
         sp = props.get("sampling_params")
         if sp:
             samplings.append(sp)
+    for name in ("ChatCompletionRequest", "CompletionRequest"):  # the OpenAI routes
+        props = (comps.get(name) or {}).get("properties", {})
+        _set_max(props.get("n"), settings.max_samples_per_request)
+        for key in ("max_tokens", "max_completion_tokens"):
+            _set_max(props.get(key), settings.max_new_tokens_limit)
     for sp in samplings:
         for branch in _branches(sp):
             props = branch.get("properties", {})

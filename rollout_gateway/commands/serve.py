@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "tokenizer directory with a chat template (docs/agents.md)")
     p.add_argument("--served-model-name", help="model id of the OpenAI routes (default reference)")
     p.add_argument("--insecure", action="store_true", default=None,
-                   help="allow a non-loopback bind without the admin and learner keys")
+                   help="allow a non-loopback bind without the admin, learner and client keys")
     p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--grpc-client-ca", help="PEM CA: require learner client certificates (mTLS)")
@@ -91,19 +91,24 @@ def is_loopback(host: str) -> bool:
 
 def check_bind(settings) -> None:
     """Refuse (InvalidArgument) to listen on a non-loopback address while the admin or the
-    learner key is unset, unless ``settings.insecure``."""
+    learner key is unset, or (a non-loopback HTTP bind: the client routes are there) the
+    client key, unless ``settings.insecure``."""
     from rollout_gateway.errors import InvalidArgument
 
     exposed = [h for h in (settings.http_host, settings.grpc_host) if not is_loopback(h)]
-    missing = [name for name, v in (("ROLLOUT_GATEWAY_ADMIN_API_KEY", settings.admin_api_key),
-                                    ("ROLLOUT_GATEWAY_LEARNER_API_KEY",
-                                     settings.learner_api_key or settings.learner_jobs))
-               if not v]
+    keys = [("ROLLOUT_GATEWAY_ADMIN_API_KEY", settings.admin_api_key),
+            ("ROLLOUT_GATEWAY_LEARNER_API_KEY", settings.learner_api_key or settings.learner_jobs)]
+    if not is_loopback(settings.http_host):
+        # client tenants (when configured) are client keys too
+        keys.append(("ROLLOUT_GATEWAY_CLIENT_API_KEY",
+                     settings.client_api_key or getattr(settings, "client_tenants", None)))
+    missing = [name for name, v in keys if not v]
     if exposed and missing and not settings.insecure:
         raise InvalidArgument(
             f"refusing to listen on {', '.join(sorted(set(exposed)))} (not loopback) without "
             f"{' and '.join(missing)}: anyone who reaches the port could swap weights or read "
-            "trajectories. Set the keys, bind 127.0.0.1, or pass --insecure "
+            "trajectories (or, without the client key, generate on your engines). Set the "
+            "keys, bind 127.0.0.1, or pass --insecure "
             "(ROLLOUT_GATEWAY_INSECURE=true) to accept that.")
 
 

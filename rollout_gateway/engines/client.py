@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
+from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config, vocab_from_hf_config
 from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
 from rollout_gateway.errors import EngineError, GatewayError, InvalidArgument
@@ -80,6 +80,8 @@ class EngineInfo:
     #: /server_info's enable_return_routed_experts (None: the engine does not say)
     routing_enabled: bool | None = None
     model_path: str | None = None
+    #: the model's vocabulary size (from the same config as the shape; None: unknown)
+    vocab_size: int | None = None
     #: where num_layers / top_k / num_experts came from, or why they could not be read
     shape_source: str | None = None
     exact_entropy: bool = False  # its last answer carried output_token_entropy
@@ -305,10 +307,12 @@ class EngineClient:
         cfg = model.get("model_config") or model.get("hf_config")
         if isinstance(cfg, dict):  # the engine reports its config (reference engine)
             found, info.shape_source = shape_from_hf_config(cfg), "/model_info model_config"
+            info.vocab_size = vocab_from_hf_config(cfg)
         elif info.model_path is not None:
             hf, where = await asyncio.to_thread(read_hf_config, info.model_path)
             found = shape_from_hf_config(hf) if hf is not None else (None, None, None)
             info.shape_source = where
+            info.vocab_size = vocab_from_hf_config(hf) if hf is not None else None
         else:
             found = (None, None, None)
         info.num_layers, info.top_k, info.num_experts = found

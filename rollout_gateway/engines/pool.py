@@ -205,6 +205,15 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self._engines)
 
+    def vocab_size(self) -> int | None:
+        """Token ids must be below this: the setting (model.vocab_size), else the smallest
+        vocabulary the engines' configs report, else None (unknown: unchecked)."""
+        if self.settings.model.vocab_size is not None:
+            return self.settings.model.vocab_size
+        known = [e.client.info.vocab_size for e in self._engines.values()
+                 if e.client.info.vocab_size is not None]
+        return min(known) if known else None
+
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()

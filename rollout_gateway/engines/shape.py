@@ -50,6 +50,14 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> tuple[int | None, int | None, i
     return _first_int(cfg, LAYER_KEYS), _first_int(cfg, TOP_K_KEYS), _first_int(cfg, EXPERT_KEYS)
 
 
+def vocab_from_hf_config(cfg: dict[str, Any]) -> int | None:
+    """The model's vocabulary size (token ids are below it), from a HF config dict."""
+    for c in (cfg, *(cfg.get(k) for k in ("text_config", "language_config", "llm_config"))):
+        if isinstance(c, dict) and (v := _first_int(c, ("vocab_size",))) is not None:
+            return v
+    return None
+
+
 def read_hf_config(model_path: str) -> tuple[dict[str, Any] | None, str]:
     """(config dict, where/why) for ``<model_path>/config.json``; None when unreadable."""
     p = Path(model_path)

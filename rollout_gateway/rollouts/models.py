@@ -1,16 +1,27 @@
-"""Request models of a rollout (validated once at the HTTP boundary)."""
+"""Request models of a rollout (validated once at the HTTP boundary).
+
+Types are strict (``ConfigDict(strict=True)``): ``n: "3"``, a token id ``true`` or a float
+``2.0`` where an integer belongs is a 422, never coerced; an integer is accepted where a
+float belongs."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollout_gateway.core.metadata import client_metadata
 
 #: the widest integers engines and the wire carry: token ids are int32 (SGLang, the
 #: gateway's columns and rollout.v1), seeds int64, lengths far below either
 INT32_MAX = (1 << 31) - 1
 INT64_MAX = (1 << 63) - 1
 MAX_TOKENS = 1 << 20  # max_new_tokens / min_new_tokens / top_k: beyond any real model
+MAX_N = 4096  # samples of one request (the configured max_samples_per_request is lower)
+MAX_STOP_CHARS = 4096  # one stop string
+MAX_STOPS = 64  # stop strings of one request
+#: a reward is a finite number in [-MAX_ABS_REWARD, MAX_ABS_REWARD] (docs/agents.md)
+MAX_ABS_REWARD = 1e6
 
 
 def _utf8(v: str) -> str:
@@ -26,6 +37,29 @@ def _utf8(v: str) -> str:
 #: a string that is valid UTF-8
 Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=0, le=INT64_MAX)]
+StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+Reward = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)]
+
+
+def no_surrogates(v: Any, where: str = "body") -> Any:
+    """Every string anywhere in ``v`` (keys too) is valid Unicode; the ValueError names
+    where the first that is not sits (for free-form fields: messages, tools)."""
+    if isinstance(v, str):
+        try:
+            return _utf8(v)
+        except ValueError:
+            raise ValueError(f"{where} must be valid Unicode (it holds a lone "
+                             "surrogate)") from None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            no_surrogates(k, f"{where} (a key)")
+            no_surrogates(x, f"{where}.{k}")
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            no_surrogates(x, f"{where}[{i}]")
+    return v
+
 
 #: sampling_params keys forwarded to SGLang (0.5.23 rejects unknown keys)
 SAMPLING_KEYS = frozenset({
@@ -39,7 +73,7 @@ SAMPLING_KEYS = frozenset({
 class SamplingParams(BaseModel):
     """SGLang sampling parameters (the subset the gateway understands and forwards)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int = Field(default=128, ge=1, le=MAX_TOKENS,
                                 description="Tokens to generate at most.")
@@ -52,15 +86,15 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0, le=10, description="Repetition penalty.")
     min_new_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS,
                                 description="Tokens before stop/EOS may end.")
-    stop: Annotated[Text, Field(max_length=4096)] | Annotated[
-        list[Annotated[Text, Field(max_length=4096)]], Field(max_length=64)] | None = Field(
-        default=None, description="Stop strings.")
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = Field(
+        default=None, description=f"Stop strings (up to {MAX_STOPS}, each at most "
+        f"{MAX_STOP_CHARS} characters).")
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=1024,
                                                  description="Stop token ids.")
     ignore_eos: bool = Field(default=False, description="Keep generating past EOS.")
     skip_special_tokens: bool = Field(default=True, description="Detokenizer option.")
-    sampling_seed: int | None = Field(default=None, ge=0, le=INT64_MAX,
-                                      description="Per-request sampling seed.")
+    sampling_seed: Seed | None = Field(default=None, description="Per-request sampling seed "
+                                       "(0 to 2^63-1).")
     no_stop_trim: bool = Field(default=False, description="Keep the matched stop string/token "
                                "in the text (slime sends true).")
     spaces_between_special_tokens: bool = Field(default=True, description="Detokenizer option.")
@@ -85,13 +119,14 @@ def one_of(a: str, b: str) -> dict[str, Any]:
 class RolloutRequest(BaseModel):
     """``POST /v1/rollouts``: n samples of one prompt."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=one_of("prompt", "input_ids"))
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra=one_of("prompt", "input_ids"))
 
     prompt: Text | None = Field(default=None, min_length=1,
                                 description="Prompt text (the engine tokenizes).")
     input_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=1 << 22,
                                             description="Prompt token ids.")
-    n: int = Field(default=1, ge=1, le=4096, description="Samples (each its own engine request).")
+    n: int = Field(default=1, ge=1, le=MAX_N, description="Samples (each its own engine request).")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams,
                                             description="Sampling parameters.")
     group_id: Text | None = Field(default=None, max_length=256,
@@ -116,6 +151,11 @@ class RolloutRequest(BaseModel):
         "request: any | latest | min_version:<v> | max_staleness:<k> (docs/gateway.md, "
         "'Version policy'); null: header x-version-policy, else the gateway's setting. None "
         "qualifying: 503 with Retry-After.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _caller_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        return client_metadata(v) or {}
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:

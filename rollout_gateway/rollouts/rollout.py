@@ -82,6 +82,14 @@ class RolloutService:
         if req.prompt is not None and len(req.prompt) > s.max_prompt_chars:
             raise InvalidArgument(f"prompt has {len(req.prompt)} characters; the limit is "
                                   f"{s.max_prompt_chars}")
+        vocab = self.pool.vocab_size() if self.pool is not None else None  # None: no engines
+        if vocab is not None:  # one place for every route (SGLang does not check them)
+            bad = max(max(req.input_ids or (), default=-1),
+                      max(req.sampling_params.stop_token_ids or (), default=-1))
+            if bad >= vocab:
+                raise InvalidArgument(f"token id {bad} is out of the model's vocabulary; "
+                                      f"valid ids are [0, {vocab})",
+                                      details={"vocab_size": vocab})
         if req.metadata:
             size = sum(len(k.encode()) + len(v.encode()) for k, v in req.metadata.items())
             if size > s.max_metadata_bytes:

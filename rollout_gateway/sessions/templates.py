@@ -17,6 +17,13 @@ Two kinds, one interface (:class:`ChatTemplate`):
 
 Sessions never re-tokenize what the model produced: they only tokenize the text the
 template adds *after* it (see :mod:`rollout_gateway.sessions.session`).
+
+Special-token text inside a message (a user writing ``<|eos|>`` or ``<|im_end|>``) is text:
+:meth:`ChatTemplate.render` marks it (:data:`MARK`, a lone surrogate, which validated
+request text can never hold) and :meth:`ChatTemplate.encode` turns marked special text into
+ordinary tokens (bytes), so a message can never forge a turn boundary. Only the template's
+own specials become special ids. A raw ``/v1/completions`` prompt is the template's text
+written by hand: its special-token text stays special (as SGLang tokenizes it).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 SPECIAL_NAMES = {BOS_ID: "<|bos|>", EOS_ID: "<|eos|>", PAD_ID: "<|pad|>"}
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+#: written after the first character of special-token text found in a message (render);
+#: encode drops it and encodes that text as ordinary tokens. A lone surrogate: no validated
+#: request text holds one (rollouts.models.Text), so it cannot be forged.
+MARK = "\udfff"
 
 
 class ChatTemplate(ABC):
@@ -64,6 +75,27 @@ class ChatTemplate(ABC):
 
     def token_bytes(self, token_id: int) -> list[int]:
         return list(self.token_text(token_id).encode("utf-8"))
+
+    def special_texts(self) -> list[str]:
+        """The texts the tokenizer turns into special ids (longest first)."""
+        return []
+
+    def escape(self, text: str) -> str:
+        """Message text with its special-token text marked (:data:`MARK`): encoded as
+        ordinary tokens, never as special ids."""
+        for sp in self.special_texts():
+            if sp in text:
+                text = text.replace(sp, sp[0] + MARK + sp[1:])
+        return text
+
+    def _marked_parts(self, text: str) -> list[tuple[str, bool]]:
+        """``text`` as (part, was marked special text) pairs, the marks removed."""
+        if MARK not in text:
+            return [(text, False)]
+        marked = [sp[0] + MARK + sp[1:] for sp in self.special_texts()]
+        pattern = re.compile("(" + "|".join(re.escape(m) for m in marked) + ")")
+        return [(p.replace(MARK, ""), i % 2 == 1)
+                for i, p in enumerate(pattern.split(text)) if p]
 
 
 def tool_call_text(call: dict[str, Any]) -> str:
@@ -117,16 +149,20 @@ class ReferenceTemplate(ChatTemplate):
     _split = re.compile("(" + "|".join(re.escape(SPECIAL_NAMES[i]) for i in (BOS_ID, EOS_ID)) + ")")
     _ids = {SPECIAL_NAMES[BOS_ID]: BOS_ID, SPECIAL_NAMES[EOS_ID]: EOS_ID}
 
+    def special_texts(self) -> list[str]:
+        return [SPECIAL_NAMES[i] for i in (BOS_ID, EOS_ID)]
+
     def render(self, messages, *, tools, add_generation_prompt):
         out = ["<|bos|>"]
         if tools:
-            out.append("<|tools|>\n" + json.dumps(tools, ensure_ascii=False) + "<|eos|>\n")
+            out.append("<|tools|>\n" + self.escape(json.dumps(tools, ensure_ascii=False))
+                       + "<|eos|>\n")
         for m in messages:
-            body = m.get("content") or ""
+            body = self.escape(m.get("content") or "")
             for call in m.get("tool_calls") or ():
                 fn = call["function"]
-                body += tool_call_text({"function": {"name": fn["name"],
-                                                     "arguments": _args_obj(fn["arguments"])}})
+                body += self.escape(tool_call_text(
+                    {"function": {"name": fn["name"], "arguments": _args_obj(fn["arguments"])}}))
             out.append(f"<|{m['role']}|>\n{body}<|eos|>\n")
         if add_generation_prompt:
             out.append("<|assistant|>\n")
@@ -137,8 +173,8 @@ class ReferenceTemplate(ChatTemplate):
         for part in self._split.split(text):
             if part in self._ids:
                 ids.append(self._ids[part])
-            elif part:
-                ids.extend(part.encode("utf-8"))
+            elif part:  # marked special text (a message's) is bytes like the rest
+                ids.extend(part.replace(MARK, "").encode("utf-8"))
         return ids
 
     def decode(self, ids, *, skip_special_tokens=True):
@@ -183,11 +219,20 @@ class HFTemplate(ChatTemplate):
         self.name = f"hf:{path}"
         ends = {self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()
         self.end_ids = frozenset(ends)
+        specials = set(getattr(self.tok, "all_special_tokens", []) or [])
+        specials |= {t.content for t in (getattr(self.tok, "added_tokens_decoder", {}) or {})
+                     .values() if getattr(t, "special", False)}
+        self._specials = sorted((t for t in specials if len(t) > 1), key=len, reverse=True)
+
+    def special_texts(self) -> list[str]:
+        return self._specials
 
     def render(self, messages, *, tools, add_generation_prompt):
         msgs = []
         for m in messages:
             m = dict(m)
+            if isinstance(m.get("content"), str):
+                m["content"] = self.escape(m["content"])
             if m.get("tool_calls"):
                 m["tool_calls"] = [{"id": c["id"], "type": "function",
                                     "function": {"name": c["function"]["name"],
@@ -201,7 +246,13 @@ class HFTemplate(ChatTemplate):
             raise InvalidArgument(f"the chat template rejected the messages: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        for part, marked in self._marked_parts(text):
+            if marked:  # special-token text of a message: its characters, not the special
+                ids += self.tok.encode(part, add_special_tokens=False, split_special_tokens=True)
+            else:
+                ids += self.tok.encode(part, add_special_tokens=False)
+        return ids
 
     def decode(self, ids, *, skip_special_tokens=True):
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

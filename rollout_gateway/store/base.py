@@ -313,3 +313,32 @@ def check_name(kind: str, value: str) -> str:
 
         raise InvalidArgument(f"{kind} must be 1-128 characters of [A-Za-z0-9_.:@-], got {value!r}")
     return value
+
+
+#: entry ids as stores write them: ASCII digits (memory store: "12"; Redis streams: "<ms>-<seq>")
+_ENTRY_ID = r"[0-9]{1,20}(?:-[0-9]{1,20})?"
+
+
+def entry_numbers(entry_id: str, *, dashed: bool) -> tuple[int, ...]:
+    """The numbers of an entry id, parsed strictly: ASCII digits only (``"²"`` or ``"١٢"``
+    are InvalidArgument, never a crash nor another entry), ``<n>`` for the memory store,
+    ``<ms>-<seq>`` (``dashed``) for Redis streams."""
+    import re
+
+    pattern = r"([0-9]{1,20})-([0-9]{1,20})" if dashed else r"([0-9]{1,20})"
+    m = re.fullmatch(pattern, entry_id, flags=re.ASCII) if isinstance(entry_id, str) else None
+    if m is None:
+        from rollout_gateway.errors import InvalidArgument
+
+        shown = entry_id[:40] if isinstance(entry_id, str) else type(entry_id).__name__
+        raise InvalidArgument(f"malformed entry id {shown!r} (expected "
+                              f"{'<ms>-<seq>' if dashed else 'a sequence number'} in ASCII "
+                              "digits)")
+    return tuple(int(g) for g in m.groups())
+
+
+def is_entry_id(entry_id: object) -> bool:
+    """The shape every store's ids share (checked at the transport, before the store)."""
+    import re
+
+    return isinstance(entry_id, str) and re.fullmatch(_ENTRY_ID, entry_id, flags=re.ASCII) is not None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, StoreError
+from rollout_gateway.errors import NotFound, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -28,6 +28,7 @@ from rollout_gateway.store.base import (
     check_name,
     count_unconsumed,
     entry_facts,
+    entry_numbers,
     version_tokens,
 )
 
@@ -272,12 +273,7 @@ class MemoryStore(TrajectoryStore):
 
     @staticmethod
     def _seqs(entry_ids: list[str]) -> list[int]:
-        out = []
-        for i in entry_ids:
-            if not (isinstance(i, str) and i.isdigit()):
-                raise InvalidArgument(f"malformed entry id {i!r}")
-            out.append(int(i))
-        return out
+        return [entry_numbers(i, dashed=False)[0] for i in entry_ids]
 
     async def ack(self, group: str, entry_ids: list[str]) -> int:
         self._check_open()

@@ -36,7 +36,7 @@ from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, StoreError
+from rollout_gateway.errors import NotFound, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -48,6 +48,7 @@ from rollout_gateway.store.base import (
     check_name,
     count_unconsumed,
     entry_facts,
+    entry_numbers,
     version_tokens,
 )
 from rollout_gateway.store.redis_client import blocking_client
@@ -112,11 +113,8 @@ log = logging.getLogger(__name__)
 
 
 def _parse_id(eid: str) -> tuple[int, int]:
-    try:
-        ms, seq = eid.split("-")
-        return int(ms), int(seq)
-    except ValueError:
-        raise InvalidArgument(f"malformed entry id {eid!r}") from None
+    ms, seq = entry_numbers(eid, dashed=True)
+    return ms, seq
 
 
 def _s(v: bytes | str) -> str:

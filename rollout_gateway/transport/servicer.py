@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from rollout_gateway.auth import Authenticator, Role
+from rollout_gateway.auth import Authenticator, Principal, Role, bearer
 from rollout_gateway.core.staleness import StalePolicy
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.errors import FailedPrecondition, GatewayError, InvalidArgument, NotFound
 from rollout_gateway.redact import clean_message
-from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name
+from rollout_gateway.store.base import StoredEntry, TrajectoryStore, check_name, is_entry_id
 from rollout_gateway.transport.control_plane import ControlPlane, WeightSource, WeightSourceKind
 from rollout_proto import codec
 from rollout_proto.rollout.v1 import service_pb2 as spb
@@ -88,8 +88,10 @@ def _size(e: StoredEntry) -> int:
 def _ids(ids) -> list[str]:
     if len(ids) > _MAX_IDS:
         raise InvalidArgument(f"at most {_MAX_IDS} entry ids per call, got {len(ids)}")
-    if any(not i for i in ids):
-        raise InvalidArgument("entry ids must be non-empty")
+    bad = next((i for i in ids if not is_entry_id(i)), None)
+    if bad is not None:
+        raise InvalidArgument(f"malformed entry id {bad[:40]!r}: entry ids are ASCII digits "
+                              "('<n>' or '<ms>-<seq>')")
     return list(ids)
 
 
@@ -154,6 +156,14 @@ class TrajectoryServicer:
             return False
         md = context.invocation_metadata() or ()
         return self.auth.is_admin(next((v for k, v in md if k == "authorization"), None))
+
+    def _job(self, context) -> Principal | None:
+        """The caller when its token is a job's (bound to consumer groups), else None."""
+        if self.auth is None:
+            return None
+        md = context.invocation_metadata() or ()
+        p = self.auth.identify(bearer(next((v for k, v in md if k == "authorization"), None)))
+        return p if p is not None and p.groups is not None else None
 
     def _group(self, context, kind: str, value: str) -> str:
         """A valid group name the caller's learner token may use (else PERMISSION_DENIED)."""
@@ -262,6 +272,12 @@ class TrajectoryServicer:
                 status.lag.CopyFrom(lag_status(await self.lag_report()))
             except GatewayError as exc:
                 status.lag.error = f"{exc.code.value}: {exc.message}"[:500]
+        job = self._job(context)
+        if job is not None:  # a job sees its own groups only, and not the replica's host
+            mine = [g for g in status.lag.groups if job.may_use_group(g.group)]
+            del status.lag.groups[:]
+            status.lag.groups.extend(mine)
+            status.lag.replica = ""
         return status
 
     @_unary

@@ -13,7 +13,7 @@ import sys
 import httpx
 import orjson
 import pytest
-from _gateway_support import GatewayProcess, rollout
+from _gateway_support import GatewayProcess
 
 pytestmark = pytest.mark.integration
 

@@ -88,7 +88,14 @@ def test_bind_check():
         check_bind(load_settings(http_host="0.0.0.0", admin_api_key=ADMIN))
     with pytest.raises(InvalidArgument, match="ADMIN_API_KEY"):
         check_bind(load_settings(grpc_host="0.0.0.0", learner_api_key=LEARNER))
+    # the client routes are on the HTTP port: its public bind needs the client key too
+    with pytest.raises(InvalidArgument, match="CLIENT_API_KEY") as err:
+        check_bind(load_settings(http_host="0.0.0.0", admin_api_key=ADMIN,
+                                 learner_api_key=LEARNER))
+    assert "ADMIN_API_KEY" not in str(err.value) and "LEARNER_API_KEY" not in str(err.value)
+    check_bind(load_settings(grpc_host="0.0.0.0", admin_api_key=ADMIN, learner_api_key=LEARNER))
     check_bind(load_settings(http_host="0.0.0.0", grpc_host="::", admin_api_key=ADMIN,
+                             client_api_key=CLIENT,
                              learner_jobs=[{"token": JOB_A, "groups": ["job-a"]}]))
     check_bind(load_settings(http_host="0.0.0.0", insecure=True))
 
