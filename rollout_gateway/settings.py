@@ -351,7 +351,11 @@ class GatewaySettings(BaseSettings):
     breaker: CircuitBreaker = Field(default_factory=CircuitBreaker,
                                     description="Per-engine circuit breaker.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
-                                 description="On SIGTERM: seconds to let in-flight rollouts finish.")
+                                 description="On SIGTERM: the process exits within this "
+                                 "many seconds. New generation requests get 503; in-flight "
+                                 "rollouts may finish until near its end, then what still "
+                                 "runs is cut short and published with the output so far "
+                                 "(finish_reason abort, counted cut_short).")
     engine_discovery: EngineDiscovery = Field(
         default_factory=EngineDiscovery, description="Find engines through DNS (headless "
         "Service). Env: ROLLOUT_GATEWAY_ENGINE_DISCOVERY__DNS_NAME=... etc.")

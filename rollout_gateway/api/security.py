@@ -92,14 +92,18 @@ class RequestGuard:
 
     - a body larger than ``max_body_bytes`` is refused with 413 (by Content-Length before
       reading, or while reading a chunked body);
-    - at most ``max_pending_requests`` generation requests at once; the next gets 429 with
-      ``Retry-After`` without being read;
+    - at most ``max_pending_requests`` generation requests at once (``max_pending_per_tenant``
+      of one tenant); the next gets 429 with ``Retry-After`` without being read (a stream
+      counts until its generation ends: :class:`Hold`);
+    - while the gateway drains (SIGTERM), a new generation request gets 503 with
+      ``Retry-After``;
     - an unexpected exception becomes a generic 500 body and is logged here, not re-raised,
       so the server keeps the keep-alive connection open."""
 
     def __init__(self, app, *, max_body_bytes: int, max_pending: int, retry_after_s: int,
                  max_pending_per_tenant: int | None = None,
-                 tenant_of: Callable[[str | None], str | None] | None = None):
+                 tenant_of: Callable[[str | None], str | None] | None = None,
+                 draining: Callable[[], bool] = lambda: False):
         self.app = app
         self.max_body = max_body_bytes
         self.max_pending = max_pending
@@ -108,6 +112,7 @@ class RequestGuard:
         self.retry_after = str(retry_after_s).encode()
         self.pending = 0
         self.by_tenant: dict[str, int] = {}
+        self.draining = draining  # shutting down: new generation requests get 503
 
     def _release(self, tenant: str) -> None:
         self.pending -= 1
@@ -136,6 +141,10 @@ class RequestGuard:
                                         f"{self.max_body} bytes")
         limited = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
         hold: Hold | None = None
+        if limited and self.draining():
+            return await self._send(send, 503, "UNAVAILABLE", "the gateway is shutting down; "
+                                    "retry on another replica or later",
+                                    [(b"retry-after", self.retry_after)])
         if limited:
             tenant = ""
             if self.tenant_of is not None:

@@ -19,7 +19,7 @@ from rollout_gateway.errors import AlreadyExists, GatewayError, InvalidArgument
 from rollout_gateway.redact import clean_message
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import PassThrough, SampleRunner
+from rollout_gateway.rollouts.sample import CUT_SHORT, PassThrough, SampleRunner
 from rollout_gateway.rollouts.tenancy import (
     DIGEST_KEY,
     TENANT_KEY,
@@ -49,7 +49,7 @@ class RolloutService:
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
-                         "replayed": 0}
+                         "replayed": 0, "cut_short": 0}
         self._background: set[asyncio.Task[None]] = set()
         self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
         #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
@@ -90,6 +90,15 @@ class RolloutService:
             if size > s.max_metadata_bytes:
                 raise InvalidArgument(f"metadata has {size} bytes; the limit is "
                                       f"{s.max_metadata_bytes}")
+
+    def cut_short(self) -> int:
+        """Shutdown past ``drain_grace_s``: every sample in flight ends with the output it
+        has (finish_reason abort, message :data:`CUT_SHORT`; judged and published as any
+        other, counted as ``cut_short``); one with no output yet fails. The engine requests
+        are broken off (an engine aborts a request whose client left). Returns how many
+        requests were broken off."""
+        self.runner.cutting = True
+        return sum(e.client.abort_inflight(CUT_SHORT) for e in self.pool.list())
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""
@@ -166,6 +175,8 @@ class RolloutService:
                                                    passthrough=passthrough)
                 if stamp:
                     traj.metadata.update(stamp)
+                if traj.finish_reason.message == CUT_SHORT:
+                    self.counters["cut_short"] += 1
                 self._count(traj)
                 if self.oldlogits is not None:  # exact old logits before delivery
                     await self.oldlogits.fill(traj, req.sampling_params.temperature)

@@ -35,13 +35,18 @@ class StoreStats:
     stale_recycled: int = 0  # deliveries whose prompt was queued for re-generation
     dead_lettered: int = 0  # entries nacked max_deliveries times (acked, kept for audit)
     redelivered: int = 0  # deliveries with delivery_count > 1 (lease expiry or nack)
+    overflow_dropped: int = 0  # entries a full consumer group lost (max_backlog per group)
 
 
 class StoreConfig(BaseModel):
     """Semantics shared by every store implementation."""
 
-    max_backlog: int = Field(100_000, ge=1, description="publish raises ResourceExhausted "
-                             "when the backlog (max over groups) reaches this bound")
+    max_backlog: int = Field(100_000, ge=1, description="bound on each consumer group's "
+                             "backlog: a publish that finds a group full drops that group's "
+                             "oldest entry for it (it is acked unseen in that group and counted "
+                             "overflow_dropped; other groups keep it), so one job's unread group "
+                             "never stops the others. With no group at all, publish raises "
+                             "ResourceExhausted once this many entries are stored")
     lease_seconds: float = Field(300.0, gt=0, le=86_400, description="a delivered, unacked "
                                  "entry is re-claimable by another consumer after this long")
     max_deliveries: int = Field(5, ge=1, le=1000, description="a nack of an entry already "
@@ -92,6 +97,7 @@ class GroupStats:
     backlog: int  # not acknowledged (pending + never delivered)
     pending: int  # delivered and not yet acknowledged
     redelivered: int  # deliveries to this group with delivery_count > 1, ever
+    overflow_dropped: int = 0  # entries this group lost at its max_backlog, ever
 
 
 @dataclass(slots=True)
@@ -134,8 +140,10 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     async def publish(self, trajectory: Trajectory) -> bool:
         """Store a finished trajectory. Returns False if the id was already stored
-        (duplicate publish; nothing changes). Raises ResourceExhausted when the
-        backlog bound is reached and StoreError when the backend fails."""
+        (duplicate publish; nothing changes). A consumer group whose backlog is at
+        ``max_backlog`` loses its oldest entry (counted ``overflow_dropped``, overall and for
+        the group); with no group, raises ResourceExhausted when ``max_backlog`` entries are
+        stored. Raises StoreError when the backend fails."""
 
     @abc.abstractmethod
     async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:

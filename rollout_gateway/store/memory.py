@@ -43,7 +43,7 @@ CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER);
 """
 
 _COUNTERS = ("published", "duplicates", "stale_dropped", "stale_masked", "stale_recycled",
-             "dead_lettered", "redelivered")
+             "dead_lettered", "redelivered", "overflow_dropped")
 
 
 @dataclass(slots=True)
@@ -139,6 +139,30 @@ class MemoryStore(TrajectoryStore):
             return len(self._entries)
         return max(self._next_seq - g.cursor + len(g.pending) for g in self._groups.values())
 
+    def _make_room(self) -> None:
+        """Before a publish: with no group, refuse at max_backlog; a group at max_backlog
+        loses its oldest entry (the oldest pending one, else the next undelivered)."""
+        bound = self.config.max_backlog
+        if not self._groups:
+            if len(self._entries) >= bound:
+                raise ResourceExhausted(f"trajectory store holds max_backlog={bound} entries "
+                                        "and no consumer group exists; create one and pull")
+            return
+        for g in self._groups.values():
+            if self._next_seq - g.cursor + len(g.pending) < bound:
+                continue
+            if g.pending:
+                seq = min(g.pending)
+                del g.pending[seq]
+                self._write("DELETE FROM pending WHERE grp=? AND seq=?", (g.name, seq))
+            else:
+                g.cursor += 1
+                self._write("UPDATE groups SET cursor=? WHERE name=?", (g.cursor, g.name))
+            for k in ("overflow_dropped", f"overflow_dropped:{g.name}"):
+                self._counters[k] = self._counters.get(k, 0) + 1
+                self._write("INSERT OR REPLACE INTO counters VALUES (?, ?)",
+                            (k, self._counters[k]))
+
     async def publish(self, trajectory: Trajectory) -> bool:
         self._check_open()
         tid = trajectory.trajectory_id
@@ -148,9 +172,7 @@ class MemoryStore(TrajectoryStore):
             self._write("INSERT OR REPLACE INTO counters VALUES ('duplicates', ?)",
                         (self._counters["duplicates"],))
             return False
-        if self._backlog() >= self.config.max_backlog:
-            raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
-                                    f"{self.config.max_backlog}; learners are behind")
+        self._make_room()
         ntok, vmin, vmax = entry_facts(trajectory)
         entry = _Entry(self._next_seq, tid, trajectory_codec.encode(trajectory), ntok, vmin, vmax, now,
                        version_tokens(trajectory))
@@ -188,7 +210,7 @@ class MemoryStore(TrajectoryStore):
                           backlog=self._backlog(), max_backlog=self.config.max_backlog,
                           stale_dropped=c["stale_dropped"], stale_masked=c["stale_masked"],
                           stale_recycled=c["stale_recycled"], dead_lettered=c["dead_lettered"],
-                          redelivered=c["redelivered"])
+                          redelivered=c["redelivered"], overflow_dropped=c["overflow_dropped"])
 
     async def close(self) -> None:
         if self._closed:
@@ -343,7 +365,8 @@ class MemoryStore(TrajectoryStore):
     async def group_stats(self) -> list[GroupStats]:
         return [GroupStats(group=g.name, backlog=self._next_seq - g.cursor + len(g.pending),
                            pending=len(g.pending),
-                           redelivered=self._counters.get(f"redelivered:{g.name}", 0))
+                           redelivered=self._counters.get(f"redelivered:{g.name}", 0),
+                           overflow_dropped=self._counters.get(f"overflow_dropped:{g.name}", 0))
                 for g in self._groups.values()]
 
     async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
