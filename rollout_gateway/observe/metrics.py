@@ -221,18 +221,25 @@ class _Live:
                      st.stale_recycled),
                     ("store_dead_lettered", "Entries dead-lettered after max deliveries",
                      st.dead_lettered),
-                    ("store_redelivered", "Redeliveries (lease expiry or nack)", st.redelivered)):
+                    ("store_redelivered", "Redeliveries (lease expiry or nack)", st.redelivered),
+                    ("store_overflow_dropped", "Entries full consumer groups lost "
+                     "(max_backlog per group: oldest dropped)", st.overflow_dropped)):
                 yield _counter(PREFIX + name, help_, v, shared)
             gb = GaugeMetricFamily("rollout_gateway_group_backlog",
                                    "Entries a consumer group has not acknowledged",
                                    labels=["group", "shared"])
             gr = CounterMetricFamily("rollout_gateway_group_redelivered",
                                      "Redeliveries to a consumer group", labels=["group", "shared"])
+            go = CounterMetricFamily("rollout_gateway_group_overflow_dropped",
+                                     "Entries a consumer group lost at its max_backlog "
+                                     "(oldest dropped)", labels=["group", "shared"])
             for grp in snap.get("groups", []):
                 gb.add_metric([grp.group, "true"], grp.backlog)
                 gr.add_metric([grp.group, "true"], grp.redelivered)
+                go.add_metric([grp.group, "true"], grp.overflow_dropped)
             yield gb
             yield gr
+            yield go
             un = snap.get("unconsumed")
             if un is not None and lv is not None:
                 yield lag_histogram("rollout_gateway_unconsumed_token_lag",
