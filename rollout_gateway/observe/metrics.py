@@ -55,6 +55,8 @@ ROLLOUT_COUNTERS = {
                            "re-prefilled by retract, abort_resume and failover"),
     "replayed": ("rollout_gateway_replayed", "Samples of a retried request_id answered from "
                  "the store"),
+    "cut_short": ("rollout_gateway_cut_short", "Samples cut short by shutdown past "
+                  "drain_grace_s (published with their output so far)"),
 }
 _ADMISSION_GAUGES = ("running", "recycle_waiting")
 
