@@ -353,4 +353,5 @@ def test_follow_up_leaves_an_engine_outside_the_staleness_bound(make_engine, che
         c2 = turn(m)
         assert c2["rollout"]["engine_ids"] == [other]
         assert set(c2["rollout"]["policy_version"]) == {1}
-        assert c2["rollout"]["trajectory_id"].startswith(f"{sid}.b0.")  # same trajectory, new engine
+        # same trajectory, new engine
+        assert c2["rollout"]["trajectory_id"].startswith(f"{sid}.b0.")
