@@ -138,7 +138,11 @@ class RolloutService:
             data = (await self.store.lookup([traj.trajectory_id])).get(traj.trajectory_id)
         except GatewayError:
             return None
-        return trajectory_codec.decode(data) if data else None
+        kept = trajectory_codec.decode(data) if data else None
+        if kept is not None:  # the other run's body must be this one's (409 otherwise)
+            check_same(req.request_id, kept.metadata.get(DIGEST_KEY),
+                       traj.metadata.get(DIGEST_KEY, ""))
+        return kept
 
     def _count(self, traj: Trajectory) -> None:
         self.counters["samples"] += 1
