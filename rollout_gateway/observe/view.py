@@ -47,7 +47,7 @@ class AdmissionFigures(Protocol):
 
 class SessionFigures(Protocol):
     counters: dict[str, int]
-    sessions: dict[str, Any]  # open sessions by id
+    sessions: dict[Any, Any]  # open sessions by (tenant, session id)
 
 
 class OldLogitFigures(Protocol):

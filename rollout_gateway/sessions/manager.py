@@ -197,6 +197,10 @@ class SessionManager:
         (``max_sessions``) and per tenant (``max_sessions_per_tenant``)."""
         key = (s.tenant, s.session_id)
         if key in self.sessions:
+            if self.sessions[key] is not s:  # another first call got there first
+                raise FailedPrecondition(f"session {s.session_id!r} already has a call in "
+                                         "flight; a session's turns are sequential",
+                                         details={"session_id": s.session_id})
             return
         if len(self.sessions) >= self.max_sessions:
             raise ResourceExhausted(f"{self.max_sessions} sessions are open (max_sessions); "
