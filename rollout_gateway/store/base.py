@@ -154,7 +154,10 @@ class TrajectoryStore(abc.ABC):
 
     @abc.abstractmethod
     async def backlog(self) -> int:
-        """Finished-but-unconsumed trajectories (for admission control)."""
+        """Finished-but-unconsumed trajectories for admission control: the backlog of the
+        most caught-up consumer group (every stored entry when there is no group), so a
+        group nobody reads (a stopped job) never stalls generation for the others.
+        :meth:`stats` reports the worst group's."""
 
     @abc.abstractmethod
     async def stats(self) -> StoreStats:

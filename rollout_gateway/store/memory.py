@@ -202,7 +202,9 @@ class MemoryStore(TrajectoryStore):
         return out
 
     async def backlog(self) -> int:
-        return self._backlog()
+        if not self._groups:
+            return len(self._entries)
+        return min(self._next_seq - g.cursor + len(g.pending) for g in self._groups.values())
 
     async def stats(self) -> StoreStats:
         c = self._counters

@@ -236,13 +236,14 @@ class RedisStore(TrajectoryStore):
                 for g, base in groups.items()}
 
     async def backlog(self) -> int:
-        return max((await self._backlogs()).values())
+        return min((await self._backlogs()).values())
 
     async def stats(self) -> StoreStats:
         async with self._io("stats"):
             c = {k.decode(): int(v) for k, v in (await self._r.hgetall(self._k_counters)).items()}
         return StoreStats(published=c.get("published", 0), duplicates=c.get("duplicates", 0),
-                          backlog=await self.backlog(), max_backlog=self.config.max_backlog,
+                          backlog=max((await self._backlogs()).values()),
+                          max_backlog=self.config.max_backlog,
                           stale_dropped=c.get("stale_dropped", 0),
                           stale_masked=c.get("stale_masked", 0),
                           stale_recycled=c.get("stale_recycled", 0),

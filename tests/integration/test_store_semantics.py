@@ -111,6 +111,8 @@ async def test_a_full_group_loses_its_oldest_and_never_blocks_another(make):
         assert [e.trajectory_id for e in got] == [f"t{i}"]
         assert await s.ack("live", [e.entry_id for e in got]) == 1
     assert await s.group_backlog("zombie") == 3 and await s.group_backlog("live") == 0
+    assert await s.backlog() == 0  # admission: the most caught-up group's
+    assert (await s.stats()).backlog == 3  # dashboards: the worst group's
     zs = await s.read("zombie", "c", 10)
     assert [e.trajectory_id for e in zs] == ["t2", "t3", "t4"]  # its newest 3
     assert (await s.stats()).overflow_dropped == 2
