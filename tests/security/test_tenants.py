@@ -58,6 +58,8 @@ def test_two_tenants_cannot_see_write_end_or_reward_each_others_sessions(gw):
     for who, target in ((B, only_a), (B, never)):
         r = end(gw, who, target, {"reward": 1.0})
         assert r.status_code == 404, r.text
+    r = end(gw, B, only_a, tenant="team-a")  # naming the tenant is the admin's alone
+    assert r.status_code == 404, r.text
     # no existence oracle: another tenant's session answers as one that never existed
     mine, absent = end(gw, B, only_a), end(gw, B, never)
     assert mine.status_code == absent.status_code == 404
