@@ -31,6 +31,7 @@ from rollout_gateway.api.security import (
     require_client,
 )
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
+from rollout_gateway.api.version_policy import apply_body_policy, versions_header
 from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
@@ -70,6 +71,7 @@ rollouts = APIRouter(tags=["rollouts"], dependencies=[Depends(require_client)])
 async def create_rollout(req: RolloutRequest, request: Request, rollouts: Rollouts,
                          registry: Registry) -> Response:
     """n samples of one prompt, stamped per token and published to the store."""
+    apply_body_policy(req.version_policy)
     tenant = caller(request).owner
     if req.stream:
         # admission errors: plain 4xx; the samples count as pending until they end, even
@@ -90,7 +92,8 @@ async def create_rollout(req: RolloutRequest, request: Request, rollouts: Rollou
         return sse(rendered())
     trajs = await rollouts.run(req, tenant)
     return ORJSONResponse({"trajectories": [trajectory_to_json(t) for t in trajs],
-                           "learner_version": await registry.learner_version()})
+                           "learner_version": await registry.learner_version()},
+                          headers=versions_header(trajs))
 
 
 weights = APIRouter(tags=["weights"])

@@ -27,7 +27,7 @@ DIGEST_KEY = "request_digest"
 #: the fields that make two requests with one request_id the same request (``stream``
 #: is how the answer is delivered, not what is asked for)
 DIGEST_FIELDS = ("prompt", "input_ids", "n", "sampling_params", "group_id", "session_id",
-                 "metadata", "publish", "return_routed_experts")
+                 "metadata", "publish", "return_routed_experts", "version_policy")
 
 
 def request_base(tenant: str, request_id: str) -> str:

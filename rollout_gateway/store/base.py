@@ -15,6 +15,7 @@ embedded in-process store (one machine). Both have the same semantics:
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from rollout_gateway.core.staleness import StalePolicy, is_stale, lag
 from rollout_gateway.core.trajectory import Trajectory
+from rollout_gateway.errors import ResourceExhausted
 
 
 @dataclass(slots=True)
@@ -36,6 +38,15 @@ class StoreStats:
     dead_lettered: int = 0  # entries nacked max_deliveries times (acked, kept for audit)
     redelivered: int = 0  # deliveries with delivery_count > 1 (lease expiry or nack)
     overflow_dropped: int = 0  # entries a full consumer group lost (max_backlog per group)
+
+    @classmethod
+    def of(cls, counters: Mapping[str, int], backlog: int, max_backlog: int) -> StoreStats:
+        """From a store's counters by name (one not counted yet is 0)."""
+        c = {k: counters.get(k, 0) for k in ("published", "duplicates", "stale_dropped",
+                                              "stale_masked", "stale_recycled",
+                                              "dead_lettered", "redelivered",
+                                              "overflow_dropped")}
+        return cls(backlog=backlog, max_backlog=max_backlog, **c)
 
 
 class StoreConfig(BaseModel):
@@ -84,9 +95,7 @@ class StoredEntry:
 
     def tokens_by_version(self) -> dict[int, int]:
         """Output tokens per policy version (dashboards: lag of delivered tokens)."""
-        if self.version_tokens:
-            return parse_version_tokens(self.version_tokens)
-        return {self.min_version: self.num_tokens} if self.min_version >= 0 else {}
+        return tokens_by_version(self.version_tokens, self.min_version, self.num_tokens)
 
 
 @dataclass(slots=True)
@@ -126,6 +135,35 @@ def parse_version_tokens(s: str) -> dict[int, int]:
             v, _, c = part.partition(":")
             out[int(v)] = out.get(int(v), 0) + int(c)
     return out
+
+
+def tokens_by_version(vt: str, min_version: int, num_tokens: int) -> dict[int, int]:
+    """Output tokens per policy version of a stored entry: its ``vt`` (see version_tokens),
+    or, for an entry that predates the field, all its tokens at ``min_version``."""
+    if vt:
+        return parse_version_tokens(vt)
+    return {min_version: num_tokens} if min_version >= 0 else {}
+
+
+def count_unconsumed(facts: Iterable[tuple[str, int, int]], limit: int) -> UnconsumedTokens:
+    """The tokens per version of the first ``limit`` unconsumed entries, oldest first, each
+    given as (vt, min_version, num_tokens); truncated when there were more."""
+    out: dict[int, int] = {}
+    n = 0
+    for vt, lo, ntok in facts:
+        if n >= limit:
+            return UnconsumedTokens(out, n, True)
+        n += 1
+        for v, c in tokens_by_version(vt, lo, ntok).items():
+            out[v] = out.get(v, 0) + c
+    return UnconsumedTokens(out, n, False)
+
+
+def backlog_full(max_backlog: int) -> ResourceExhausted:
+    """What publish raises when ``max_backlog`` entries are stored and no consumer group
+    exists (a group bounds itself: its oldest entry goes)."""
+    return ResourceExhausted(f"trajectory store holds max_backlog={max_backlog} entries and "
+                             "no consumer group exists; create one and pull")
 
 
 def entry_facts(traj: Trajectory) -> tuple[int, int, int]:

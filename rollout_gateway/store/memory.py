@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
+from rollout_gateway.errors import InvalidArgument, NotFound, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -24,9 +24,10 @@ from rollout_gateway.store.base import (
     StoreStats,
     TrajectoryStore,
     UnconsumedTokens,
+    backlog_full,
     check_name,
+    count_unconsumed,
     entry_facts,
-    parse_version_tokens,
     version_tokens,
 )
 
@@ -145,8 +146,7 @@ class MemoryStore(TrajectoryStore):
         bound = self.config.max_backlog
         if not self._groups:
             if len(self._entries) >= bound:
-                raise ResourceExhausted(f"trajectory store holds max_backlog={bound} entries "
-                                        "and no consumer group exists; create one and pull")
+                raise backlog_full(bound)
             return
         for g in self._groups.values():
             if self._next_seq - g.cursor + len(g.pending) < bound:
@@ -207,12 +207,7 @@ class MemoryStore(TrajectoryStore):
         return min(self._next_seq - g.cursor + len(g.pending) for g in self._groups.values())
 
     async def stats(self) -> StoreStats:
-        c = self._counters
-        return StoreStats(published=c["published"], duplicates=c["duplicates"],
-                          backlog=self._backlog(), max_backlog=self.config.max_backlog,
-                          stale_dropped=c["stale_dropped"], stale_masked=c["stale_masked"],
-                          stale_recycled=c["stale_recycled"], dead_lettered=c["dead_lettered"],
-                          redelivered=c["redelivered"], overflow_dropped=c["overflow_dropped"])
+        return StoreStats.of(self._counters, self._backlog(), self.config.max_backlog)
 
     async def close(self) -> None:
         if self._closed:
@@ -373,21 +368,9 @@ class MemoryStore(TrajectoryStore):
 
     async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
         groups = list(self._groups.values())
-        out: dict[int, int] = {}
-        n = 0
-        truncated = False
-        for seq, e in self._entries.items():
-            if groups and not any(seq >= g.cursor or seq in g.pending for g in groups):
-                continue
-            if n >= limit:
-                truncated = True
-                break
-            n += 1
-            tv = parse_version_tokens(e.vt) if e.vt else (
-                {e.vmin: e.ntok} if e.vmin >= 0 else {})
-            for v, c in tv.items():
-                out[v] = out.get(v, 0) + c
-        return UnconsumedTokens(out, n, truncated)
+        return count_unconsumed(
+            ((e.vt, e.vmin, e.ntok) for seq, e in self._entries.items()
+             if not groups or any(seq >= g.cursor or seq in g.pending for g in groups)), limit)
 
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         taken, self._recycled = self._recycled[:max_n], self._recycled[max_n:]
