@@ -4,12 +4,11 @@ timeout, streaming with stop strings, sticky engines, and clear 4xx on bad input
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import httpx
 import pytest
-from _gateway_support import GatewayProcess
+from _gateway_support import GatewayProcess, pull_ids
 
 pytestmark = pytest.mark.integration
 
@@ -39,26 +38,7 @@ def oai(gw):
 
 
 def pull_until(gw, want: set[str], timeout: float = 30.0) -> dict:
-    """Pull (own consumer group) until every id in ``want`` arrived; {id: Rollout}."""
-    from learner_client import TrajectoryClient
-
-    got: dict = {}
-    c = TrajectoryClient(f"127.0.0.1:{gw.grpc_port}", group=f"g-{uuid.uuid4().hex[:6]}")
-
-    def found(w: str) -> str | None:  # session ids end in a random part: "<sid>.b0.<r>"
-        return next((t for t in got if t == w or t.startswith(w + ".")), None)
-    try:
-        c.create_group()
-        deadline = time.monotonic() + timeout
-        while not all(map(found, want)) and time.monotonic() < deadline:
-            rs = c.pull(16, timeout=2)
-            got.update({r.trajectory_id: r for r in rs})
-            if rs:
-                c.ack(rs)
-    finally:
-        c.close()
-    assert all(map(found, want)), (want, set(got))
-    return {**got, **{w: got[found(w)] for w in want}}
+    return pull_ids(gw, want, timeout=timeout)
 
 
 def chat(oai, sid, messages, **kw):

@@ -4,10 +4,10 @@ helpers (against a real ``serve``)."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import httpx
+from _gateway_support import pull_ids
 
 ADMIN, LEARNER = "admin-key-0123456789", "learner-key-0123456789"
 A, B, C = ("team-a-token-0123456789", "team-b-token-0123456789",
@@ -54,22 +54,5 @@ def traj_id(resp: httpx.Response) -> str:
 
 def pull_until(gw, want: set[str], *, group: str | None = None, token: str = LEARNER,
                timeout: float = 60.0) -> dict:
-    """Pull (a fresh consumer group unless named) until every id in ``want`` arrived;
-    {id: Rollout}. Each pull blocks until entries arrive (no sleeping)."""
-    from learner_client import TrajectoryClient
-
-    got: dict = {}
-    c = TrajectoryClient(f"127.0.0.1:{gw.grpc_port}", group=group or new_id("audit"),
-                         token=token)
-    try:
-        c.create_group()
-        deadline = time.monotonic() + timeout
-        while not want <= set(got) and time.monotonic() < deadline:
-            rs = c.pull(16, timeout=2)
-            got.update({r.trajectory_id: r for r in rs})
-            if rs:
-                c.ack(rs)
-    finally:
-        c.close()
-    assert want <= set(got), (want, set(got))
-    return got
+    """{id: Rollout} once every id in ``want`` arrived (the learner token by default)."""
+    return pull_ids(gw, want, group=group, token=token, timeout=timeout)
