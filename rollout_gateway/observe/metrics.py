@@ -187,6 +187,11 @@ class _Live:
                                       value=v)
         yield GaugeMetricFamily(PREFIX + "sessions_open", "Agent sessions open now",
                                 value=len(view.sessions.sessions))
+        by = GaugeMetricFamily(PREFIX + "tenant_sessions_open", "Agent sessions open now, "
+                               "per tenant (client_tenants)", labels=["tenant"])
+        for tenant, n in sorted(view.sessions.open_by_tenant.items()):
+            by.add_metric([tenant], n)
+        yield by
         f = view.tracker.finished
         for name, help_, v in (
                 ("trajectories_spanning_versions", "Finished trajectories whose tokens come "

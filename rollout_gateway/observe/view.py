@@ -48,6 +48,7 @@ class AdmissionFigures(Protocol):
 class SessionFigures(Protocol):
     counters: dict[str, int]
     sessions: dict[Any, Any]  # open sessions by (tenant, session id)
+    open_by_tenant: dict[str, int]  # how many of them each tenant has
 
 
 class OldLogitFigures(Protocol):

@@ -5,6 +5,7 @@ every tenant's, and each trajectory carries its tenant (metadata the client cann
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from _gateway_support import GatewayProcess
 from _support import PATIENT_HEALTH
@@ -117,6 +118,8 @@ def test_failed_calls_open_no_session_and_sessions_are_counted_per_tenant(gw):
         assert r.status_code == 200, r.text
     r = chat(gw, C, new_id("c"), "one more")
     assert r.status_code == 429 and "max_sessions_per_tenant" in r.text, r.text
+    metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert 'rollout_gateway_tenant_sessions_open{tenant="team-c"} 3.0' in metrics
     assert chat(gw, C, None, "no session: not counted").status_code == 200
     other = new_id("b")  # another tenant is not stopped by c's sessions
     assert chat(gw, B, other, "hi").status_code == 200
