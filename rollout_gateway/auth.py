@@ -10,7 +10,10 @@ Three roles, one token each (settings ``admin_api_key``, ``learner_api_key``,
   ``learner_jobs`` adds tokens bound to consumer groups: such a token touches only groups
   named in its ``groups`` (exact names, or prefixes written ``name*``), so one training job
   cannot pull or ack another job's trajectories.
-- **client**: ``/v1/rollouts`` and ``/generate``; open unless ``client_api_key`` is set.
+- **client**: ``/v1/rollouts``, ``/generate`` and the OpenAI routes; open unless
+  ``client_api_key`` or ``client_tenants`` is set. Each client token belongs to a tenant
+  (``client_api_key``: ``default``; ``client_tenants``: one named token each): sessions,
+  request ids and held trajectories are the tenant's own (:attr:`Principal.tenant`).
 
 A role whose credentials are not configured is open (local development on loopback;
 ``serve``/``up`` refuse a non-loopback bind without the admin and learner keys unless told
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from rollout_gateway.errors import PermissionDenied, Unauthenticated
+from rollout_gateway.settings import DEFAULT_TENANT
 
 
 class Role(StrEnum):
@@ -36,10 +40,23 @@ class Role(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """An authenticated caller. ``groups`` None = every consumer group."""
+    """An authenticated caller. ``groups`` None = every consumer group. ``tenant``: a
+    client's tenant (None for the admin and learners)."""
 
     role: Role
     groups: tuple[str, ...] | None = None
+    tenant: str | None = None
+
+    @property
+    def sees_all(self) -> bool:
+        """The admin: acts on every tenant's sessions and trajectories."""
+        return self.role is Role.ADMIN
+
+    @property
+    def owner(self) -> str:
+        """The tenant whose namespace this caller's own calls live in (the admin's and an
+        open role's: ``default``)."""
+        return self.tenant or DEFAULT_TENANT
 
     def may_use_group(self, group: str) -> bool:
         if self.groups is None:
@@ -50,6 +67,8 @@ class Principal:
 
 #: the caller of an open role (no credentials configured for it)
 ANONYMOUS_ADMIN = Principal(Role.ADMIN)
+#: the caller of an open client role: tenant ``default``, sees only its own
+OPEN_CLIENT = Principal(Role.CLIENT, tenant=DEFAULT_TENANT)
 
 
 def bearer(header: str | None) -> str | None:
@@ -72,10 +91,12 @@ def _secret(v) -> str | None:
 class Authenticator:
     """Checks tokens against the configured ones.
 
-    ``jobs`` are (token, groups) pairs of learner tokens bound to consumer groups."""
+    ``jobs`` are (token, groups) pairs of learner tokens bound to consumer groups;
+    ``tenants`` (name, token) pairs of client tokens (``client`` is tenant ``default``)."""
 
     def __init__(self, *, admin: object = None, learner: object = None, client: object = None,
-                 jobs: Iterable[tuple[object, Iterable[str]]] = ()) -> None:
+                 jobs: Iterable[tuple[object, Iterable[str]]] = (),
+                 tenants: Iterable[tuple[str, object]] = ()) -> None:
         self._admin = _secret(admin)
         self._learner = _secret(learner)
         self._client = _secret(client)
@@ -87,13 +108,18 @@ class Authenticator:
             self._all.append((self._learner.encode(), Principal(Role.LEARNER)))
         for tok, groups in self._jobs:
             self._all.append((tok.encode(), Principal(Role.LEARNER, groups)))
+        self._tenants = [(n, t) for n, t in ((n, _secret(t)) for n, t in tenants) if t]
         if self._client:
-            self._all.append((self._client.encode(), Principal(Role.CLIENT)))
+            self._all.append((self._client.encode(), Principal(Role.CLIENT,
+                                                               tenant=DEFAULT_TENANT)))
+        for name, tok in self._tenants:
+            self._all.append((tok.encode(), Principal(Role.CLIENT, tenant=name)))
 
     @classmethod
     def from_settings(cls, s) -> Authenticator:
         return cls(admin=s.admin_api_key, learner=s.learner_api_key, client=s.client_api_key,
-                   jobs=[(j.token, j.groups) for j in s.learner_jobs])
+                   jobs=[(j.token, j.groups) for j in s.learner_jobs],
+                   tenants=[(t.name, t.token) for t in s.client_tenants])
 
     def open_for(self, role: Role) -> bool:
         """No credential is configured that this role could be asked for."""
@@ -101,7 +127,7 @@ class Authenticator:
             return self._admin is None
         if role is Role.LEARNER:
             return self._learner is None and not self._jobs
-        return self._client is None
+        return self._client is None and not self._tenants
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +158,9 @@ class Authenticator:
         if self.open_for(role):
             p = self.identify(bearer(authorization))
             # an open role still honours a group-bound learner token's limits
-            return p if p is not None and p.role in (role, Role.ADMIN) else ANONYMOUS_ADMIN
+            if p is not None and p.role in (role, Role.ADMIN):
+                return p
+            return OPEN_CLIENT if role is Role.CLIENT else ANONYMOUS_ADMIN
         p = self.identify(bearer(authorization))
         if p is None:
             raise Unauthenticated(f"this needs the {role.value} token: send "
@@ -141,6 +169,14 @@ class Authenticator:
             return p
         raise PermissionDenied(f"a {p.role.value} token may not do this; it needs the "
                                f"{role.value} token")
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant a request's token belongs to (``default`` for the admin's and for an
+        open client role), or None for a token that is no client's (the route refuses it)."""
+        p = self.identify(bearer(authorization))
+        if p is None:
+            return DEFAULT_TENANT if self.open_for(Role.CLIENT) else None
+        return p.owner
 
     @staticmethod
     def check_group(principal: Principal, group: str) -> None:

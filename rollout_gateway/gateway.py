@@ -103,6 +103,7 @@ class Gateway:
         self.heap = HeapTrimmer(s.heap_trim_s)
         self.started_at = time.time()
         self.serving = False  # /health and gRPC health: True between start() and draining
+        self.draining = False  # SIGTERM: new generation requests are refused (503)
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

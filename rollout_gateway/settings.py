@@ -65,6 +65,24 @@ class LearnerJob(BaseModel):
         return v
 
 
+#: a tenant's name: what trajectories carry in metadata "tenant" and what namespaces its
+#: session and request ids
+TENANT_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+#: the tenant of ``client_api_key`` (and of every client call while the client role is open)
+DEFAULT_TENANT = "default"
+
+
+class ClientTenant(BaseModel):
+    """A client token of one tenant: its sessions, request ids and held trajectories are its
+    own (another tenant's token gets 404 for them)."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str = Field(pattern=TENANT_NAME, description="Tenant name (stamped on its "
+                      "trajectories as metadata 'tenant').")
+    token: SecretStr = Field(min_length=16, max_length=4096, description="The bearer token.")
+
+
 class Timeouts(BaseModel):
     """Per-phase deadlines for engine calls, in seconds."""
 
@@ -246,7 +264,19 @@ class GatewaySettings(BaseSettings):
         "'[{\"token\": \"...\", \"groups\": [\"job-a\", \"job-a-*\"]}]'.")
     client_api_key: SecretStr | None = Field(
         default=None, min_length=16, max_length=4096,
-        description="Client token for /v1/rollouts and /generate. Unset: those are open.")
+        description="Client token for /v1/rollouts, /generate and the OpenAI routes: the "
+        "tenant named 'default'. Unset (and no client_tenants): those are open.")
+    client_tenants: list[ClientTenant] = Field(
+        default_factory=list, max_length=10_000,
+        description="Client tokens per tenant: JSON '[{\"name\": \"team-a\", \"token\": "
+        "\"...\"}]'. Sessions, request ids and held trajectories belong to the tenant that "
+        "made them; another tenant gets 404, the admin token acts on all.")
+    max_sessions_per_tenant: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Open sessions of one tenant at most "
+        "(429 past it). Unset: max_sessions.")
+    max_pending_per_tenant: int | None = Field(
+        default=None, ge=1, le=1_000_000, description="Generation requests of one tenant in "
+        "progress at most (429 with Retry-After past it). Unset: max_pending_requests.")
     insecure: bool = Field(
         default=False, description="Allow binding a non-loopback address without the admin "
         "and learner keys (and, for the HTTP bind, the client key): serve/up refuse "
@@ -340,7 +370,11 @@ class GatewaySettings(BaseSettings):
     breaker: CircuitBreaker = Field(default_factory=CircuitBreaker,
                                     description="Per-engine circuit breaker.")
     drain_grace_s: float = Field(default=30.0, ge=0, le=3600,
-                                 description="On SIGTERM: seconds to let in-flight rollouts finish.")
+                                 description="On SIGTERM: the process exits within this "
+                                 "many seconds. New generation requests get 503; in-flight "
+                                 "rollouts may finish until near its end, then what still "
+                                 "runs is cut short and published with the output so far "
+                                 "(finish_reason abort, counted cut_short).")
     engine_discovery: EngineDiscovery = Field(
         default_factory=EngineDiscovery, description="Find engines through DNS (headless "
         "Service). Env: ROLLOUT_GATEWAY_ENGINE_DISCOVERY__DNS_NAME=... etc.")
@@ -364,6 +398,21 @@ class GatewaySettings(BaseSettings):
         "without one (metadata reward=missing).")
     max_sessions: int = Field(default=10_000, ge=1, le=10_000_000,
                               description="Open sessions at most; a new one past it gets 429.")
+
+    @model_validator(mode="after")
+    def _tenants(self) -> GatewaySettings:
+        names = [t.name for t in self.client_tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("client_tenants: tenant names must be unique")
+        if self.client_api_key is not None and DEFAULT_TENANT in names:
+            raise ValueError(f"client_tenants: {DEFAULT_TENANT!r} is client_api_key's tenant; "
+                             "name the tenant otherwise or drop client_api_key")
+        tokens = [t.token.get_secret_value() for t in self.client_tenants]
+        if self.client_api_key is not None:
+            tokens.append(self.client_api_key.get_secret_value())
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("client_tenants: every tenant needs its own token")
+        return self
 
     @model_validator(mode="after")
     def _tls(self) -> GatewaySettings:

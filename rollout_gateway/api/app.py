@@ -36,7 +36,10 @@ def create_app(gateway: Backend, *, manage_gateway: bool = True) -> FastAPI:
 
     s = gateway.settings
     app.add_middleware(RequestGuard, max_body_bytes=s.max_body_bytes,
-                       max_pending=s.max_pending_requests, retry_after_s=s.retry_after_s)
+                       max_pending=s.max_pending_requests, retry_after_s=s.retry_after_s,
+                       max_pending_per_tenant=s.max_pending_per_tenant,
+                       tenant_of=gateway.auth.tenant_of,
+                       draining=lambda: getattr(gateway, "draining", False))
     from rollout_gateway.api import ops, routes
     from rollout_gateway.api.generate import router as generate_router
     from rollout_gateway.api.openai import router as openai_router

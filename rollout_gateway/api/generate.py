@@ -37,7 +37,7 @@ try:  # SIMD base64 (a base dependency); the stdlib is the fallback
     from pybase64 import b64encode
 except ImportError:  # pragma: no cover
     from base64 import b64encode
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ from rollout_gateway.api.deps import Pool, Rollouts
 from rollout_gateway.api.errors import ORJSONResponse, validation_text
 from rollout_gateway.api.routes import sse
 from rollout_gateway.api.schemas import generate_openapi_body
-from rollout_gateway.api.security import require_client
+from rollout_gateway.api.security import caller, keep_pending, require_client
 from rollout_gateway.api.serialize import RawString, segment_to_json
 from rollout_gateway.api.version_policy import apply_body_policy, versions_header
 from rollout_gateway.core.trajectory import Trajectory, Transition
@@ -319,11 +319,14 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
         raise InvalidArgument(f"body is not valid JSON: {exc}") from None
     items = parse_generate(body)
     apply_body_policy(body.get("version_policy"))
+    tenant = caller(request).owner
     as_list = len(items) > 1 or items[0].req.n > 1
     if items[0].opts.stream:
         await rollouts.check_policy()  # none qualifying: a 503 before the stream begins
-        return sse(_stream(rollouts, pool, items))
-    results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough)
+        return sse(_stream(rollouts, pool, items, await _open(rollouts, items, tenant,
+                                                              keep_pending(request))))
+    results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough,
+                                                            tenant=tenant)
                                      for it in items))
     outs = []
     for it, res in zip(items, results):
@@ -337,7 +340,31 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
                           headers=versions_header(t for res in results for t, _ in res))
 
 
-async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item]
+async def _open(rollouts: RolloutService, items: list[Item], tenant: str,
+                free: Callable[[], None]) -> list[AsyncIterator[dict[str, Any]]]:
+    """Start every item's samples now (admission errors raise here); ``free`` is called
+    once all of them have ended, whether or not the client stays to read them."""
+    left = [len(items)]
+
+    def one_done() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            free()
+
+    streams: list[AsyncIterator[dict[str, Any]]] = []
+    try:
+        for it in items:
+            streams.append(await rollouts.open_stream(it.req, it.passthrough, tenant=tenant,
+                                                      on_done=one_done))
+    except BaseException:
+        for _ in range(len(items) - len(streams)):
+            one_done()
+        raise
+    return streams
+
+
+async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item],
+                  streams: list[AsyncIterator[dict[str, Any]]]
                   ) -> AsyncIterator[dict[str, Any]]:
     """SGLang-style stream: each chunk carries the sample's whole output so far
     (``finish_reason`` null, ``text`` filled in the final chunk), stamps included; the final
@@ -353,7 +380,6 @@ async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item]
     base = [0]
     for it in items[:-1]:
         base.append(base[-1] + it.req.n)
-    streams = [await rollouts.open_stream(it.req, it.passthrough) for it in items]
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int) -> None:

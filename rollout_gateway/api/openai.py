@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rollout_gateway.api.deps import Sessions, Settings, StartedAt
 from rollout_gateway.api.errors import ORJSONResponse, validation_text
-from rollout_gateway.api.security import require_client
+from rollout_gateway.api.security import caller, keep_pending, require_client
 from rollout_gateway.core.metadata import client_metadata
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.errors import InvalidArgument, NotFound
@@ -34,7 +34,7 @@ from rollout_gateway.rollouts.models import (
     TokenId,
     no_surrogates,
 )
-from rollout_gateway.sessions.manager import Reply
+from rollout_gateway.sessions.manager import Reply, SessionManager
 from rollout_gateway.sessions.messages import canonical_messages
 from rollout_gateway.sessions.templates import ChatTemplate
 from rollout_gateway.settings import GatewaySettings
@@ -346,6 +346,19 @@ class _TextStream:
         return ""  # cannot happen with the hold-back; never resend text
 
 
+async def _call(request: Request, sessions: SessionManager, stream: bool, **kw: Any) -> Any:
+    """One session call as the caller's tenant; a stream keeps counting against the
+    pending limits until its generation ends, even when the client leaves first."""
+    free = keep_pending(request) if stream else None
+    try:
+        return await sessions.call(tenant=caller(request).owner, stream=stream, on_done=free,
+                                   **kw)
+    except BaseException:
+        if free is not None:
+            free()
+        raise
+
+
 # ---- /v1/chat/completions ----
 
 @router.post("/v1/chat/completions")
@@ -371,9 +384,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, session
     if parse_tools and req.parallel_tool_calls is False:
         parse_tools = 1  # at most one call; later blocks stay in the content
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    out = await sessions.call(sid=sid, kind="chat", plan_input=messages, tools=req.tools,
-                                 sp=sp, n=req.n, parse_tools=parse_tools, stream=req.stream,
-                                 group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
+    out = await _call(request, sessions, req.stream, sid=sid, kind="chat",
+                      plan_input=messages, tools=req.tools, sp=sp, n=req.n,
+                      parse_tools=parse_tools, group_id=req.group_id, metadata=req.metadata,
+                      top_logprobs=k)
     if not req.stream:
         replies: list[Reply] = out  # type: ignore[assignment]
         choices = []
@@ -456,9 +470,9 @@ async def completions(req: CompletionRequest, request: Request, sessions: Sessio
     tpl = sessions.template
     want_lp = req.logprobs is not None
     k = req.logprobs or 0
-    out = await sessions.call(sid=sid, kind="completion", plan_input=prompt, tools=None,
-                                 sp=sp, n=req.n, parse_tools=False, stream=req.stream,
-                                 group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
+    out = await _call(request, sessions, req.stream, sid=sid, kind="completion",
+                      plan_input=prompt, tools=None, sp=sp, n=req.n, parse_tools=False,
+                      group_id=req.group_id, metadata=req.metadata, top_logprobs=k)
 
     def lp_obj(ids: np.ndarray, lps: np.ndarray, rows: list | None = None) -> dict[str, Any]:
         offs, o = [], 0
@@ -519,21 +533,36 @@ async def get_model(model_id: str, settings: Settings, started_at: StartedAt) ->
                            "owned_by": "rollout-gateway"})
 
 
+def _owner(request: Request) -> str | None:
+    """The tenant whose sessions and trajectories the caller may touch (None: the admin,
+    every tenant's)."""
+    p = caller(request)
+    return None if p.sees_all else p.owner
+
+
 @router.post("/v1/sessions/{session_id}/end")
-async def end_session(session_id: str, request: Request, sessions: Sessions) -> Response:
+async def end_session(session_id: str, request: Request, sessions: Sessions,
+                      tenant: str | None = None) -> Response:
     """End a session: its trajectory (current branch) is published, with the reward if
-    given; ``await_reward`` holds it for POST /v1/trajectories/{id}/reward instead."""
+    given; ``await_reward`` holds it for POST /v1/trajectories/{id}/reward instead.
+    Another tenant's session is not found (404); the admin ends any tenant's (``?tenant=``
+    names which when several tenants have this session id)."""
     raw = await request.body()
     try:
         body = EndSession.model_validate_json(raw) if raw.strip() else EndSession()
     except ValueError as exc:
         raise InvalidArgument(f"invalid body: {exc}") from None
-    return ORJSONResponse(await sessions.end(session_id, body.reward, body.await_reward))
+    owner = _owner(request)
+    return ORJSONResponse(await sessions.end(session_id, body.reward, body.await_reward,
+                                             owner=owner,
+                                             tenant=tenant if owner is None else None))
 
 
 @router.post("/v1/trajectories/{trajectory_id}/reward")
-async def trajectory_reward(trajectory_id: str, body: RewardBody,
+async def trajectory_reward(trajectory_id: str, body: RewardBody, request: Request,
                             sessions: Sessions) -> Response:
-    """Attach a reward to a session trajectory held with ``await_reward``; publishes it."""
-    return ORJSONResponse(await sessions.attach_reward(trajectory_id, body.reward))
+    """Attach a reward to a session trajectory held with ``await_reward``; publishes it.
+    Another tenant's trajectory is not found (404)."""
+    return ORJSONResponse(await sessions.attach_reward(trajectory_id, body.reward,
+                                                       owner=_owner(request)))
 

@@ -22,7 +22,14 @@ from rollout_gateway.api.deps import (
     View,
 )
 from rollout_gateway.api.errors import ORJSONResponse
-from rollout_gateway.api.security import is_admin, public_view, require_admin, require_client
+from rollout_gateway.api.security import (
+    caller,
+    is_admin,
+    keep_pending,
+    public_view,
+    require_admin,
+    require_client,
+)
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
 from rollout_gateway.api.version_policy import apply_body_policy, versions_header
 from rollout_gateway.errors import EngineError, GatewayError
@@ -61,11 +68,20 @@ rollouts = APIRouter(tags=["rollouts"], dependencies=[Depends(require_client)])
 
 
 @rollouts.post("/v1/rollouts")
-async def create_rollout(req: RolloutRequest, rollouts: Rollouts, registry: Registry) -> Response:
+async def create_rollout(req: RolloutRequest, request: Request, rollouts: Rollouts,
+                         registry: Registry) -> Response:
     """n samples of one prompt, stamped per token and published to the store."""
     apply_body_policy(req.version_policy)
+    tenant = caller(request).owner
     if req.stream:
-        events = await rollouts.open_stream(req)  # admission errors: plain 4xx
+        # admission errors: plain 4xx; the samples count as pending until they end, even
+        # when the client goes away first
+        free = keep_pending(request)
+        try:
+            events = await rollouts.open_stream(req, tenant=tenant, on_done=free)
+        except BaseException:
+            free()
+            raise
 
         async def rendered() -> AsyncIterator[dict[str, Any]]:
             async for ev in events:
@@ -74,7 +90,7 @@ async def create_rollout(req: RolloutRequest, rollouts: Rollouts, registry: Regi
                           "trajectory": trajectory_to_json(ev["trajectory"])}
                 yield ev
         return sse(rendered())
-    trajs = await rollouts.run(req)
+    trajs = await rollouts.run(req, tenant)
     return ORJSONResponse({"trajectories": [trajectory_to_json(t) for t in trajs],
                            "learner_version": await registry.learner_version()},
                           headers=versions_header(trajs))

@@ -1,7 +1,11 @@
 """``rollout-gateway serve``: HTTP API (uvicorn) + learner gRPC service in one process.
 
-SIGTERM/SIGINT: health goes off (HTTP /health 503, gRPC NOT_SERVING), in-flight rollouts
-get ``drain_grace_s`` to finish and publish, then both servers stop.
+SIGTERM/SIGINT: health goes off (HTTP /health 503, gRPC NOT_SERVING) and new generation
+requests get 503 with Retry-After; in-flight rollouts get ``drain_grace_s`` to finish and
+publish. Near its end, samples still running are cut short: they end with the output they
+have (finish_reason abort, counted ``cut_short``) and are published as any other; then both
+servers stop and open sessions are published. The process exits within ``drain_grace_s``
+(plus the store's close).
 """
 
 from __future__ import annotations
@@ -189,18 +193,28 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
         ready(http_port, grpc_port)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({http_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    # graceful shutdown: health off, drain, stop
-    log.info("shutting down: draining in-flight rollouts (up to %ss)", settings.drain_grace_s)
+    # graceful shutdown, all of it within drain_grace_s: refuse new work, drain, cut short
+    # what still runs (published as partial), stop the servers, publish open sessions
+    grace = settings.drain_grace_s
+    deadline = loop.time() + grace
+    tail = min(2.0, grace / 2)  # the end of the grace: cutting short and stopping
+    log.info("shutting down: draining in-flight rollouts (up to %ss)", grace)
+    gw.draining = True  # new generation requests: 503 + Retry-After
     gw.serving = False
     await grpc_server.set_serving(False)
-    drained = await gw.rollouts.wait_idle(settings.drain_grace_s)
+    drained = await gw.rollouts.wait_idle(max(0.0, deadline - tail - loop.time()))
     if not drained:
-        log.warning("%d samples still in flight after %ss; stopping anyway",
-                    gw.rollouts.inflight_samples, settings.drain_grace_s)
+        log.warning("%d samples still in flight %.1fs after SIGTERM; cutting them short "
+                    "(published with the output so far)", gw.rollouts.inflight_samples,
+                    grace - tail)
+        gw.rollouts.cut_short()
+        await gw.rollouts.wait_idle(max(0.0, deadline - tail / 2 - loop.time()))
+    # connections still open past the deadline are closed, their handlers cancelled
+    config.timeout_graceful_shutdown = max(0.1, deadline - loop.time() - 0.3)
     server.should_exit = True
-    await grpc_server.stop(grace=min(5.0, settings.drain_grace_s))
     with contextlib.suppress(asyncio.CancelledError):
-        await http_task
+        await asyncio.gather(grpc_server.stop(grace=max(0.0, deadline - loop.time() - 0.3)),
+                             http_task)
     stopper.cancel()
     await gw.stop()
 

@@ -60,6 +60,8 @@ ROLLOUT_COUNTERS = {
     "policy_unroutable": ("rollout_gateway_version_policy_unroutable", "Requests and samples "
                           "answered 503 because no engine runs a version their policy "
                           "admits"),
+    "cut_short": ("rollout_gateway_cut_short", "Samples cut short by shutdown past "
+                  "drain_grace_s (published with their output so far)"),
 }
 _ADMISSION_GAUGES = ("running", "recycle_waiting")
 
@@ -185,6 +187,11 @@ class _Live:
                                       value=v)
         yield GaugeMetricFamily(PREFIX + "sessions_open", "Agent sessions open now",
                                 value=len(view.sessions.sessions))
+        by = GaugeMetricFamily(PREFIX + "tenant_sessions_open", "Agent sessions open now, "
+                               "per tenant (client_tenants)", labels=["tenant"])
+        for tenant, n in sorted(view.sessions.open_by_tenant.items()):
+            by.add_metric([tenant], n)
+        yield by
         f = view.tracker.finished
         for name, help_, v in (
                 ("trajectories_spanning_versions", "Finished trajectories whose tokens come "
@@ -226,18 +233,25 @@ class _Live:
                      st.stale_recycled),
                     ("store_dead_lettered", "Entries dead-lettered after max deliveries",
                      st.dead_lettered),
-                    ("store_redelivered", "Redeliveries (lease expiry or nack)", st.redelivered)):
+                    ("store_redelivered", "Redeliveries (lease expiry or nack)", st.redelivered),
+                    ("store_overflow_dropped", "Entries full consumer groups lost "
+                     "(max_backlog per group: oldest dropped)", st.overflow_dropped)):
                 yield _counter(PREFIX + name, help_, v, shared)
             gb = GaugeMetricFamily("rollout_gateway_group_backlog",
                                    "Entries a consumer group has not acknowledged",
                                    labels=["group", "shared"])
             gr = CounterMetricFamily("rollout_gateway_group_redelivered",
                                      "Redeliveries to a consumer group", labels=["group", "shared"])
+            go = CounterMetricFamily("rollout_gateway_group_overflow_dropped",
+                                     "Entries a consumer group lost at its max_backlog "
+                                     "(oldest dropped)", labels=["group", "shared"])
             for grp in snap.get("groups", []):
                 gb.add_metric([grp.group, "true"], grp.backlog)
                 gr.add_metric([grp.group, "true"], grp.redelivered)
+                go.add_metric([grp.group, "true"], grp.overflow_dropped)
             yield gb
             yield gr
+            yield go
             un = snap.get("unconsumed")
             if un is not None and lv is not None:
                 yield lag_histogram("rollout_gateway_unconsumed_token_lag",

@@ -47,7 +47,8 @@ class AdmissionFigures(Protocol):
 
 class SessionFigures(Protocol):
     counters: dict[str, int]
-    sessions: dict[str, Any]  # open sessions by id
+    sessions: dict[Any, Any]  # open sessions by (tenant, session id)
+    open_by_tenant: dict[str, int]  # how many of them each tenant has
 
 
 class OldLogitFigures(Protocol):

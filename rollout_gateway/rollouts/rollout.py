@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -20,8 +20,20 @@ from rollout_gateway.errors import AlreadyExists, GatewayError, InvalidArgument
 from rollout_gateway.redact import clean_message
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import VERSION_POLICY, PassThrough, SampleRunner
-from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.rollouts.sample import (
+    CUT_SHORT,
+    VERSION_POLICY,
+    PassThrough,
+    SampleRunner,
+)
+from rollout_gateway.rollouts.tenancy import (
+    DIGEST_KEY,
+    TENANT_KEY,
+    check_same,
+    digest,
+    request_base,
+)
+from rollout_gateway.settings import DEFAULT_TENANT, GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 
 log = logging.getLogger(__name__)
@@ -42,7 +54,7 @@ class RolloutService:
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
-                         "replayed": 0}
+                         "replayed": 0, "cut_short": 0}
         # the runner adds its version-policy counters to these
         self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits,
                                    counters=self.counters)
@@ -96,6 +108,15 @@ class RolloutService:
                 raise InvalidArgument(f"metadata has {size} bytes; the limit is "
                                       f"{s.max_metadata_bytes}")
 
+    def cut_short(self) -> int:
+        """Shutdown past ``drain_grace_s``: every sample in flight ends with the output it
+        has (finish_reason abort, message :data:`CUT_SHORT`; judged and published as any
+        other, counted as ``cut_short``); one with no output yet fails. The engine requests
+        are broken off (an engine aborts a request whose client left). Returns how many
+        requests were broken off."""
+        self.runner.cutting = True
+        return sum(e.client.abort_inflight(CUT_SHORT) for e in self.pool.list())
+
     async def check_policy(self) -> None:
         """Before admission: a request whose version policy no engine satisfies is answered
         503 + Retry-After now (streams too, before their first event), not per sample.
@@ -114,9 +135,9 @@ class RolloutService:
             await asyncio.sleep(0.05)
         return True
 
-    def _ids(self, req: RolloutRequest) -> tuple[str, list[str], str | None]:
+    def _ids(self, req: RolloutRequest, tenant: str) -> tuple[str, list[str], str | None]:
         group = req.group_id or uuid.uuid4().hex
-        base = req.request_id or uuid.uuid4().hex
+        base = request_base(tenant, req.request_id) if req.request_id else uuid.uuid4().hex
         ids = [f"{base}:{i}" for i in range(req.n)]
         sticky = req.session_id or req.group_id
         return group, ids, sticky
@@ -143,7 +164,11 @@ class RolloutService:
             data = (await self.store.lookup([traj.trajectory_id])).get(traj.trajectory_id)
         except GatewayError:
             return None
-        return trajectory_codec.decode(data) if data else None
+        kept = trajectory_codec.decode(data) if data else None
+        if kept is not None:  # the other run's body must be this one's (409 otherwise)
+            check_same(req.request_id, kept.metadata.get(DIGEST_KEY),
+                       traj.metadata.get(DIGEST_KEY, ""))
+        return kept
 
     def _count(self, traj: Trajectory) -> None:
         self.counters["samples"] += 1
@@ -161,14 +186,16 @@ class RolloutService:
     async def one_with_text(self, req: RolloutRequest, tid: str, group: str, i: int,
                             sticky: str | None, prompt: np.ndarray | None,
                             on_chunk=None, slot: Slot | None = None,
-                            passthrough: PassThrough | None = None) -> tuple[Trajectory, str]:
+                            passthrough: PassThrough | None = None,
+                            stamp: dict[str, str] | None = None) -> tuple[Trajectory, str]:
         """One admitted sample: run, judge against the staleness bound, publish.
 
         Releases its admission slot exactly once (``slot.held`` says whether it still
         holds one; whoever admitted releases a slot still held when the sample ends). A
         recycled sample is generated again (re-admitted, waiting up to
         ``admission.recycle_wait_s`` for a slot) up to ``admission.max_recycles`` times;
-        with no slot in time its request fails with 429 (counted as ``recycle_refused``)."""
+        with no slot in time its request fails with 429 (counted as ``recycle_refused``).
+        ``stamp``: gateway-owned metadata (tenant, request digest) set over the caller's."""
         slot = slot or Slot()
         recycles = 0
         while True:
@@ -176,6 +203,10 @@ class RolloutService:
                 traj, text = await self.runner.run(req, tid, group, i, sticky_key=sticky,
                                                    prompt_ids=prompt, on_chunk=on_chunk,
                                                    passthrough=passthrough)
+                if stamp:
+                    traj.metadata.update(stamp)
+                if traj.finish_reason.message == CUT_SHORT:
+                    self.counters["cut_short"] += 1
                 self._count(traj)
                 if self.oldlogits is not None:  # exact old logits before delivery
                     await self.oldlogits.fill(traj, req.sampling_params.temperature)
@@ -204,32 +235,39 @@ class RolloutService:
                 return kept, ""  # an earlier run's copy of this sample
             return traj, text
 
-    async def run(self, req: RolloutRequest) -> list[Trajectory]:
+    async def run(self, req: RolloutRequest, tenant: str = DEFAULT_TENANT) -> list[Trajectory]:
         """Run every sample; returns trajectories in sample order. Finished samples are
         published even when a sibling fails (then the first error is raised)."""
-        return [t for t, _ in await self.run_with_text(req)]
+        return [t for t, _ in await self.run_with_text(req, tenant=tenant)]
 
-    async def _claim(self, req: RolloutRequest) -> asyncio.Event | None:
-        """One run per request_id at a time on this replica: a retry that arrives while
-        the original still runs waits for it, then answers what it stored."""
-        rid = req.request_id
-        if rid is None:
+    @staticmethod
+    def _stamp(req: RolloutRequest, tenant: str) -> dict[str, str]:
+        out = {TENANT_KEY: tenant}
+        if req.request_id is not None:
+            out[DIGEST_KEY] = digest(req)
+        return out
+
+    async def _claim(self, req: RolloutRequest, tenant: str) -> asyncio.Event | None:
+        """One run per request_id (of a tenant) at a time on this replica: a retry that
+        arrives while the original still runs waits for it, then answers what it stored."""
+        if req.request_id is None:
             return None
+        rid = request_base(tenant, req.request_id)
         while (other := self._running_ids.get(rid)) is not None:
             await other.wait()
         done = self._running_ids[rid] = asyncio.Event()
         return done
 
-    def _unclaim(self, req: RolloutRequest, done: asyncio.Event | None) -> None:
+    def _unclaim(self, req: RolloutRequest, tenant: str, done: asyncio.Event | None) -> None:
         if done is not None:
-            self._running_ids.pop(req.request_id, None)
+            self._running_ids.pop(request_base(tenant, req.request_id), None)
             done.set()
 
-    async def _plan(self, req: RolloutRequest) -> tuple[str, list[str], str | None,
-                                                         dict[int, Trajectory]]:
+    async def _plan(self, req: RolloutRequest, tenant: str, stamp: dict[str, str]
+                    ) -> tuple[str, list[str], str | None, dict[int, Trajectory]]:
         """Ids of the samples, and those a previous run with this request_id stored
-        (answered from the store, not generated again)."""
-        group, ids, sticky = self._ids(req)
+        (answered from the store, not generated again; 409 when that run's body differs)."""
+        group, ids, sticky = self._ids(req, tenant)
         if req.request_id is None or not req.publish:
             return group, ids, sticky, {}
         found = await self.store.lookup(ids)
@@ -240,19 +278,23 @@ class RolloutService:
                 f"consumed and are no longer retained ({', '.join(gone[:8])}); use a new "
                 "request_id to generate again", details={"trajectory_ids": gone})
         stored = {i: trajectory_codec.decode(found[t]) for i, t in enumerate(ids) if t in found}
+        for t in stored.values():
+            check_same(req.request_id, t.metadata.get(DIGEST_KEY), stamp[DIGEST_KEY])
         if stored:
             self.counters["replayed"] += len(stored)
             group = next(iter(stored.values())).group_id or group
         return group, ids, sticky, stored
 
-    async def run_with_text(self, req: RolloutRequest, passthrough: PassThrough | None = None
-                            ) -> list[tuple[Trajectory, str]]:
-        """Samples a previous run with the same ``request_id`` stored are answered from the
-        store (their text is not stored: ""); only the others are generated."""
+    async def run_with_text(self, req: RolloutRequest, passthrough: PassThrough | None = None,
+                            *, tenant: str = DEFAULT_TENANT) -> list[tuple[Trajectory, str]]:
+        """Samples a previous run with the same ``request_id`` (of the same ``tenant``)
+        stored are answered from the store (their text is not stored: ""); only the others
+        are generated."""
         self.validate(req)
-        claim = await self._claim(req)
+        stamp = self._stamp(req, tenant)
+        claim = await self._claim(req, tenant)
         try:
-            group, ids, sticky, stored = await self._plan(req)
+            group, ids, sticky, stored = await self._plan(req, tenant, stamp)
             todo = [i for i in range(req.n) if i not in stored]
             results: list[Any] = [(stored[i], "") if i in stored else None
                                   for i in range(req.n)]
@@ -265,14 +307,14 @@ class RolloutService:
                     prompt = _prompt_array(req)
                     ran = await asyncio.gather(
                         *(self.one_with_text(req, ids[i], group, i, sticky, prompt, slot=slot,
-                                            passthrough=passthrough)
+                                            passthrough=passthrough, stamp=stamp)
                           for i, slot in zip(todo, slots)), return_exceptions=True)
                 finally:
                     self._release_held(slots)
                 for i, r in zip(todo, ran):
                     results[i] = r
         finally:
-            self._unclaim(req, claim)
+            self._unclaim(req, tenant, claim)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             first = errors[0]
@@ -287,19 +329,22 @@ class RolloutService:
         for s in slots:
             s.release(self.gatekeeper)
 
-    async def open_stream(self, req: RolloutRequest, passthrough: PassThrough | None = None
-                          ) -> AsyncIterator[dict[str, Any]]:
+    async def open_stream(self, req: RolloutRequest, passthrough: PassThrough | None = None,
+                          *, tenant: str = DEFAULT_TENANT, on_done: Callable[[], None] | None
+                          = None) -> AsyncIterator[dict[str, Any]]:
         """Validate and admit now (errors raise here), start the samples; then stream
         events: {"type": "chunk", ...} per finished engine request (stamped tokens),
         {"type": "trajectory", ...} per finished sample, {"type": "error"} per failed one.
         The samples run (judge, publish, release their slots) whether or not the stream
         is read to the end, or at all. Samples stored by an earlier run with the same
-        ``request_id`` come first, from the store."""
+        ``request_id`` come first, from the store. ``on_done`` is called once every sample
+        has ended (not when errors raise here)."""
         self.validate(req)
-        claim = await self._claim(req)
+        stamp = self._stamp(req, tenant)
+        claim = await self._claim(req, tenant)
         slots: list[Slot] = []
         try:
-            group, ids, sticky, stored = await self._plan(req)
+            group, ids, sticky, stored = await self._plan(req, tenant, stamp)
             todo = [i for i in range(req.n) if i not in stored]
             queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
             for i, t in stored.items():
@@ -319,7 +364,7 @@ class RolloutService:
                 try:
                     traj, text = await self.one_with_text(req, tid, group, i, sticky, prompt,
                                                           on_chunk=on_chunk, slot=slot,
-                                                          passthrough=passthrough)
+                                                          passthrough=passthrough, stamp=stamp)
                     # objects, not JSON: each HTTP route renders them its own way
                     await queue.put({"type": "trajectory", "sample_index": i,
                                      "trajectory": traj, "text": text})
@@ -334,7 +379,7 @@ class RolloutService:
             tasks = [asyncio.create_task(one(i, ids[i], slot)) for i, slot in zip(todo, slots)]
         except BaseException:
             self._release_held(slots)
-            self._unclaim(req, claim)
+            self._unclaim(req, tenant, claim)
             raise
 
         async def closer() -> None:
@@ -342,7 +387,9 @@ class RolloutService:
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
                 self._release_held(slots)
-                self._unclaim(req, claim)
+                self._unclaim(req, tenant, claim)
+                if on_done is not None:
+                    on_done()
                 await queue.put(None)
 
         closing = asyncio.create_task(closer())

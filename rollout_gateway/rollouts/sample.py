@@ -142,6 +142,10 @@ class Piece:
     input_start: int = -1  # logprob_start_len this request was sent with
 
 
+#: the finish message of a sample cut short by shutdown (past ``drain_grace_s``)
+CUT_SHORT = "cut short by gateway shutdown (drain_grace_s)"
+
+
 @dataclass(slots=True)
 class SampleState:
     """What a sample has so far (also what a stream reports)."""
@@ -206,6 +210,11 @@ class SampleRunner:
         self.active: dict[str, SampleState] = {}
         #: called with the seconds from a sample's start to its first streamed chunk
         self.on_first_token = None
+        #: shutdown past drain_grace_s (:meth:`RolloutService.cut_short`): an aborted engine
+        #: request ends its sample with the output so far (finish_reason abort, message
+        #: :data:`CUT_SHORT`) instead of resuming; a sample with no output yet fails
+        self.cutting = False
+        self.cut = 0  # samples ended that way
 
     def policy(self) -> VersionPolicy:
         """The version policy of the request being handled (``VERSION_POLICY``)."""
@@ -381,6 +390,13 @@ class SampleRunner:
             if remaining <= 0:
                 finish = {"type": "length", "length": budget}
                 break
+            if self.cutting:
+                if state.pieces:  # the output so far is the answer, published as partial
+                    finish = {"type": "abort", "message": CUT_SHORT}
+                    self.cut += 1
+                    break
+                raise Unavailable(f"sample {trajectory_id}: the gateway is shutting down",
+                                  details={"trajectory_id": trajectory_id})
             attempts += 1
             if attempts > self.settings.max_attempts:
                 raise Unavailable(f"sample {trajectory_id}: gave up after "
@@ -446,7 +462,11 @@ class SampleRunner:
             # aborted: by a swap's pause (ours or another replica's), a retract swap breaking
             # off a request that asked for routing (swap.orchestrator), or a failed load. Resume
             # from the tokens so far, same engine if it is still in rotation; max_attempts
-            # bounds an engine that keeps aborting.
+            # bounds an engine that keeps aborting. (Cut short at shutdown: the loop's top
+            # ends it.)
+            if self.cutting:
+                attempts -= 1
+                continue
             if eng.routable:
                 began, prefer = Transition.ABORT_RESUME, eng.id
             else:

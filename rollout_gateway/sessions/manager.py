@@ -1,16 +1,22 @@
 """Agent sessions over the rollout machinery: each OpenAI-style call is one engine request
 run by :class:`~rollout_gateway.rollouts.rollout.RolloutService` (admission, the staleness
 policy, failover, swaps, stamping), then appended to its session's branch; a session is
-published when it ends (``end``, idle timeout, a new branch, shutdown)."""
+published when it ends (``end``, idle timeout, a new branch, shutdown).
+
+Sessions belong to a tenant (:mod:`rollout_gateway.rollouts.tenancy`): a session id names a
+session within its tenant's namespace, and another tenant's calls, ends and rewards find
+nothing there (404; ``owner`` None, the admin, acts on every tenant's). Trajectory ids end
+in a random part (``<session>.b<k>.<random>``), so nobody can name a trajectory they were
+not told."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
-import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +29,7 @@ from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.engines.pool import Engine
 from rollout_gateway.errors import (
+    AlreadyExists,
     FailedPrecondition,
     GatewayError,
     InvalidArgument,
@@ -32,20 +39,30 @@ from rollout_gateway.errors import (
 from rollout_gateway.rollouts.models import RolloutRequest, SamplingParams
 from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.rollouts.sample import PREFERRED_ENGINE, PassThrough
+from rollout_gateway.rollouts.tenancy import TENANT_KEY
 from rollout_gateway.sessions.messages import assistant_message
 from rollout_gateway.sessions.session import Branch, Call, Plan, plan_chat, plan_completion
 from rollout_gateway.sessions.templates import ChatTemplate, load_template, parse_tool_calls
-from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.settings import DEFAULT_TENANT, GatewaySettings
 
 log = logging.getLogger(__name__)
 
 #: ended session ids / published trajectory ids remembered (for clear 409s)
 _REMEMBER = 100_000
 
+#: a session's key: (tenant, session id)
+Key = tuple[str, str]
+
+
+def _random() -> str:
+    """The unguessable part of a trajectory id (96 bits, URL-safe)."""
+    return secrets.token_urlsafe(12)
+
 
 @dataclass
 class Session:
     session_id: str
+    tenant: str = DEFAULT_TENANT
     branch: Branch | None = None
     branches: int = 0
     last_active: float = field(default_factory=time.monotonic)
@@ -102,10 +119,12 @@ class SessionManager:
         self.idle_timeout = s.session_idle_timeout_s
         self.reward_wait = s.session_reward_wait_s
         self.max_sessions = s.max_sessions
-        self.sessions: dict[str, Session] = {}
-        self.ended: OrderedDict[str, str] = OrderedDict()  # session id -> how it ended
+        self.max_per_tenant = s.max_sessions_per_tenant or s.max_sessions
+        self.sessions: dict[Key, Session] = {}
+        self.open_by_tenant: Counter[str] = Counter()
+        self.ended: OrderedDict[Key, str] = OrderedDict()  # (tenant, sid) -> how it ended
         self.held: dict[str, tuple[Trajectory, float]] = {}  # awaiting a reward
-        self.published: OrderedDict[str, None] = OrderedDict()
+        self.published: OrderedDict[str, str] = OrderedDict()  # trajectory id -> tenant
         self.counters = {"session_calls": 0, "sessions_started": 0, "sessions_ended": 0,
                          "sessions_idle_ended": 0, "session_branches": 0,
                          "session_trajectories_published": 0, "session_publish_failed": 0,
@@ -123,22 +142,22 @@ class SessionManager:
     async def stop(self) -> None:
         """Publish what is open (ended_by ``shutdown``) and what waits for a reward."""
         await self._sweeper.stop()
-        for sid in list(self.sessions):
+        for key in list(self.sessions):
             with contextlib.suppress(GatewayError):
-                await self._end(sid, "shutdown", None, await_reward=False)
+                await self._end(key, "shutdown", None, await_reward=False)
         for tid in list(self.held):
             with contextlib.suppress(GatewayError):
                 await self._release_held(tid, None)
 
     async def sweep(self) -> None:
         now = time.monotonic()
-        for sid, s in list(self.sessions.items()):
+        for key, s in list(self.sessions.items()):
             if not s.busy and now - s.last_active >= self.idle_timeout:
                 try:
-                    await self._end(sid, "idle_timeout", None, await_reward=False)
+                    await self._end(key, "idle_timeout", None, await_reward=False)
                     self.counters["sessions_idle_ended"] += 1
                 except GatewayError as exc:
-                    log.error("session %s: idle end failed: %s", sid, exc.message)
+                    log.error("session %s: idle end failed: %s", key[1], exc.message)
         for tid, (_t, deadline) in list(self.held.items()):
             if now >= deadline:
                 with contextlib.suppress(GatewayError):
@@ -146,23 +165,48 @@ class SessionManager:
 
     # ---- calls ----
 
-    def _session(self, sid: str | None) -> Session | None:
+    def _session(self, tenant: str, sid: str | None) -> Session | None:
+        """The tenant's session ``sid``: the open one, or a new one not registered yet
+        (:meth:`_open` registers it once the call is valid and admitted)."""
         if sid is None:
             return None
-        if sid in self.ended:
-            raise FailedPrecondition(f"session {sid!r} has ended ({self.ended[sid]}); start a "
+        key = (tenant, sid)
+        if key in self.ended:
+            raise FailedPrecondition(f"session {sid!r} has ended ({self.ended[key]}); start a "
                                      "new session id", details={"session_id": sid})
-        s = self.sessions.get(sid)
+        s = self.sessions.get(key)
         if s is None:
-            if len(self.sessions) >= self.max_sessions:
-                raise ResourceExhausted(f"{self.max_sessions} sessions are open (max_sessions); "
-                                        "end some first")
-            s = self.sessions[sid] = Session(sid)
-            self.counters["sessions_started"] += 1
+            return Session(sid, tenant)
         if s.busy:
             raise FailedPrecondition(f"session {sid!r} already has a call in flight; a session's "
                                      "turns are sequential", details={"session_id": sid})
         return s
+
+    def _open(self, s: Session) -> None:
+        """Register a new session (its first call passed validation): bounded overall
+        (``max_sessions``) and per tenant (``max_sessions_per_tenant``)."""
+        key = (s.tenant, s.session_id)
+        if key in self.sessions:
+            if self.sessions[key] is not s:  # another first call got there first
+                raise FailedPrecondition(f"session {s.session_id!r} already has a call in "
+                                         "flight; a session's turns are sequential",
+                                         details={"session_id": s.session_id})
+            return
+        if len(self.sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"{self.max_sessions} sessions are open (max_sessions); "
+                                    "end some first")
+        if self.open_by_tenant[s.tenant] >= self.max_per_tenant:
+            raise ResourceExhausted(f"this tenant has {self.max_per_tenant} sessions open "
+                                    "(max_sessions_per_tenant); end some first")
+        self.sessions[key] = s
+        self.open_by_tenant[s.tenant] += 1
+        self.counters["sessions_started"] += 1
+
+    def _close(self, key: Key) -> None:
+        if self.sessions.pop(key, None) is not None:
+            self.open_by_tenant[key[0]] -= 1
+            if self.open_by_tenant[key[0]] <= 0:
+                del self.open_by_tenant[key[0]]
 
     def _request(self, input_ids: list[int], sp: SamplingParams, n: int, sid: str | None,
                  metadata: dict[str, str]) -> RolloutRequest:
@@ -183,13 +227,17 @@ class SessionManager:
     async def call(self, *, sid: str | None, kind: str, plan_input: Any, tools: Any,
                    sp: SamplingParams, n: int, parse_tools: bool | int, stream: bool = False,
                    group_id: str | None = None, metadata: dict[str, str] | None = None,
-                   top_logprobs: int = 0) -> list[Reply] | AsyncIterator[dict[str, Any]]:
+                   top_logprobs: int = 0, tenant: str = DEFAULT_TENANT,
+                   on_done: Callable[[], None] | None = None
+                   ) -> list[Reply] | AsyncIterator[dict[str, Any]]:
         """One chat (``kind='chat'``, ``plan_input`` = canonical messages) or completion
         (``plan_input`` = prompt text or ids) call. ``parse_tools``: False, True, or the
         most tool calls to parse (1 for ``parallel_tool_calls: false``). With ``stream``, an async iterator of
         ``{"type": "delta" | "reply" | "error", ...}`` events (errors before the first
-        event raise here)."""
-        s = self._session(sid)
+        event raise here). ``tenant``: whose session ``sid`` is. A call that fails
+        before its generation starts opens no session. ``on_done`` (streams): called when
+        the generation has ended, read or not."""
+        s = self._session(tenant, sid)
         if s is not None and n != 1:
             raise InvalidArgument("n > 1 in a session: a session continues one reply; use n=1 "
                                   "or leave out the session id")
@@ -197,10 +245,9 @@ class SessionManager:
             if s.group_id is not None and s.group_id != group_id:
                 raise InvalidArgument(f"session {sid!r} is in group {s.group_id!r}, not "
                                       f"{group_id!r}")
-            s.group_id = group_id
         # top-k alternatives: the engines' own rows, forwarded (SGLang's top_logprobs_num)
         pt = PassThrough(top_logprobs_num=top_logprobs) if top_logprobs > 0 else None
-        tag = {"group_id": (s.group_id if s is not None else group_id) or "",
+        tag = {"group_id": ((s.group_id or group_id) if s is not None else group_id) or "",
                "metadata": dict(metadata or {}), "passthrough": pt}
         if kind == "chat":
             plan = plan_chat(self.template, s.branch if s else None, plan_input, tools)
@@ -209,18 +256,23 @@ class SessionManager:
         input_ids, extends = self._prepare(s, plan)
         req = self._request(input_ids, sp, n, sid, {"api": kind})
         self.rollouts.validate(req)
-        self.counters["session_calls"] += 1
+        fresh = s is not None and (tenant, sid) not in self.sessions
         if s is not None:
+            self._open(s)  # valid: now it counts (429 past the bounds)
+            if group_id is not None:
+                s.group_id = group_id
             s.busy = True
             s.last_active = time.monotonic()
+        self.counters["session_calls"] += 1
         try:
             # the sample tasks (created inside run_with_text / open_stream) inherit it
             token = PREFERRED_ENGINE.set(await self._preferred_engine(extends))
             try:
                 if not stream:
-                    pairs = await self.rollouts.run_with_text(req, pt)
+                    pairs = await self.rollouts.run_with_text(req, pt, tenant=tenant)
                 else:
-                    events = await self.rollouts.open_stream(req, pt)
+                    events = await self.rollouts.open_stream(req, pt, tenant=tenant,
+                                                             on_done=on_done)
             finally:
                 PREFERRED_ENGINE.reset(token)
             if not stream:
@@ -230,6 +282,8 @@ class SessionManager:
             if s is not None:
                 s.busy = False
                 s.last_active = time.monotonic()
+                if fresh and s.branch is None:  # its first call failed: no session left
+                    self._close((tenant, sid))
             raise
         return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools, tag)
 
@@ -334,7 +388,7 @@ class SessionManager:
                 old = s.branch
             prefix = turn.prompt_token_ids
             bi = s.branches if s is not None else 0
-            tid = f"{s.session_id}.b{bi}" if s is not None else f"call-{uuid.uuid4().hex}"
+            tid = f"{s.session_id}.b{bi}.{_random()}" if s is not None else f"call-{_random()}"
             branch = Branch(trajectory_id=tid, index=bi, prompt_ids=np.array(prefix, np.int32),
                             tools=tools)
             if old is not None and plan.prefix_len:
@@ -353,7 +407,7 @@ class SessionManager:
                 s.branches += 1
         branch.group_id = tag["group_id"]
         branch.metadata.update({k: v for k, v in tag["metadata"].items()  # the caller's
-                                if k not in ("branched_from", "branch_reason")})
+                                if k not in ("branched_from", "branch_reason", TENANT_KEY)})
         seq_len = int(branch.prompt_ids.shape[0]) + branch.output_len
         reply_msg = assistant_message(content, calls)
         if kind == "chat":
@@ -369,19 +423,21 @@ class SessionManager:
                       prompt_tokens=int(turn.prompt_token_ids.shape[0]), branched=branched,
                       top_logprobs=pt.out.get(index, {}).get("output_top_logprobs")
                       if pt is not None else None)
+        tenant = turn.metadata.get(TENANT_KEY, DEFAULT_TENANT)
         if old is not None:  # the superseded branch is finished: publish it
-            await self._publish(old, s.session_id, "branch", None, await_reward=False)
+            await self._publish(old, s.session_id, tenant, "branch", None, await_reward=False)
         if s is None:
-            await self._publish(branch, branch.trajectory_id, "single_call", None,
+            await self._publish(branch, branch.trajectory_id, tenant, "single_call", None,
                                 await_reward=False)
         return reply
 
     # ---- ending and rewards ----
 
-    async def _publish(self, branch: Branch, session_id: str, ended_by: str,
+    async def _publish(self, branch: Branch, session_id: str, tenant: str, ended_by: str,
                        reward: float | None, *, await_reward: bool) -> dict[str, Any]:
         traj = branch.trajectory(session_id=session_id, ended_by=ended_by, reward=reward,
                                  template=self.template.name)
+        traj.metadata[TENANT_KEY] = tenant  # the gateway's, over anything the caller set
         out = {"trajectory_id": traj.trajectory_id, "num_tokens": traj.num_tokens,
                "turns": len(branch.calls), "branch": branch.index}
         if branch.stale_verdict == "drop":
@@ -397,12 +453,17 @@ class SessionManager:
 
     async def _store(self, traj: Trajectory) -> None:
         try:
-            await self.publish(traj)
+            stored = await self.publish(traj)
         except GatewayError:
             self.counters["session_publish_failed"] += 1
             raise
+        if stored is False:  # the store already had this id: never report it published
+            self.counters["session_publish_failed"] += 1
+            raise AlreadyExists(f"trajectory {traj.trajectory_id!r} is already in the store; "
+                                "it was not published again",
+                                details={"trajectory_id": traj.trajectory_id})
         self.counters["session_trajectories_published"] += 1
-        self.published[traj.trajectory_id] = None
+        self.published[traj.trajectory_id] = traj.metadata.get(TENANT_KEY, DEFAULT_TENANT)
         while len(self.published) > _REMEMBER:
             self.published.popitem(last=False)
 
@@ -420,12 +481,28 @@ class SessionManager:
             self.held[tid] = (traj, time.monotonic() + self.reward_wait)  # kept, retried
             raise
 
-    async def _end(self, sid: str, how: str, reward: float | None, *, await_reward: bool
+    def _key(self, sid: str, owner: str | None, tenant: str | None) -> Key:
+        """The key of session ``sid`` as ``owner`` (a tenant; None: the admin, who names
+        the tenant or is given the one open or ended session of that id) sees it."""
+        if owner is not None:
+            return (owner, sid)
+        if tenant is not None:
+            return (tenant, sid)
+        found = [k for k in self.sessions if k[1] == sid] or \
+            [k for k in self.ended if k[1] == sid]
+        if len(found) > 1:
+            raise InvalidArgument(f"tenants {sorted(k[0] for k in found)} each have a "
+                                  f"session {sid!r}: name one with ?tenant=",
+                                  details={"session_id": sid})
+        return found[0] if found else (DEFAULT_TENANT, sid)
+
+    async def _end(self, key: Key, how: str, reward: float | None, *, await_reward: bool
                    ) -> dict[str, Any]:
-        s = self.sessions.get(sid)
+        sid = key[1]
+        s = self.sessions.get(key)
         if s is None:
-            if sid in self.ended:
-                raise FailedPrecondition(f"session {sid!r} has already ended ({self.ended[sid]})",
+            if key in self.ended:
+                raise FailedPrecondition(f"session {sid!r} has already ended ({self.ended[key]})",
                                          details={"session_id": sid})
             raise NotFound(f"no session {sid!r}", details={"session_id": sid})
         if s.busy:
@@ -433,21 +510,38 @@ class SessionManager:
                                      "call returns", details={"session_id": sid})
         result: dict[str, Any] = {"session_id": sid, "ended_by": how}
         if s.branch is not None:
-            result.update(await self._publish(s.branch, sid, how, reward,
+            result.update(await self._publish(s.branch, sid, s.tenant, how, reward,
                                               await_reward=await_reward))
         else:
             result.update({"published": False, "reason": "the session had no model call"})
-        del self.sessions[sid]
-        self.ended[sid] = how
+        self._close(key)
+        self.ended[key] = how
         while len(self.ended) > _REMEMBER:
             self.ended.popitem(last=False)
         self.counters["sessions_ended"] += 1
         return result
 
-    async def end(self, sid: str, reward: float | None, await_reward: bool) -> dict[str, Any]:
-        return await self._end(sid, "end", reward, await_reward=await_reward)
+    async def end(self, sid: str, reward: float | None, await_reward: bool, *,
+                  owner: str | None = DEFAULT_TENANT, tenant: str | None = None
+                  ) -> dict[str, Any]:
+        """End ``owner``'s session ``sid`` (``owner`` None: the admin, any tenant's;
+        ``tenant`` names which when several have that id)."""
+        return await self._end(self._key(sid, owner, tenant), "end", reward,
+                               await_reward=await_reward)
 
-    async def attach_reward(self, tid: str, reward: float) -> dict[str, Any]:
+    def _owned(self, tid: str, owner: str | None) -> bool:
+        """``tid`` (held or published) is ``owner``'s (None: the admin, everyone's)."""
+        if owner is None:
+            return True
+        if tid in self.held:
+            return self.held[tid][0].metadata.get(TENANT_KEY, DEFAULT_TENANT) == owner
+        return self.published.get(tid) == owner
+
+    async def attach_reward(self, tid: str, reward: float, *,
+                            owner: str | None = DEFAULT_TENANT) -> dict[str, Any]:
+        if not self._owned(tid, owner):  # another tenant's: as if absent (no oracle)
+            raise NotFound(f"no trajectory {tid!r} is waiting for a reward",
+                           details={"trajectory_id": tid})
         if tid in self.held:
             await self._release_held(tid, reward)
             return {"trajectory_id": tid, "reward": reward, "published": True}

@@ -37,21 +37,27 @@ class StoreStats:
     stale_recycled: int = 0  # deliveries whose prompt was queued for re-generation
     dead_lettered: int = 0  # entries nacked max_deliveries times (acked, kept for audit)
     redelivered: int = 0  # deliveries with delivery_count > 1 (lease expiry or nack)
+    overflow_dropped: int = 0  # entries a full consumer group lost (max_backlog per group)
 
     @classmethod
     def of(cls, counters: Mapping[str, int], backlog: int, max_backlog: int) -> StoreStats:
         """From a store's counters by name (one not counted yet is 0)."""
         c = {k: counters.get(k, 0) for k in ("published", "duplicates", "stale_dropped",
                                               "stale_masked", "stale_recycled",
-                                              "dead_lettered", "redelivered")}
+                                              "dead_lettered", "redelivered",
+                                              "overflow_dropped")}
         return cls(backlog=backlog, max_backlog=max_backlog, **c)
 
 
 class StoreConfig(BaseModel):
     """Semantics shared by every store implementation."""
 
-    max_backlog: int = Field(100_000, ge=1, description="publish raises ResourceExhausted "
-                             "when the backlog (max over groups) reaches this bound")
+    max_backlog: int = Field(100_000, ge=1, description="bound on each consumer group's "
+                             "backlog: a publish that finds a group full drops that group's "
+                             "oldest entry for it (it is acked unseen in that group and counted "
+                             "overflow_dropped; other groups keep it), so one job's unread group "
+                             "never stops the others. With no group at all, publish raises "
+                             "ResourceExhausted once this many entries are stored")
     lease_seconds: float = Field(300.0, gt=0, le=86_400, description="a delivered, unacked "
                                  "entry is re-claimable by another consumer after this long")
     max_deliveries: int = Field(5, ge=1, le=1000, description="a nack of an entry already "
@@ -100,6 +106,7 @@ class GroupStats:
     backlog: int  # not acknowledged (pending + never delivered)
     pending: int  # delivered and not yet acknowledged
     redelivered: int  # deliveries to this group with delivery_count > 1, ever
+    overflow_dropped: int = 0  # entries this group lost at its max_backlog, ever
 
 
 @dataclass(slots=True)
@@ -153,9 +160,10 @@ def count_unconsumed(facts: Iterable[tuple[str, int, int]], limit: int) -> Uncon
 
 
 def backlog_full(max_backlog: int) -> ResourceExhausted:
-    """What publish raises when the backlog reached ``max_backlog``."""
-    return ResourceExhausted(f"trajectory store backlog reached max_backlog={max_backlog}; "
-                             "learners are behind")
+    """What publish raises when ``max_backlog`` entries are stored and no consumer group
+    exists (a group bounds itself: its oldest entry goes)."""
+    return ResourceExhausted(f"trajectory store holds max_backlog={max_backlog} entries and "
+                             "no consumer group exists; create one and pull")
 
 
 def entry_facts(traj: Trajectory) -> tuple[int, int, int]:
@@ -170,8 +178,10 @@ class TrajectoryStore(abc.ABC):
     @abc.abstractmethod
     async def publish(self, trajectory: Trajectory) -> bool:
         """Store a finished trajectory. Returns False if the id was already stored
-        (duplicate publish; nothing changes). Raises ResourceExhausted when the
-        backlog bound is reached and StoreError when the backend fails."""
+        (duplicate publish; nothing changes). A consumer group whose backlog is at
+        ``max_backlog`` loses its oldest entry (counted ``overflow_dropped``, overall and for
+        the group); with no group, raises ResourceExhausted when ``max_backlog`` entries are
+        stored. Raises StoreError when the backend fails."""
 
     @abc.abstractmethod
     async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
@@ -182,7 +192,10 @@ class TrajectoryStore(abc.ABC):
 
     @abc.abstractmethod
     async def backlog(self) -> int:
-        """Finished-but-unconsumed trajectories (for admission control)."""
+        """Finished-but-unconsumed trajectories for admission control: the backlog of the
+        most caught-up consumer group (every stored entry when there is no group), so a
+        group nobody reads (a stopped job) never stalls generation for the others.
+        :meth:`stats` reports the worst group's."""
 
     @abc.abstractmethod
     async def stats(self) -> StoreStats:

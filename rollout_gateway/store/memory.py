@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER);
 """
 
 _COUNTERS = ("published", "duplicates", "stale_dropped", "stale_masked", "stale_recycled",
-             "dead_lettered", "redelivered")
+             "dead_lettered", "redelivered", "overflow_dropped")
 
 
 @dataclass(slots=True)
@@ -141,6 +141,29 @@ class MemoryStore(TrajectoryStore):
             return len(self._entries)
         return max(self._next_seq - g.cursor + len(g.pending) for g in self._groups.values())
 
+    def _make_room(self) -> None:
+        """Before a publish: with no group, refuse at max_backlog; a group at max_backlog
+        loses its oldest entry (the oldest pending one, else the next undelivered)."""
+        bound = self.config.max_backlog
+        if not self._groups:
+            if len(self._entries) >= bound:
+                raise backlog_full(bound)
+            return
+        for g in self._groups.values():
+            if self._next_seq - g.cursor + len(g.pending) < bound:
+                continue
+            if g.pending:
+                seq = min(g.pending)
+                del g.pending[seq]
+                self._write("DELETE FROM pending WHERE grp=? AND seq=?", (g.name, seq))
+            else:
+                g.cursor += 1
+                self._write("UPDATE groups SET cursor=? WHERE name=?", (g.cursor, g.name))
+            for k in ("overflow_dropped", f"overflow_dropped:{g.name}"):
+                self._counters[k] = self._counters.get(k, 0) + 1
+                self._write("INSERT OR REPLACE INTO counters VALUES (?, ?)",
+                            (k, self._counters[k]))
+
     async def publish(self, trajectory: Trajectory) -> bool:
         self._check_open()
         tid = trajectory.trajectory_id
@@ -150,8 +173,7 @@ class MemoryStore(TrajectoryStore):
             self._write("INSERT OR REPLACE INTO counters VALUES ('duplicates', ?)",
                         (self._counters["duplicates"],))
             return False
-        if self._backlog() >= self.config.max_backlog:
-            raise backlog_full(self.config.max_backlog)
+        self._make_room()
         ntok, vmin, vmax = entry_facts(trajectory)
         entry = _Entry(self._next_seq, tid, trajectory_codec.encode(trajectory), ntok, vmin, vmax, now,
                        version_tokens(trajectory))
@@ -181,7 +203,9 @@ class MemoryStore(TrajectoryStore):
         return out
 
     async def backlog(self) -> int:
-        return self._backlog()
+        if not self._groups:
+            return len(self._entries)
+        return min(self._next_seq - g.cursor + len(g.pending) for g in self._groups.values())
 
     async def stats(self) -> StoreStats:
         return StoreStats.of(self._counters, self._backlog(), self.config.max_backlog)
@@ -334,7 +358,8 @@ class MemoryStore(TrajectoryStore):
     async def group_stats(self) -> list[GroupStats]:
         return [GroupStats(group=g.name, backlog=self._next_seq - g.cursor + len(g.pending),
                            pending=len(g.pending),
-                           redelivered=self._counters.get(f"redelivered:{g.name}", 0))
+                           redelivered=self._counters.get(f"redelivered:{g.name}", 0),
+                           overflow_dropped=self._counters.get(f"overflow_dropped:{g.name}", 0))
                 for g in self._groups.values()]
 
     async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:

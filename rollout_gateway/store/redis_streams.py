@@ -61,16 +61,36 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 local published = tonumber(redis.call('HGET', KEYS[3], 'published') or '0')
 local groups = redis.call('HGETALL', KEYS[4])
-local backlog = 0
+local bound = tonumber(ARGV[2])
 if #groups == 0 then
-  backlog = redis.call('XLEN', KEYS[2])
+  if redis.call('XLEN', KEYS[2]) >= bound then return -1 end
 else
   for i = 1, #groups, 2 do
-    local b = published - tonumber(groups[i + 1]) - tonumber(redis.call('HGET', KEYS[5], groups[i]) or '0')
-    if b > backlog then backlog = b end
+    local g = groups[i]
+    local b = published - tonumber(groups[i + 1]) - tonumber(redis.call('HGET', KEYS[5], g) or '0')
+    if b >= bound then
+      -- a full group loses its oldest entry (oldest pending, else the next undelivered)
+      local p = redis.call('XPENDING', KEYS[2], g, '-', '+', 1)
+      if #p > 0 then
+        redis.call('XACK', KEYS[2], g, p[1][1])
+      else
+        local last = nil
+        for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+          local f = {}
+          for j = 1, #info, 2 do f[info[j]] = info[j + 1] end
+          if f['name'] == g then last = f['last-delivered-id'] end
+        end
+        if last then
+          local nxt = redis.call('XRANGE', KEYS[2], '(' .. last, '+', 'COUNT', 1)
+          if #nxt > 0 then redis.call('XGROUP', 'SETID', KEYS[2], g, nxt[1][1]) end
+        end
+      end
+      redis.call('HINCRBY', KEYS[4], g, 1)
+      redis.call('HINCRBY', KEYS[3], 'overflow_dropped', 1)
+      redis.call('HINCRBY', KEYS[3], 'overflow_dropped:' .. g, 1)
+    end
   end
 end
-if backlog >= tonumber(ARGV[2]) then return -1 end
 local eid = redis.call('XADD', KEYS[2], '*', 'tid', ARGV[3], 'd', ARGV[4], 'n', ARGV[5], 'lo', ARGV[6], 'hi', ARGV[7], 'vt', ARGV[8])
 redis.call('SET', KEYS[1], eid, 'PX', ARGV[1])
 redis.call('XADD', KEYS[6], eid, 'n', ARGV[5], 'lo', ARGV[6], 'vt', ARGV[8])
@@ -213,12 +233,13 @@ class RedisStore(TrajectoryStore):
                 for g, base in groups.items()}
 
     async def backlog(self) -> int:
-        return max((await self._backlogs()).values())
+        return min((await self._backlogs()).values())
 
     async def stats(self) -> StoreStats:
         async with self._io("stats"):
             c = {k.decode(): int(v) for k, v in (await self._r.hgetall(self._k_counters)).items()}
-        return StoreStats.of(c, await self.backlog(), self.config.max_backlog)
+        # dashboards: the worst group's backlog (admission reads backlog(): the best's)
+        return StoreStats.of(c, max((await self._backlogs()).values()), self.config.max_backlog)
 
     async def close(self) -> None:
         if not self._closed:
@@ -433,7 +454,9 @@ class RedisStore(TrajectoryStore):
                 else []
         pending = {_s(g["name"]): int(g["pending"]) for g in infos}
         return [GroupStats(group=g, backlog=b, pending=pending.get(g, 0),
-                           redelivered=int(counters.get(f"redelivered:{g}".encode(), 0)))
+                           redelivered=int(counters.get(f"redelivered:{g}".encode(), 0)),
+                           overflow_dropped=int(counters.get(f"overflow_dropped:{g}".encode(),
+                                                             0)))
                 for g, b in sorted(backlogs.items()) if g]
 
     async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:

@@ -84,6 +84,36 @@ class GatewayProcess:
         os.unlink(self._log.name)
 
 
+def pull_ids(gw, want: set[str], *, group: str | None = None, token: str | None = None,
+             timeout: float = 30.0) -> dict:
+    """Pull (a fresh consumer group unless named) until every id in ``want`` arrived (an id
+    also matches ``<id>.<more>``: session trajectory ids end in a random part); returns
+    {id: Rollout} for everything pulled and for each wanted id. Each pull blocks until
+    entries arrive."""
+    import time
+
+    from learner_client import TrajectoryClient
+
+    got: dict = {}
+    c = TrajectoryClient(f"127.0.0.1:{gw.grpc_port}", group=group or f"g-{uuid.uuid4().hex[:6]}",
+                         token=token)
+
+    def found(w: str) -> str | None:
+        return next((t for t in got if t == w or t.startswith(w + ".")), None)
+    try:
+        c.create_group()
+        deadline = time.monotonic() + timeout
+        while not all(map(found, want)) and time.monotonic() < deadline:
+            rs = c.pull(16, timeout=2)
+            got.update({r.trajectory_id: r for r in rs})
+            if rs:
+                c.ack(rs)
+    finally:
+        c.close()
+    assert all(map(found, want)), (want, set(got))
+    return {**got, **{w: got[found(w)] for w in want}}
+
+
 def rollout(url: str, prompt_ids: list[int], *, n: int = 1, max_new_tokens: int = 12,
             timeout: float = 120.0, **extra) -> dict:
     body = {"input_ids": prompt_ids, "n": n,

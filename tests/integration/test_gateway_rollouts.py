@@ -51,7 +51,7 @@ def test_rollout_stamps_match_ground_truth_and_publish(gateway, models, urls):
     assert len(trajs) == 3 and [t["sample_index"] for t in trajs] == [0, 1, 2]
     assert len({t["trajectory_id"] for t in trajs}) == 3
     for t in trajs:
-        assert t["group_id"] == "g-1" and t["metadata"] == {"task": "t"}
+        assert t["group_id"] == "g-1" and t["metadata"] == {"task": "t", "tenant": "default"}
         assert t["num_tokens"] == 10 and t["finish_reason"]["type"] == "length"
         assert t["entropy_kind"] == "exact" and all(e is not None and e >= 0 for e in t["entropy"])
         check_against_ground_truth(t, models)

@@ -92,21 +92,38 @@ async def test_unknown_group_and_bad_names(make):
         await s.ack("job", ["not-an-id!"])
 
 
-async def test_backlog_bound_refuses_and_evicts_nothing(make):
-    s = make(max_backlog=3)
-    await s.create_group("job")
-    for i in range(3):
-        assert await s.publish(traj(i))
-    assert await s.backlog() == 3
+async def test_without_a_group_the_backlog_bound_refuses(make):
+    s = make(max_backlog=2)
+    assert await s.publish(traj(0)) and await s.publish(traj(1))
     with pytest.raises(ResourceExhausted):
-        await s.publish(traj(99))
-    got = await s.read("job", "c", 10)
-    assert len(got) == 3
-    assert await s.backlog() == 3  # delivered but unacked still counts
-    assert await s.ack("job", [got[0].entry_id]) == 1
-    assert await s.ack("job", [got[0].entry_id]) == 0  # re-ack counts nothing
-    assert await s.backlog() == 2
-    assert await s.publish(traj(99))
+        await s.publish(traj(2))
+    await s.create_group("job")  # a group takes over: it is bounded, publishing goes on
+    assert await s.publish(traj(2))
+
+
+async def test_a_full_group_loses_its_oldest_and_never_blocks_another(make):
+    s = make(max_backlog=3)
+    await s.create_group("zombie")  # created, never read (until below)
+    await s.create_group("live")
+    for i in range(5):
+        assert await s.publish(traj(i))  # never refused: zombie is full from the 4th on
+        got = await s.read("live", "c", 10)
+        assert [e.trajectory_id for e in got] == [f"t{i}"]
+        assert await s.ack("live", [e.entry_id for e in got]) == 1
+    assert await s.group_backlog("zombie") == 3 and await s.group_backlog("live") == 0
+    assert await s.backlog() == 0  # admission: the most caught-up group's
+    assert (await s.stats()).backlog == 3  # dashboards: the worst group's
+    zs = await s.read("zombie", "c", 10)
+    assert [e.trajectory_id for e in zs] == ["t2", "t3", "t4"]  # its newest 3
+    assert (await s.stats()).overflow_dropped == 2
+    by = {g.group: g for g in await s.group_stats()}
+    assert by["zombie"].overflow_dropped == 2 and by["live"].overflow_dropped == 0
+    # full of delivered-unacked entries: the oldest pending one goes
+    assert await s.publish(traj(5))
+    assert await s.ack("zombie", [zs[0].entry_id]) == 0  # t2 was dropped for it
+    assert await s.ack("zombie", [e.entry_id for e in zs[1:]]) == 2
+    assert [e.trajectory_id for e in await s.read("zombie", "c", 10)] == ["t5"]
+    assert [e.trajectory_id for e in await s.read("live", "c", 10)] == ["t5"]
 
 
 async def test_lease_expiry_redelivers_to_another_consumer(make):

@@ -157,3 +157,42 @@ async def test_grpc_errors_carry_no_internals():
     with pytest.raises(grpc.aio.AbortError):
         await _abort(ctx, ZeroDivisionError("secret /etc/x"))
     assert ctx.got == (grpc.StatusCode.INTERNAL, "internal error in the trajectory service")
+
+
+def test_client_tokens_belong_to_tenants():
+    ta, tb = "t" * 20, "u" * 20
+    a = auth(tenants=[("team-a", ta), ("team-b", tb)])
+    assert a.require(f"Bearer {CLIENT}", Role.CLIENT).tenant == "default"
+    assert a.require(f"Bearer {ta}", Role.CLIENT).tenant == "team-a"
+    assert a.require(f"Bearer {tb}", Role.CLIENT).owner == "team-b"
+    admin = a.require(f"Bearer {ADMIN}", Role.CLIENT)
+    assert admin.sees_all and admin.owner == "default"
+    assert not a.require(f"Bearer {ta}", Role.CLIENT).sees_all
+    with pytest.raises(PermissionDenied):  # a client token is no learner's
+        a.require(f"Bearer {ta}", Role.LEARNER)
+    assert a.tenant_of(f"Bearer {tb}") == "team-b" and a.tenant_of("Bearer nobody") is None
+    only_tenants = Authenticator(admin=ADMIN, tenants=[("team-a", ta)])
+    assert not only_tenants.open_for(Role.CLIENT)  # a tenant closes the client role
+    with pytest.raises(Unauthenticated):
+        only_tenants.require(None, Role.CLIENT)
+    open_ = Authenticator(admin=ADMIN)
+    p = open_.require(None, Role.CLIENT)
+    assert p.owner == "default" and not p.sees_all  # anonymous: its own tenant only
+    assert open_.tenant_of(None) == "default"
+
+
+@pytest.mark.parametrize("tenants, client, why", [
+    ([{"name": "a", "token": "x" * 20}, {"name": "a", "token": "y" * 20}], None, "unique"),
+    ([{"name": "default", "token": "x" * 20}], "c" * 20, "default"),
+    ([{"name": "a", "token": "c" * 20}], "c" * 20, "own token"),
+    ([{"name": "a b", "token": "x" * 20}], None, "pattern"),
+    ([{"name": "a", "token": "short"}], None, "at least 16"),
+])
+def test_bad_tenant_settings_are_refused(tenants, client, why):
+    from pydantic import ValidationError
+
+    from rollout_gateway.settings import GatewaySettings
+
+    with pytest.raises(ValidationError) as ei:
+        GatewaySettings(client_tenants=tenants, client_api_key=client)
+    assert why in str(ei.value), str(ei.value)

@@ -426,7 +426,7 @@ def _manager(**settings):
         b.trajectory_id = f"{sid}.b0"
         if verdict:
             b.stale_verdict = verdict
-        mgr.sessions[sid] = Session(sid, branch=b, branches=1)
+        mgr.sessions[("default", sid)] = Session(sid, branch=b, branches=1)
 
     return gw, mgr, open_session
 
@@ -452,7 +452,7 @@ async def test_manager_end_reward_later_and_errors():
     with pytest.raises(FailedPrecondition):
         await mgr.end("a", None, await_reward=False)
     with pytest.raises(FailedPrecondition):  # a call after the end
-        mgr._session("a")
+        mgr._session("default", "a")
     with pytest.raises(NotFound):
         await mgr.end("zzz", None, await_reward=False)
     held = await mgr.end("b", None, await_reward=True)
@@ -476,7 +476,7 @@ async def test_manager_idle_timeout_reward_wait_and_stale_drop():
     open_session("idle")
     open_session("fresh")
     open_session("stale", verdict="drop")
-    mgr.sessions["idle"].last_active = time.monotonic() - 10
+    mgr.sessions[("default", "idle")].last_active = time.monotonic() - 10
     await mgr.end("fresh", None, await_reward=True)
     mgr.held["fresh.b0"] = (mgr.held["fresh.b0"][0], time.monotonic() - 1)  # wait is over
     res = await mgr.end("stale", 1.0, await_reward=False)
@@ -487,7 +487,8 @@ async def test_manager_idle_timeout_reward_wait_and_stale_drop():
     assert got["fresh.b0"].metadata["reward"] == "missing" and got["fresh.b0"].reward is None
     assert "stale.b0" not in got
     assert mgr.counters["sessions_idle_ended"] == 1 and mgr.counters["session_stale_dropped"] == 1
-    assert "idle" not in mgr.sessions and mgr.ended["idle"] == "idle_timeout"
+    assert ("default", "idle") not in mgr.sessions
+    assert mgr.ended[("default", "idle")] == "idle_timeout"
 
 
 def test_stale_masked_turn_ranges_move_to_session_positions():

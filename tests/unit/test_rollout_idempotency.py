@@ -133,7 +133,8 @@ async def test_a_concurrent_run_elsewhere_answers_the_copy_the_store_kept():
 
 
 def _no_lookup(plan):
-    async def wrapped(req):
-        group, tids, sticky, _ = await plan(req.model_copy(update={"request_id": None}))
+    async def wrapped(req, tenant, stamp):
+        group, tids, sticky, _ = await plan(req.model_copy(update={"request_id": None}),
+                                            tenant, stamp)
         return group, [f"{req.request_id}:{i}" for i in range(req.n)], sticky, {}
     return wrapped
