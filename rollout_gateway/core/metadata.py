@@ -24,8 +24,9 @@ GATEWAY_KEYS = frozenset({
     # agent sessions (sessions/manager.py, sessions/session.py)
     "session_id", "session_branch", "session_turns", "session_ended_by", "chat_template",
     "branched_from", "branch_reason", "reward",
-    # the client tenant that made the trajectory
-    "tenant",
+    # the client tenant that made the trajectory, and its request's digest
+    # (rollouts/tenancy.py)
+    "tenant", "request_digest",
 })
 
 

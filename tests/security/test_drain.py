@@ -49,7 +49,8 @@ def _open_stream(client: httpx.Client, url: str, token: str, body: dict):
 def test_a_dropped_stream_counts_until_its_generation_ends(slow_engine):
     env = {**PATIENT_HEALTH, **ENV, "ROLLOUT_GATEWAY_MAX_PENDING_PER_TENANT": "1"}
     with GatewayProcess({"e0": slow_engine.url}, env=env) as gw:
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 60}}
+        body = {"input_ids": [1, 2, 3],
+                "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
         with httpx.Client(timeout=60) as client:
             resp, _, first = _open_stream(client, gw.url, A, body)
             resp.close()  # the client goes away; the generation runs on (~3 s)
@@ -64,7 +65,7 @@ def test_a_dropped_stream_counts_until_its_generation_ends(slow_engine):
         assert other.status_code == 200, other.text  # another tenant is not stopped
         tid = first["trajectory_id"]
         got = pull_until(gw, {tid})  # the dropped stream's sample finished and published
-        assert got[tid].token_ids.shape[0] == 60
+        assert got[tid].token_ids.shape[0] == 60, (got[tid].finish_reason, got[tid].metadata, got[tid].segments)
         deadline = time.monotonic() + 30  # its place is freed right after it published
         while True:
             r = rollout(gw, A, {**body, "sampling_params": {"max_new_tokens": 1}})
