@@ -78,7 +78,8 @@ class Engine:
     #: registration epoch: bumped each time the engine is registered again because it
     #: changed behind the gateway's back (a new process, other model_path or label)
     epoch: int = 0
-    #: who it was at (re-)registration or after the last swap; None until first detected
+    #: who it was at (re-)registration or after the last swap; None: not read yet (the
+    #: next probe records it)
     identity: EngineIdentity | None = None
     #: gate closings and openings so far (a probe that overlapped one ignores its read)
     fences: int = 0
@@ -258,7 +259,7 @@ class EnginePool:
     async def _identity_change(self, eng: Engine) -> str | None:
         """What changed about a routable, unfenced engine since it was registered (None:
         nothing, or it could not be read: liveness is the health probe's to judge)."""
-        if eng.identity is None or not eng.gate.is_set():
+        if not eng.gate.is_set():
             return None
         fences = eng.fences
         try:
@@ -267,6 +268,9 @@ class EnginePool:
             return None
         if fences != eng.fences or not eng.gate.is_set():
             return None  # a swap ran meanwhile: it re-reads the identity itself
+        if eng.identity is None:  # not read after its last swap: this is the record now
+            eng.identity = now
+            return None
         diff = eng.identity.changes(now)
         if not diff:
             return None
@@ -317,8 +321,9 @@ class EnginePool:
         """Record who ``eng`` is now; call while it is fenced, after a swap changed its
         weights or label on purpose. Unreadable: the previous record stays."""
         try:
-            eng.identity = await eng.client.identity()
-        except GatewayError as exc:
+            eng.identity = await eng.client.identity(read=self.settings.timeouts.health_s)
+        except GatewayError as exc:  # the next probe records it (never a change)
+            eng.identity = None
             log.warning("engine %s: identity not read after the swap: %s", eng.id, exc.message)
 
     def evict(self, eng: Engine, why: str) -> int:

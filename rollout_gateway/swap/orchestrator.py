@@ -370,7 +370,8 @@ class SwapOrchestrator:
         r.kept_version = got == r.version_before
 
     async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
-        await self.pool.reread_identity(e)  # still fenced: the swap is not a change
+        if r.ok or r.kept_version:  # still fenced: the swap is no change behind our back
+            await self.pool.reread_identity(e)
         if r.ok:
             # requests sent from now on use the new version's prefix-cache namespace
             # (stamping.kv_namespace): no hit can serve KV the old weights left behind
