@@ -16,10 +16,10 @@ Identity: the pool records who each engine is at registration (``engines.identit
 its process, model_path and weight_version label) and every passing health probe of an
 unfenced engine reads it again (``/model_info`` and ``/server_info``). An engine that
 changed behind the gateway's back (restarted on the same URL within one probe interval,
-weights or label changed by someone else) is taken out of routing, its requests in flight
-broken off, its facts detected again and its registration ``epoch`` bumped before it is
-re-admitted; the epoch is part of the KV namespace (``core.stamping.kv_namespace``) and
-answers vetted against it (``rollouts.sample``). An engine back from UNHEALTHY is
+weights or label changed by someone else) is taken out of routing, its facts detected
+again and its registration ``epoch`` bumped before it is re-admitted; the epoch is part of
+the KV namespace (``core.stamping.kv_namespace``) and every answer is vetted against it
+(``rollouts.vetting``: a request in flight across the change fails over from there). An engine back from UNHEALTHY is
 re-detected the same way before it serves.
 """
 
@@ -283,15 +283,16 @@ class EnginePool:
         return "; ".join(diff)
 
     async def readmit(self, eng: Engine, alive: EngineState, changed: str | None = None) -> None:
-        """Register ``eng`` again before it serves: out of routing (its requests in flight
-        broken off when it ``changed``) while its facts are detected again; an engine that
-        is not who it was gets a new epoch and forgets how its versions were installed.
+        """Register ``eng`` again before it serves: out of routing while its facts are
+        detected again; an engine that ``changed`` or is not who it was gets a new epoch and
+        forgets how its versions were installed.
         Then ``on_recovered`` (e.g. catch its weights up to the pool)."""
         if changed is not None:
             log.warning("engine %s changed behind the gateway (%s): registering it again",
                         eng.id, changed)
+            # its requests in flight are not broken off (that would count against its
+            # circuit): each later chunk of theirs fails the vetting (a new epoch)
             self.mark_unhealthy(eng, f"changed behind the gateway: {changed}")
-            self.evict(eng, "it changed behind the gateway")
             await self._notify()
         try:
             info = await eng.client.detect()
