@@ -169,8 +169,11 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         # what tells one process from another, as SGLang's /server_info does: its measured
         # start-up durations (TokenizerManager.startup_time) and ServerArgs.random_seed,
         # drawn per process (serving_hook.py: random.randint(0, 1 << 30) when not given)
+        graphs = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                  "draft_extend")
         state["startup_time"] = {"load_weight": time.perf_counter() - t0,
                                  "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+                                 "cuda_graph": dict.fromkeys(graphs, 0.0),
                                  "tokenizer_e2e": time.perf_counter() - t0}
         state["random_seed"] = random.randint(0, 1 << 30)
         yield

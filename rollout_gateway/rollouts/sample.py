@@ -422,7 +422,11 @@ class SampleRunner:
                 await self._settle(state, eng, partial, began, payload, t0)
                 last_error = self._failing_over(eng, failed.error, trajectory_id)
                 exclude.add(eng.id)
-                began = Transition.FAILOVER
+                if (partial is not None and partial.num_tokens) or not isinstance(
+                        failed.error, EngineChanged):
+                    began = Transition.FAILOVER
+                # else: nothing of the changed engine's answer is kept, so the next request
+                # begins as this one did (a trajectory's first segment stays its start)
                 continue
             finally:
                 state.live = {}

@@ -109,6 +109,24 @@ def test_a_restart_seen_by_the_health_probe_is_registered_again(make_engine, ckp
             e1.stop()
 
 
+def test_a_restart_with_the_same_weights_and_label_is_a_new_incarnation(make_engine, ckpts):
+    """Only the process fingerprint (/server_info startup_time, random_seed) tells: a new
+    epoch, so the fresh process's cache gets a KV namespace of its own."""
+    e0 = make_engine(checkpoint=ckpts[0], weight_version="0", sglang_strict=True)
+    env = {"ROLLOUT_GATEWAY_HEALTH_INTERVAL_S": "0.2", "ROLLOUT_GATEWAY_UNHEALTHY_AFTER": "100"}
+    with GatewayProcess({"e0": e0.url}, env=env) as gw:
+        seed = httpx.get(e0.url + "/server_info").json()["random_seed"]
+        e1 = restart(e0, ckpts[0], "0")
+        try:
+            assert httpx.get(e1.url + "/server_info").json()["random_seed"] != seed
+            view = wait_for("the new process registered again",
+                            lambda: (v := engine_view(gw))["epoch"] == 1 and v)
+            assert (view["weight_version"], view["state"]) == (0, "healthy")
+            assert "a new process" in gw.log_tail(20000)
+        finally:
+            e1.stop()
+
+
 def test_a_refused_cache_flush_during_a_swap_still_stamps_the_new_version(
         make_engine, ckpts, models):
     e0 = make_engine(checkpoint=ckpts[0], weight_version="0", sglang_strict=True,

@@ -53,7 +53,9 @@ def test_sglang_restarted_with_other_weights_is_registered_again_before_it_serve
     env = {"ROLLOUT_GATEWAY_HEALTH_INTERVAL_S": "600"}  # only the answer can tell
     with GatewayServe({"e0": srv.url}, env=env, log_dir=sglang_logs) as gw:
         before = rollout(gw, [5, 40, 41, 42, 43], "before")
-        first = process_marker(srv.server_info())
+        info = srv.server_info()  # what tells processes apart (engines.identity)
+        assert isinstance(info["random_seed"], int) and "load_weight" in info["startup_time"]
+        first = process_marker(info)
         srv.restart(model_path=sglang_checkpoints.path("2"), weight_version="2")
         second = process_marker(srv.server_info())
         assert None not in (first, second) and first != second
