@@ -138,8 +138,7 @@ class SwapOrchestrator:
         """Whether the shared swap history holds a swap of ``eng`` to the version it now
         reports (led by another replica): its new label is then no change behind the
         gateway's back."""
-        if now.weight_version is None or (eng.version is not None
-                                          and now.weight_version <= eng.version):
+        if now.weight_version is None:  # (this replica may have learnt the version already)
             return False
         try:
             records = await self.registry.swaps(50)
