@@ -24,6 +24,7 @@ store between its reference and the fetch is nacked, logged and listed in ``miss
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -59,6 +60,15 @@ class TlsOptions:
 
 def _error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> TrajectoryClientError:
     return TrajectoryClientError(exc.code().name, exc.details() or "")
+
+
+
+async def _cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task (if any) and wait until it stopped, whatever it raised."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 class AsyncTrajectoryClient:
@@ -255,12 +265,7 @@ class AsyncTrajectoryClient:
             self._requests.put_nowait(None)
         if self._call is not None:
             self._call.cancel()
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await _cancel_and_wait(self._receiver)
         self._call = self._receiver = self._requests = self._inbox = None
 
     # ---- pulling ----
@@ -443,13 +448,8 @@ class AsyncTrajectoryClient:
             call.cancel()
 
     async def close(self) -> None:
-        if self._extender is not None:
-            self._extender.cancel()
-            try:
-                await self._extender
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._extender = None
+        await _cancel_and_wait(self._extender)
+        self._extender = None
         await self._close_stream()
         if self._channel is not None:
             await self._channel.close()

@@ -9,7 +9,9 @@ between steps: every token sampled in a step carries the version loaded at that 
 SGLang 0.5.23 semantics reproduced here:
 - ``pause(mode)``: ``abort`` aborts every request (partial output, finish_reason abort);
   ``retract`` frees every running request's KV (re-prefilled over prompt+output under the
-  weights current at the next step, ``num_retractions`` += 1); ``in_place`` keeps it.
+  weights current at the next step, ``num_retractions`` += 1; the re-prefill rewrites the
+  routed rows of every position, those of tokens sampled before included, as SGLang's
+  slot-indexed capture does); ``in_place`` keeps it.
   New requests wait in the HTTP layer until ``resume``.
 - weight loads: when not paused they first wait until no request is in flight;
   ``flush_cache=true`` fails (success false, weights *are* swapped) while a request holds KV.

@@ -345,29 +345,26 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         return _json({"success": True, "message": f"Weight version updated to {v}.",
                       "new_version": v})
 
-    @app.post("/begin_weight_update")
-    async def begin_weight_update(request: Request):
+    async def _update_session(request: Request, open_: bool, refusal: str):
+        """Open (begin) or close (end) the weight-update session."""
         if not has_spans:  # routes added in 0.5.21
             return _json({"detail": "Not Found"}, 404)
         await _body(request)
         s = sched()
-        if s.update_session_open:
-            return _json({"success": False, "message": "a weight-update session is already open; "
-                          "call end_weight_update() first"}, 400)
-        s.update_session_open = True
+        if s.update_session_open == open_:
+            return _json({"success": False, "message": refusal}, 400)
+        s.update_session_open = open_
         return _json({"success": True, "message": "Success"})
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        return await _update_session(request, True, "a weight-update session is already "
+                                     "open; call end_weight_update() first")
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request):
-        if not has_spans:
-            return _json({"detail": "Not Found"}, 404)
-        await _body(request)
-        s = sched()
-        if not s.update_session_open:
-            return _json({"success": False, "message": "no weight-update session is open; call "
-                          "begin_weight_update() first"}, 400)
-        s.update_session_open = False
-        return _json({"success": True, "message": "Success"})
+        return await _update_session(request, False, "no weight-update session is open; "
+                                     "call begin_weight_update() first")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -402,11 +399,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 "model_config": s.cfg.to_hf_dict()}
 
     @app.get("/model_info")
-    async def model_info():
-        return _json(_model_info())
-
     @app.get("/get_model_info")
-    async def get_model_info():
+    async def model_info():
         return _json(_model_info())
 
     @app.get("/get_weight_version")
@@ -446,11 +440,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 "decode_steps": s.steps}
 
     @app.get("/server_info")
-    async def server_info():
-        return _json(_server_info())
-
     @app.get("/get_server_info")
-    async def get_server_info():
+    async def server_info():
         return _json(_server_info())
 
     @app.get("/health")

@@ -51,6 +51,8 @@ class GatewayError(Exception):
     """
 
     code: ErrorCode = ErrorCode.INTERNAL
+    #: the same request may succeed soon: HTTP answers carry Retry-After (429s always do)
+    retryable: bool = False
 
     def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -103,6 +105,13 @@ class Unavailable(GatewayError):
     """A dependency (engine, store) cannot be reached right now."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class VersionPolicyUnmet(Unavailable):
+    """Engines are in rotation but none runs a version the request's version policy
+    admits (``core.version_policy``): a 503 with Retry-After, never another version."""
+
+    retryable = True
 
 
 class EngineError(Unavailable):

@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.aio import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class HeapTrimmer:
         self.trims = 0  # malloc_trim calls made
         self.released_bytes = 0  # resident bytes they gave back
         self._base: tuple[int, int] | None = None  # (resident, in use) after the last trim
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(self.check, interval_s, what="malloc_trim check", log=log)
 
     @property
     def enabled(self) -> bool:
@@ -126,13 +126,12 @@ class HeapTrimmer:
         return rss, self._in_use() if self._in_use is not None else 0
 
     def start(self) -> None:
-        if self.enabled and self._task is None:
+        if self.enabled and not self._loop.running:
             self._base = self._now()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._loop.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._loop.stop()
 
     async def check(self) -> bool:
         """One check: trim if resident memory grew past what is in use; returns whether
@@ -153,8 +152,3 @@ class HeapTrimmer:
         self._base = after
         log.debug("malloc_trim: resident %.0f -> %.0f MiB", now[0] / 2**20, after[0] / 2**20)
         return True
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.check()

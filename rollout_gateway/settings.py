@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rollout_gateway.core.admission import AdmissionConfig
+from rollout_gateway.core.version_policy import VersionPolicy
 from rollout_gateway.errors import InvalidArgument
 
 ENV_PREFIX = "ROLLOUT_GATEWAY_"
@@ -92,8 +93,9 @@ class Timeouts(BaseModel):
         default=60.0, gt=0, le=3600, description="In-place swaps: with the engine fenced, max "
         "wait until every request in flight to it has streamed its first token (then none is "
         "being prefilled when the pause lands, and the gateway knows exactly which weights "
-        "computed each token). An engine that does not quiesce in time keeps its weights "
-        "and the swap reports it.")
+        "computed each token). Retract swaps: max wait until the requests in flight that "
+        "asked for routed experts have ended after their abort. An engine that does not "
+        "quiesce in time keeps its weights and the swap reports it.")
     drain_s: float = Field(default=600.0, gt=0, le=86400,
                            description="Max wait for in-flight requests in drain mode, and for "
                            "a fenced engine to reopen.")
@@ -310,6 +312,16 @@ class GatewaySettings(BaseSettings):
     sticky_imbalance: int = Field(
         default=8, ge=0, le=1_000_000, description="Sticky routing yields to least-load when the "
         "sticky engine has this many more outstanding requests than the least loaded one.")
+    version_policy: str = Field(
+        default="any", max_length=64, description="Which engine versions may serve a "
+        "request that names no policy (header x-version-policy, body field version_policy): "
+        "any | latest (the learner's version) | min_version:<v> | max_staleness:<k> (learner "
+        "version - engine version <= k). A request no engine qualifies for is answered 503 "
+        "with Retry-After, never served by another version.")
+    version_policy_wait_s: float = Field(
+        default=0.0, ge=0, le=3600, description="How long a request waits for an engine its "
+        "version policy admits (e.g. one loading the learner's version) before the 503; "
+        "0: answer at once.")
     model: ModelShape = Field(default_factory=ModelShape, description="MoE shape; overrides "
                               "what engines' config.json says (ROLLOUT_GATEWAY_MODEL__*).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")
@@ -353,6 +365,14 @@ class GatewaySettings(BaseSettings):
         if self.grpc_client_ca_file and not self.tls_cert_file:
             raise ValueError("grpc_client_ca_file (mutual TLS) needs tls_cert_file/tls_key_file")
         return self
+
+    @field_validator("version_policy")
+    @classmethod
+    def _version_policy(cls, v: str) -> str:
+        try:
+            return str(VersionPolicy.parse(v))
+        except InvalidArgument as exc:
+            raise ValueError(exc.message) from None
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -4,10 +4,17 @@ redis-py + hiredis copy each multi-MB payload twice (hiredis' buffer, then a new
 object whose fresh pages fault in): about 3x the CPU per byte of receiving it once. This
 reader runs on a socket redis-py connected (URL, AUTH, TLS, db are redis-py's) and, for
 bulk strings of at least ``big`` bytes, either receives them straight into a buffer the
-caller supplies (``sink(n)``: a writable buffer of >= n bytes; the learner's pooled buffers: the reply is a
-read-only memoryview of exactly n bytes) or, without a sink, skips them through a reused
-scratch buffer and returns :class:`Skipped` (the gateway leasing entries it only
-references). Shared by ``learner_client.store`` and ``rollout_gateway.store.redis_streams``.
+caller supplies (``sink(n)``: a writable buffer of >= n bytes; the learner's pooled
+buffers: the reply is a read-only memoryview of exactly n bytes) or, without a sink, skips
+them through a reused scratch buffer and returns :class:`Skipped` (the gateway leasing
+entries it only references).
+
+Why it lives in ``rollout_proto``: both programs read the same Redis stream of trajectory
+bytes, ``learner_client.store`` (by-reference pulls) and
+``rollout_gateway.store.redis_streams`` (by-reference leases), and neither may import the
+other (tests/unit/test_layers.py); ``rollout_proto`` is the one package both import, the
+home of what they share on the wire (the trajectory codec, and this reader of the store's
+replies).
 """
 
 from __future__ import annotations

@@ -77,6 +77,20 @@ class LossConfig(BaseModel):
                     "equal to the reference in value, gradient and metrics by test.")
 
 
+class ClipConfig(LossConfig):
+    """The fields of every loss built on PPO's clipped surrogate S(r, A; 1 - eps_low,
+    1 + eps_high) (each loss's docstring says which ratio r is; a loss with other published
+    clips re-declares eps_low / eps_high)."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0.0, description="Upper clip: r <= 1 + eps_high.")
+    dual_clip: float | None = Field(
+        None, gt=1.0,
+        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
+                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
+                    "loss. None (the paper's form) disables it.")
+
+
 @dataclass
 class TokenLoss:
     """Per-token result of a loss before aggregation."""

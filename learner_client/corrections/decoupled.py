@@ -32,7 +32,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from .base import LossConfig, TokenLoss
+from .base import ClipConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
 from .ops import masked_mean, safe_exp
 from .ppo import ppo_token_loss
@@ -68,15 +68,12 @@ def linear_proximal(logprobs: Tensor, rollout_logprobs: Tensor, a: Tensor | floa
     return torch.logaddexp(mu + torch.log(a_t), lp + torch.log1p(-a_t))
 
 
-class DecoupledPPOConfig(LossConfig):
+class DecoupledPPOConfig(ClipConfig):
     """AReaL decoupled PPO (Fu et al. 2025) with the r_d x r_s decomposition of arXiv
-    2605.12070. Defaults: eps 0.2 both sides, behavior weight cap 5 (cap_mask), no dual clip.
-    Aggregation: token mean over active tokens (masked/capped tokens stay in it)."""
+    2605.12070. Defaults: eps 0.2 both sides (PPO's clip on r = r_s), behavior weight cap 5
+    (cap_mask), no dual clip. Aggregation: token mean over active tokens (masked/capped
+    tokens stay in it)."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Clip of r_s below: 1 - eps_low.")
-    eps_high: float = Field(0.2, ge=0.0, description="Clip of r_s above: 1 + eps_high.")
-    dual_clip: float | None = Field(
-        None, gt=1.0, description="Dual clip c: for A < 0 the token loss is capped at c*|A|.")
     ratio_mode: Literal["decoupled", "ppo", "bypass", "loglinear", "linear_prox"] = Field(
         "decoupled", description="How pi_prox and r_d are formed (see module docstring).")
     discrepancy: Literal["cap_mask", "mask", "truncate", "none"] = Field(
@@ -154,22 +151,15 @@ def decoupled_ppo(inputs: LossInputs, cfg: DecoupledPPOConfig) -> TokenLoss:
     return TokenLoss(loss, m, metrics)
 
 
-class PPOEWMAConfig(LossConfig):
+class PPOEWMAConfig(ClipConfig):
     """PPO-EWMA (Hilton, Cobbe, Schulman 2021, "Batch size-invariance for policy
     optimization"): -E[(pi_prox/mu) * S(pi/pi_prox, A)], pi_prox from the EWMA weights
     (pass its logprobs as ``old_logprobs``, see old_logits.EwmaWeightTracker), total ratio
     pi/mu capped at imp_samp_max = 100 by raising log mu to sg[log pi] - log(imp_samp_max).
-    Aggregation: token mean over active tokens."""
+    PPO's clip on r = pi/pi_prox. Aggregation: token mean over active tokens."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Clip of pi/pi_prox below.")
-    eps_high: float = Field(0.2, ge=0.0, description="Clip of pi/pi_prox above.")
     imp_samp_max: float | None = Field(
         100.0, gt=1.0, description="Cap of the total ratio pi/mu; None disables it.")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
 
 
 def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig, token_loss=ppo_token_loss) -> TokenLoss:
@@ -193,7 +183,7 @@ def ppo_ewma(inputs: LossInputs, cfg: PPOEWMAConfig, token_loss=ppo_token_loss) 
     return TokenLoss(loss, m, metrics)
 
 
-class RevisedPPOEWMAConfig(LossConfig):
+class RevisedPPOEWMAConfig(ClipConfig):
     """Revised PPO-EWMA (arXiv 2605.12070, after Hilton et al. 2021) as one loss: the
     decoupled ratio with the EWMA proximal policy. ``old_logprobs`` = log pi_prox under the
     debiased EWMA weights (``learner_client.old_logits.RevisedPPOEWMA`` fills it and keeps
@@ -205,14 +195,10 @@ class RevisedPPOEWMAConfig(LossConfig):
     ``ewma_window`` (W_stale = max observed lag + 1 over the active tokens, when versions
     and learner_version are given) and ``ewma_beta`` = W_stale / (W_stale + 2)."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Clip of r_s below: 1 - eps_low.")
-    eps_high: float = Field(0.2, ge=0.0, description="Clip of r_s above: 1 + eps_high.")
     discrepancy_c: float = Field(2.0, gt=1.0, description="Keep r_d within [1/c, c].")
     reset_threshold: float = Field(
         0.9, ge=0.0, le=1.0, description="Reset theta_prox <- theta when the active-token "
                                          "fraction after masking and clipping drops below.")
-    dual_clip: float | None = Field(
-        None, gt=1.0, description="Dual clip c: for A < 0 the token loss is capped at c*|A|.")
 
 
 def ppo_ewma_revised(inputs: LossInputs, cfg: RevisedPPOEWMAConfig,

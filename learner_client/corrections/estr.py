@@ -27,24 +27,18 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from .base import LossConfig, TokenLoss
+from .base import ClipConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
 from .ops import masked_mean, masked_quantile
 from .ppo import ppo_token_loss
 
 
-class ESTRConfig(LossConfig):
+class ESTRConfig(ClipConfig):
     """ESTR: eps 0.2 both sides, eps_h 0.01, the paper's fixed threshold tau (default 1.0,
     our choice: the paper does not publish it). Exactly one of tau / target_mask_rate is
-    set; giving target_mask_rate alone selects the batch-quantile mode (tau -> None)."""
+    set; giving target_mask_rate alone selects the batch-quantile mode (tau -> None).
+    PPO's clip on r = pi/mu."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
-    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
     eps_h: float = Field(0.01, gt=0.0, description="Added to H in the score's denominator.")
     tau: float | None = Field(1.0, ge=0.0, description="Fixed threshold on delta^2/(H+eps_h) "
                                                        "(the paper's rule; value ours).")

@@ -15,13 +15,13 @@ from __future__ import annotations
 from pydantic import Field
 from torch import Tensor
 
-from .base import Aggregation, LossConfig, TokenLoss
+from .base import Aggregation, ClipConfig, LossConfig, TokenLoss
 from .inputs import LossInputs
 from .ops import broadcast, masked_mean, safe_exp
 from .ppo import clipped_surrogate, dual_clip_cap
 
 
-class GSPOConfig(LossConfig):
+class GSPOConfig(ClipConfig):
     """GSPO defaults from the paper (v2, section 5.1): eps_low 3e-4, eps_high 4e-4, no KL.
     Aggregation: mean over sequences of the sequence loss (seq_mean_token_mean)."""
 
@@ -29,11 +29,6 @@ class GSPOConfig(LossConfig):
         "aggregation"].description)
     eps_low: float = Field(3e-4, ge=0.0, lt=1.0, description="Lower clip of the sequence ratio.")
     eps_high: float = Field(4e-4, ge=0.0, description="Upper clip of the sequence ratio.")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
 
 
 def sequence_mean(x: Tensor, inputs: LossInputs) -> tuple[Tensor, Tensor]:

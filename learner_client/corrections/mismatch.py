@@ -20,7 +20,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from .base import LossConfig, TokenLoss
+from .base import ClipConfig, TokenLoss
 from .gspo import sequence_mean
 from .inputs import LossInputs
 from .ops import broadcast, masked_mean, safe_exp
@@ -31,19 +31,12 @@ def _rho_log(inputs: LossInputs) -> Tensor:
     return inputs.require_old() - inputs.flat("rollout_logprobs").detach()
 
 
-class TISConfig(LossConfig):
+class TISConfig(ClipConfig):
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"): w = min(pi_old/mu, C), detached, C = 2.
-    Aggregation: token mean over active tokens."""
+    brings you off-policy RL training"): w = min(pi_old/mu, C), detached, C = 2; PPO's clip
+    on r = pi/pi_old. Aggregation: token mean over active tokens."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
-    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
     cap: float = Field(2.0, gt=0.0, description="C: the importance weight is min(rho, C).")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
 
 
 def tis(inputs: LossInputs, cfg: TISConfig, token_loss=ppo_token_loss) -> TokenLoss:
@@ -60,22 +53,15 @@ def tis(inputs: LossInputs, cfg: TISConfig, token_loss=ppo_token_loss) -> TokenL
     return TokenLoss(loss, m, metrics)
 
 
-class MISConfig(LossConfig):
+class MISConfig(ClipConfig):
     """Masked importance sampling (Liu, Li et al. 2025, "When speed kills stability"):
     w = rho * 1[lower <= rho <= upper] at token level (rho_t), sequence level
     (prod_t rho_t) or geometric level (exp(mean_t log rho_t)); a sequence is vetoed when any
     of its tokens has rho_t < veto_threshold. Rejected tokens leave the denominator.
-    Aggregation: token mean over the accepted tokens."""
+    PPO's clip on r = pi/pi_old. Aggregation: token mean over the accepted tokens."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
-    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="Where rho is measured: per token, sequence product, geometric mean.")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
     upper: float = Field(2.0, gt=0.0, description="C: reject when rho > upper.")
     lower: float | None = Field(
         None, ge=0.0, description="Two-sided mode: also reject when rho < lower (e.g. 1/C).")
@@ -124,22 +110,15 @@ def mis(inputs: LossInputs, cfg: MISConfig, token_loss=ppo_token_loss) -> TokenL
     return TokenLoss(loss * w, accept, metrics)
 
 
-class IcePopConfig(LossConfig):
+class IcePopConfig(ClipConfig):
     """IcePop (Ling team, Ring-1T 2025): k = pi_old/mu, M(k) = k if lo <= k <= hi else 0,
-    lo = 0.5, hi = 5. Masked tokens stay in the denominator (token mean over active tokens)
-    unless ``rejected_leave_denominator``."""
+    lo = 0.5, hi = 5; PPO's clip on r = pi/pi_old. Masked tokens stay in the denominator
+    (token mean over active tokens) unless ``rejected_leave_denominator``."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip.")
-    eps_high: float = Field(0.2, ge=0.0, description="PPO upper clip.")
     lo: float = Field(0.5, ge=0.0, description="Lower edge of the kept band of k.")
     hi: float = Field(5.0, gt=0.0, description="Upper edge of the kept band of k.")
     rejected_leave_denominator: bool = Field(
         False, description="True: tokens with M(k)=0 are also removed from the normalizer.")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
 
 
 def icepop(inputs: LossInputs, cfg: IcePopConfig, token_loss=ppo_token_loss) -> TokenLoss:

@@ -18,22 +18,16 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from .base import Aggregation, LossConfig, TokenLoss
+from .base import Aggregation, ClipConfig, LossConfig, TokenLoss
 from .inputs import LossInputError, LossInputs
 from .ops import masked_mean, safe_exp
 
 Bound = float | Tensor  # a clip endpoint: one number, or one per token (SAT)
 
 
-class PPOClipConfig(LossConfig):
-    """PPO clipped surrogate (Schulman et al. 2017). Aggregation: token mean over the batch."""
-
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
-    eps_high: float = Field(0.2, ge=0.0, description="Upper clip: r <= 1 + eps_high.")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual-clip constant c (Ye et al. 2020): for A < 0 the loss is capped at "
-                    "-c*A. None disables it.")
+class PPOClipConfig(ClipConfig):
+    """PPO clipped surrogate (Schulman et al. 2017), r = pi/pi_old, eps 0.2 both sides.
+    Aggregation: token mean over the batch."""
 
 
 def clipped_surrogate(log_ratio: Tensor, adv: Tensor, lo: Bound, hi: Bound
@@ -139,6 +133,5 @@ class DAPOConfig(PPOClipConfig):
     the whole batch. Dynamic sampling and overlong shaping act on data/rewards, see
     ``advantages.dapo_dynamic_sampling_keep`` and ``advantages.overlong_penalty``."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: r >= 1 - eps_low.")
     eps_high: float = Field(0.28, ge=0.0,
                             description="Upper clip (clip-higher): r <= 1 + eps_high.")

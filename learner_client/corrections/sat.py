@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from .base import Aggregation, LossConfig, TokenLoss
+from .base import Aggregation, ClipConfig, LossConfig, TokenLoss
 from .gspo import sequence_stats
 from .inputs import LossInputs
 from .ops import (LOG_RATIO_CLAMP, broadcast, masked_mean, masked_quantile,
@@ -29,11 +29,10 @@ from .ops import (LOG_RATIO_CLAMP, broadcast, masked_mean, masked_quantile,
 from .ppo import add_k3_kl, clipped_surrogate, dual_clip_cap, ppo_token_loss
 
 
-class SATConfig(LossConfig):
-    """SAT defaults: eps_low = eps_high = 0.2, quantile 0.9, kernel exponent 2."""
+class SATConfig(ClipConfig):
+    """SAT defaults: eps_low = eps_high = 0.2 (the base clips, contracted per token by c-
+    and c+; r = pi/mu), quantile 0.9, kernel exponent 2."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Base PPO lower clip.")
-    eps_high: float = Field(0.2, ge=0.0, description="Base PPO upper clip.")
     quantile: float = Field(0.9, gt=0.0, lt=1.0,
                             description="Tail threshold q = this quantile of |d| (active tokens).")
     kernel_power: float = Field(2.0, gt=0.0, description="p in psi(u; q) = 1/(1 + (u/q)^p).")
@@ -43,11 +42,6 @@ class SATConfig(LossConfig):
                     "exp(ref - log pi) - (ref - log pi) - 1 per active token (needs "
                     "ref_logprobs), aggregated like the base loss. 0 = off (the paper's "
                     "coefficient is not in corrections.md).")
-    dual_clip: float | None = Field(
-        None, gt=1.0,
-        description="Dual clip c (Ye et al. 2020): for A < 0 the token loss is capped at "
-                    "c*|A|, so one corrupt token (ratio up to e^20) cannot dominate the "
-                    "loss. None (the paper's form) disables it.")
 
 
 class SATGSPOConfig(SATConfig):

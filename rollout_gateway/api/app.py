@@ -48,6 +48,9 @@ def create_app(gateway: Backend, *, manage_gateway: bool = True) -> FastAPI:
 
     make_schema = app.openapi
     app.openapi = lambda: apply_limits(make_schema(), s)  # the schema states the limits
+    from rollout_gateway.api.version_policy import VersionPolicyHeader
+
+    app.add_middleware(VersionPolicyHeader)  # x-version-policy, on every route
     app.add_middleware(HTTPMetricsMiddleware, metrics=gateway.metrics)
     return app
 

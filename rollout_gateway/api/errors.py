@@ -64,7 +64,7 @@ def install_error_handlers(app: FastAPI) -> None:
             log.warning("request failed: %s", exc.message)
         headers = None
         gw = getattr(req.app.state, "gateway", None)
-        if exc.http_status == 429 and gw is not None:
+        if (exc.http_status == 429 or exc.retryable) and gw is not None:
             headers = {"Retry-After": str(gw.settings.retry_after_s)}
         return ORJSONResponse({"error": client_error_body(req, exc)},
                               status_code=exc.http_status, headers=headers)

@@ -17,12 +17,14 @@ shape, or refused with a 400 that names it:
 - accepted only at their default value (each a no-op then; anything else is a 400 naming
   it): the multimodal, LoRA, disaggregation, hidden-state, custom-processor and other
   fields in :data:`NOOP_AT_DEFAULT`;
-- gateway extensions: ``group_id``, ``metadata``.
+- gateway extensions: ``group_id``, ``metadata``, ``version_policy`` (which engine
+  versions may serve: ``rollout_gateway.api.version_policy``).
 
 Answers: a dict for one prompt with n = 1, else a list, prompt-major (prompt i, sample j
 at ``i * n + j``), each element SGLang's ``{"text", "output_ids", "meta_info"}`` plus the
 gateway's stamps in ``meta_info`` (``policy_versions``, ``kv_versions``,
-``trajectory_id``, ``segments``, ``entropy_kind``, ``entropy_error_bound``); each
+``trajectory_id``, ``segments``, ``entropy_kind``, ``entropy_error_bound``,
+``spanning_versions``: tokens of more than one weight version); each
 element is a published trajectory.
 """
 
@@ -50,6 +52,7 @@ from rollout_gateway.api.routes import sse
 from rollout_gateway.api.schemas import generate_openapi_body
 from rollout_gateway.api.security import require_client
 from rollout_gateway.api.serialize import RawString, segment_to_json
+from rollout_gateway.api.version_policy import apply_body_policy, versions_header
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
 from rollout_gateway.engines.pool import EnginePool
@@ -67,6 +70,7 @@ FORWARDED = frozenset({
     "routed_experts_start_len", "return_entropy", "session_id", "group_id", "metadata",
     "log_metrics", "conversation_id", "custom_labels", "no_logs", "received_time",
     "external_trace_header",  # bookkeeping of SGLang's own: nothing to forward
+    "version_policy",  # the gateway's: which engine versions may serve (api.version_policy)
 })
 #: GenerateReqInput fields the gateway cannot honour: accepted at these defaults only
 NOOP_AT_DEFAULT: dict[str, Any] = {
@@ -257,6 +261,7 @@ def sglang_output(t: Trajectory, text: str, opts: GenerateOptions, index: int,
         "entropy_error_bound": _f(float(t.entropy_error_bound)),
         "segments": [segment_to_json(s) for s in t.segments],
         "num_retractions": sum(1 for s in t.segments if s.began is Transition.RETRACT),
+        "spanning_versions": t.min_version != t.max_version,
     }
     passed = passed or {}
     if opts.return_logprob:
@@ -301,8 +306,10 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
     except orjson.JSONDecodeError as exc:
         raise InvalidArgument(f"body is not valid JSON: {exc}") from None
     items = parse_generate(body)
+    apply_body_policy(body.get("version_policy"))
     as_list = len(items) > 1 or items[0].req.n > 1
     if items[0].opts.stream:
+        await rollouts.check_policy()  # none qualifying: a 503 before the stream begins
         return sse(_stream(rollouts, pool, items))
     results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough)
                                      for it in items))
@@ -314,7 +321,8 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
     if as_list:
         for k, o in enumerate(outs):
             o["index"] = k
-    return ORJSONResponse(outs if as_list else outs[0])
+    return ORJSONResponse(outs if as_list else outs[0],
+                          headers=versions_header(t for res in results for t, _ in res))
 
 
 async def _stream(rollouts: RolloutService, pool: EnginePool, items: list[Item]

@@ -8,7 +8,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -157,6 +157,7 @@ def _rollout_info(r: Reply, sid: str | None) -> dict[str, Any]:
             "turn": r.turn_index, "branched": r.branched or None,
             "token_ids": r.token_ids, "policy_version": t.tokens.policy_version,
             "kv_version": t.tokens.kv_version, "engine_ids": t.engine_ids,
+            "spanning_versions": t.min_version != t.max_version,
             "segments": [{"start": s.start, "end": s.end, "policy_version": s.policy_version,
                           "engine_id": s.engine_id, "began": s.began.value,
                           "ended": s.ended.value} for s in t.segments]}
@@ -202,6 +203,46 @@ def _sse(events: AsyncIterator[bytes]) -> StreamingResponse:
 
 def _data(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
+
+
+def _stops(req: _Common) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+class _Chunks:
+    """The frames of one streamed answer; every chunk names it (id, object, created, model)."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
+        self.names = {"id": rid, "object": obj, "created": created, "model": model}
+
+    def __call__(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return _data({**self.names, "choices": choices, **extra})
+
+    def response(self, events: Any, frame: Callable[[dict[str, Any]], bytes | None],
+                 include_usage: bool, first: list[bytes] | None = None) -> StreamingResponse:
+        """The SSE answer: ``first``, then each delta or reply event as ``frame`` writes it
+        (None: nothing to send yet), an error event as an error frame; the usage chunk when
+        asked, then ``[DONE]``."""
+        stream: AsyncIterator[dict[str, Any]] = events
+
+        async def body() -> AsyncIterator[bytes]:
+            for b in first or []:
+                yield b
+            finals: list[Reply] = []
+            async for ev in stream:
+                if ev["type"] not in ("delta", "reply"):
+                    yield _data({"error": ev["error"]})
+                    continue
+                if ev["type"] == "reply":
+                    finals.append(ev["reply"])
+                out = frame(ev)
+                if out is not None:
+                    yield out
+            if include_usage:
+                yield self([], usage=_usage(finals))
+            yield b"data: [DONE]\n\n"
+
+        return _sse(body())
 
 
 class _TextStream:
@@ -292,53 +333,38 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, session
         return ORJSONResponse({"id": rid, "object": "chat.completion", "created": created,
                                "model": model, "choices": choices, "usage": _usage(replies),
                                "session_id": sid})
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    events: AsyncIterator[dict[str, Any]] = out  # type: ignore[assignment]
+    chunk = _Chunks(rid, "chat.completion.chunk", created, model)
+    streams = [_TextStream(tpl, _stops(req), parse_tools) for _ in range(req.n)]
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return _data({"id": rid, "object": "chat.completion.chunk", "created": created,
-                      "model": model, "choices": choices, **extra})
+    def frame(ev: dict[str, Any]) -> bytes | None:
+        i = ev["index"]
+        if ev["type"] == "delta":
+            ids = np.asarray(ev["token_ids"]).tolist()
+            text = streams[i].feed(ids)
+            # with top_logprobs the entries (and their alternatives) come with the
+            # final chunk: the engines' top-k rows arrive when the sample finishes
+            lp = ({"content": _lp_entries(tpl, np.asarray(ids), np.asarray(ev["logprobs"]))}
+                  if req.logprobs and not k else None)
+            if not (text or lp):
+                return None
+            return chunk([{"index": i, "delta": {"content": text} if text else {},
+                           "logprobs": lp, "finish_reason": None}])
+        r: Reply = ev["reply"]
+        delta: dict[str, Any] = {}
+        rest = streams[i].finish(r.content)
+        if rest:
+            delta["content"] = rest
+        if r.tool_calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(r.tool_calls)]
+        lp = ({"content": _lp_entries(tpl, r.token_ids, r.logprobs,
+                                      _alternatives(r.top_logprobs, k))}
+              if k else None)
+        return chunk([{"index": i, "delta": delta, "logprobs": lp,
+                       "finish_reason": r.finish_reason, "rollout": _rollout_info(r, sid)}])
 
-    async def body() -> AsyncIterator[bytes]:
-        streams = [_TextStream(tpl, stops, parse_tools) for _ in range(req.n)]
-        finals: list[Reply] = []
-        for i in range(req.n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        async for ev in events:
-            i = ev["index"]
-            if ev["type"] == "delta":
-                ids = np.asarray(ev["token_ids"]).tolist()
-                text = streams[i].feed(ids)
-                # with top_logprobs the entries (and their alternatives) come with the
-                # final chunk: the engines' top-k rows arrive when the sample finishes
-                lp = ({"content": _lp_entries(tpl, np.asarray(ids), np.asarray(ev["logprobs"]))}
-                      if req.logprobs and not k else None)
-                if text or lp:
-                    yield chunk([{"index": i, "delta": {"content": text} if text else {},
-                                  "logprobs": lp, "finish_reason": None}])
-            elif ev["type"] == "reply":
-                r: Reply = ev["reply"]
-                finals.append(r)
-                delta: dict[str, Any] = {}
-                rest = streams[i].finish(r.content)
-                if rest:
-                    delta["content"] = rest
-                if r.tool_calls:
-                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(r.tool_calls)]
-                lp = ({"content": _lp_entries(tpl, r.token_ids, r.logprobs,
-                                              _alternatives(r.top_logprobs, k))}
-                      if k else None)
-                yield chunk([{"index": i, "delta": delta, "logprobs": lp,
-                              "finish_reason": r.finish_reason,
-                              "rollout": _rollout_info(r, sid)}])
-            else:
-                yield _data({"error": ev["error"]})
-        if include_usage:
-            yield chunk([], usage=_usage(finals))
-        yield b"data: [DONE]\n\n"
-
-    return _sse(body())
+    roles = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}]) for i in range(req.n)]
+    return chunk.response(out, frame, include_usage, first=roles)
 
 
 # ---- /v1/completions ----
@@ -399,39 +425,26 @@ async def completions(req: CompletionRequest, request: Request, sessions: Sessio
                          if want_lp else None,
                          "rollout": _rollout_info(r, sid)} for r in replies],
             "usage": _usage(replies), "session_id": sid})
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    events: AsyncIterator[dict[str, Any]] = out  # type: ignore[assignment]
+    chunk = _Chunks(rid, "text_completion", created, model)
+    streams = [_TextStream(tpl, _stops(req), False) for _ in range(req.n)]
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return _data({"id": rid, "object": "text_completion", "created": created,
-                      "model": model, "choices": choices, **extra})
+    def frame(ev: dict[str, Any]) -> bytes | None:
+        i = ev["index"]
+        if ev["type"] == "delta":
+            ids = np.asarray(ev["token_ids"])
+            text = streams[i].feed(ids.tolist())
+            if not (text or (want_lp and not k)):
+                return None
+            return chunk([{"index": i, "text": text, "finish_reason": None,
+                           "logprobs": lp_obj(ids, np.asarray(ev["logprobs"]))
+                           if want_lp and not k else None}])
+        r: Reply = ev["reply"]
+        return chunk([{"index": i, "text": streams[i].finish(r.content),
+                       "finish_reason": r.finish_reason,
+                       "logprobs": lp_obj(r.token_ids, r.logprobs, r.top_logprobs)
+                       if k else None, "rollout": _rollout_info(r, sid)}])
 
-    async def body() -> AsyncIterator[bytes]:
-        streams = [_TextStream(tpl, stops, False) for _ in range(req.n)]
-        finals: list[Reply] = []
-        async for ev in events:
-            i = ev["index"]
-            if ev["type"] == "delta":
-                ids = np.asarray(ev["token_ids"])
-                text = streams[i].feed(ids.tolist())
-                if text or (want_lp and not k):
-                    yield chunk([{"index": i, "text": text, "finish_reason": None,
-                                  "logprobs": lp_obj(ids, np.asarray(ev["logprobs"]))
-                                  if want_lp and not k else None}])
-            elif ev["type"] == "reply":
-                r: Reply = ev["reply"]
-                finals.append(r)
-                yield chunk([{"index": i, "text": streams[i].finish(r.content),
-                              "finish_reason": r.finish_reason,
-                              "logprobs": lp_obj(r.token_ids, r.logprobs, r.top_logprobs)
-                              if k else None, "rollout": _rollout_info(r, sid)}])
-            else:
-                yield _data({"error": ev["error"]})
-        if include_usage:
-            yield chunk([], usage=_usage(finals))
-        yield b"data: [DONE]\n\n"
-
-    return _sse(body())
+    return chunk.response(out, frame, include_usage)
 
 
 # ---- models, sessions, rewards ----

@@ -24,6 +24,7 @@ from rollout_gateway.api.deps import (
 from rollout_gateway.api.errors import ORJSONResponse
 from rollout_gateway.api.security import is_admin, public_view, require_admin, require_client
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
+from rollout_gateway.api.version_policy import apply_body_policy, versions_header
 from rollout_gateway.errors import EngineError, GatewayError
 from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
@@ -62,6 +63,7 @@ rollouts = APIRouter(tags=["rollouts"], dependencies=[Depends(require_client)])
 @rollouts.post("/v1/rollouts")
 async def create_rollout(req: RolloutRequest, rollouts: Rollouts, registry: Registry) -> Response:
     """n samples of one prompt, stamped per token and published to the store."""
+    apply_body_policy(req.version_policy)
     if req.stream:
         events = await rollouts.open_stream(req)  # admission errors: plain 4xx
 
@@ -74,7 +76,8 @@ async def create_rollout(req: RolloutRequest, rollouts: Rollouts, registry: Regi
         return sse(rendered())
     trajs = await rollouts.run(req)
     return ORJSONResponse({"trajectories": [trajectory_to_json(t) for t in trajs],
-                           "learner_version": await registry.learner_version()})
+                           "learner_version": await registry.learner_version()},
+                          headers=versions_header(trajs))
 
 
 weights = APIRouter(tags=["weights"])

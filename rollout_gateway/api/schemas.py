@@ -36,6 +36,9 @@ class GenerateRequest(BaseModel):
     group_id: Text | None = Field(default=None, max_length=256)
     session_id: Text | None = Field(default=None, max_length=256)
     metadata: dict[Text, Text] | None = Field(default=None, max_length=1024)
+    version_policy: str | None = Field(
+        default=None, max_length=64, description="Which engine versions may serve: any | "
+        "latest | min_version:<v> | max_staleness:<k> (the gateway's; as /v1/rollouts).")
 
 
 def _inline(schema: Any, defs: dict[str, Any]) -> Any:

@@ -94,7 +94,9 @@ def trajectory_to_json(t: Trajectory) -> dict[str, Any]:
         "entropy_kind": t.entropy_kind.value,
         "entropy_error_bound": t.entropy_error_bound if math.isfinite(t.entropy_error_bound) else None,
         "segments": [segment_to_json(s) for s in t.segments],
-        "engine_ids": t.engine_ids, "created_at": t.created_at, "finished_at": t.finished_at,
+        "engine_ids": t.engine_ids, "min_version": t.min_version, "max_version": t.max_version,
+        "spanning_versions": t.min_version != t.max_version,
+        "created_at": t.created_at, "finished_at": t.finished_at,
         "metadata": t.metadata,
     }
     if t.tokens.old_logprobs is not None:  # exact old logits (old_logits.mode)

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     cells = [[("-" if c is None else str(c)) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
@@ -42,6 +42,11 @@ def render(rep: dict[str, Any]) -> str:
     lines = [f"gateway replica {rep['replica'] or '(hidden)'}  "
              f"learner version {rep['learner_version']}  "
              f"max engine lag {rep['max_engine_lag']}  store backlog {rep['store_backlog']}", ""]
+    lines += ["version cut: " + "  |  ".join(
+        f"v{'?' if c['version'] is None else c['version']} (lag "
+        f"{'?' if c['lag'] is None else c['lag']}): " + ", ".join(
+            e if e in c["routable"] else f"{e} (out)" for e in c["engines"])
+        for c in rep.get("version_cut", [])) or "version cut: no engines", ""]
     lines += _table(["engine", "state", "version", "lag", "requests"],
                     [[e["id"], e["state"] + (" (fenced)" if e["fenced"] else ""), e["version"],
                       e["lag"], e["outstanding_requests"]] for e in rep["engines"]])

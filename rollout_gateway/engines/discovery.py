@@ -17,7 +17,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.aio import Periodic
 from rollout_gateway.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class DnsDiscovery:
         self.add, self.deregister, self.forget = add, deregister, forget
         self.resolver = resolver or resolve_addresses
         self.discovered: set[str] = set()  # engine ids this loop registered
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(self.sync_once, cfg.interval_s, what="engine discovery", log=log)
 
     def engine_id(self, addr: str) -> str:
         return f"{self.cfg.id_prefix}-" + addr.replace(".", "-").replace(":", "-")
@@ -84,17 +84,7 @@ class DnsDiscovery:
         return added, removed
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._loop.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.interval_s)
-            try:
-                await self.sync_once()
-            except Exception as exc:  # noqa: BLE001 - keep discovering
-                log.warning("engine discovery failed: %s", exc)
+        await self._loop.stop()

@@ -35,12 +35,19 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.aio import Periodic, cancel_and_wait
 from rollout_gateway.core.trajectory import Transition
+from rollout_gateway.core.version_policy import ANY, VersionPolicy
 from rollout_gateway.engines.client import AnswerGate, EngineClient, Health
 from rollout_gateway.engines.identity import EngineIdentity
 from rollout_gateway.engines.shape import routing_problem
-from rollout_gateway.errors import AlreadyExists, GatewayError, NotFound, Unavailable
+from rollout_gateway.errors import (
+    AlreadyExists,
+    GatewayError,
+    NotFound,
+    Unavailable,
+    VersionPolicyUnmet,
+)
 from rollout_gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,8 @@ class Engine:
     #: left (an in-place swap under the overlap scheduler waits for it: core.stamping)
     unstarted: int = 0
     all_started: asyncio.Event = field(default_factory=asyncio.Event)
+    #: requests in flight to it (a retract swap breaks off those asking for routing)
+    leases: set[Lease] = field(default_factory=set)
     registered_at: float = field(default_factory=time.time)
     #: circuit breaker: failed requests in a row, trips in a row, open until (monotonic)
     failures: int = 0
@@ -137,7 +146,10 @@ class Lease:
 
     engine: Engine
     tokens: int
+    rid: str = ""  # the engine request's rid
+    routed: bool = False  # it asked for routed experts
     is_started: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def started(self) -> None:
         if self.is_started:
@@ -159,7 +171,8 @@ class EnginePool:
                         if settings.max_large_answers > 0 else None)
         self._engines: dict[str, Engine] = {}
         self._changed = asyncio.Condition()
-        self._health_task: asyncio.Task[None] | None = None
+        self._health = Periodic(self._probe_all, settings.health_interval_s,
+                                what="health round", log=log, trace=True)
         #: probes started out of turn (``suspect``), one per engine at a time
         self._rechecks: dict[str, asyncio.Task[None]] = {}
         #: called with an engine that came back from UNHEALTHY (e.g. to catch its weights up)
@@ -359,7 +372,7 @@ class EnginePool:
         out of routing now (not a failure: its circuit is untouched), and probed at once,
         out of turn, so it is registered again without waiting for the health interval."""
         self.mark_unhealthy(eng, why)
-        if eng.id in self._rechecks or self._health_task is None:
+        if eng.id in self._rechecks or not self._health.running:
             return
 
         async def recheck() -> None:
@@ -377,22 +390,18 @@ class EnginePool:
             eng.state = EngineState.UNHEALTHY
         eng.last_error = why
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            for eng in list(self._engines.values()):
-                try:
-                    await self.probe(eng)
-                except Exception:  # noqa: BLE001 - the loop must survive anything
-                    log.exception("health probe of %s failed", eng.id)
+    async def _probe_all(self) -> None:
+        for eng in list(self._engines.values()):
+            try:
+                await self.probe(eng)
+            except Exception:  # noqa: BLE001 - one engine's failure skips no other
+                log.exception("health probe of %s failed", eng.id)
 
     def start(self) -> None:
-        if self._health_task is None:
-            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        self._health.start()
 
     async def close(self) -> None:
-        task, self._health_task = self._health_task, None
-        await cancel_and_wait(task)
+        await self._health.stop()
         for t in list(self._rechecks.values()):
             await cancel_and_wait(t)
         for eng in list(self._engines.values()):
@@ -400,20 +409,29 @@ class EnginePool:
         self._engines.clear()
 
     # ---- routing -----------------------------------------------------------------------
-    def _candidates(self, exclude: Iterable[str]) -> list[Engine]:
+    def _candidates(self, exclude: Iterable[str], policy: VersionPolicy = ANY,
+                    learner_version: int = 0) -> list[Engine]:
         ex = set(exclude)
-        return [e for e in self._engines.values() if e.routable and e.id not in ex]
+        return [e for e in self._engines.values() if e.routable and e.id not in ex
+                and policy.admits(e.version, learner_version)]
+
+    def barred(self, policy: VersionPolicy, learner_version: int) -> list[Engine]:
+        """Engines in rotation that ``policy`` keeps a request from."""
+        return [e for e in self._engines.values()
+                if e.routable and not policy.admits(e.version, learner_version)]
 
     def choose(self, *, sticky_key: str | None = None, prefer: str | None = None,
-               exclude: Iterable[str] = ()) -> Engine | None:
-        """Pick an engine now (None if none is routable).
+               exclude: Iterable[str] = (), policy: VersionPolicy = ANY,
+               learner_version: int = 0) -> Engine | None:
+        """Pick an engine now (None if none is routable and admitted by ``policy``, whose
+        ``max_staleness`` / ``latest`` read ``learner_version``).
 
         Open gates first; ``prefer`` (same engine after abort_resume) if routable;
         else the sticky engine for ``sticky_key`` (rendezvous hash) unless it carries
         ``sticky_imbalance`` more requests than the least loaded; else least load.
         A fenced engine is returned only when every candidate is fenced (we then wait at
         its gate rather than fail)."""
-        cands = self._candidates(exclude)
+        cands = self._candidates(exclude, policy, learner_version)
         if not cands:
             return None
         if prefer is not None:
@@ -434,25 +452,42 @@ class EnginePool:
         return least
 
     async def acquire(self, *, sticky_key: str | None = None, prefer: str | None = None,
-                      exclude: Iterable[str] = (), why: str | None = None) -> Engine:
-        """Wait until an engine is routable and its gate open; return it (not yet leased).
+                      exclude: Iterable[str] = (), why: str | None = None,
+                      policy: VersionPolicy = ANY, learner_version: int = 0) -> Engine:
+        """Wait until an engine ``policy`` admits is routable and its gate open; return it
+        (not yet leased).
 
-        Waits up to ``timeouts.drain_s`` for a fenced engine to reopen, and up to
-        ``timeouts.no_engine_s`` for any engine to come into rotation."""
+        Waits up to ``timeouts.drain_s`` for a fenced engine to reopen, up to
+        ``timeouts.no_engine_s`` for any engine to come into rotation, and up to
+        ``version_policy_wait_s`` for one the policy admits when engines in rotation are
+        all barred by it (then :class:`VersionPolicyUnmet`: never another version)."""
         exclude = set(exclude)
         t = self.settings.timeouts
         start = time.monotonic()
         while True:
-            eng = self.choose(sticky_key=sticky_key, prefer=prefer, exclude=exclude)
+            eng = self.choose(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
+                              policy=policy, learner_version=learner_version)
             if eng is None and exclude:
                 # an engine that failed this request earlier and has since passed a health
                 # probe (failures take it out of rotation until then) may be tried again
-                eng = self.choose(sticky_key=sticky_key)
+                eng = self.choose(sticky_key=sticky_key, policy=policy,
+                                  learner_version=learner_version)
             if eng is not None and eng.gate.is_set():
                 return eng
+            barred = self.barred(policy, learner_version) if eng is None else []
             waited = time.monotonic() - start
-            limit = t.no_engine_s if eng is None else t.drain_s
+            limit = (t.drain_s if eng is not None else
+                     self.settings.version_policy_wait_s if barred else t.no_engine_s)
             if waited >= limit:
+                if barred:
+                    raise VersionPolicyUnmet(
+                        f"no engine satisfies version policy {policy} (learner version "
+                        f"{learner_version}; engines in rotation: " + ", ".join(
+                            f"{e.id} v{e.version if e.version is not None else '?'}"
+                            for e in barred) + ")",
+                        details={"version_policy": str(policy),
+                                 "learner_version": learner_version,
+                                 "engine_versions": {e.id: e.version for e in barred}})
                 if eng is None:
                     msg = "no engine available"
                     if exclude:
@@ -468,17 +503,22 @@ class EnginePool:
                                            timeout=min(limit - waited, 0.25))
 
     @contextlib.asynccontextmanager
-    async def lease(self, eng: Engine, tokens: int) -> AsyncIterator[Lease]:
-        """Count one outstanding request of ``tokens`` expected tokens on ``eng``."""
+    async def lease(self, eng: Engine, tokens: int, rid: str = "",
+                    routed: bool = False) -> AsyncIterator[Lease]:
+        """Count one outstanding request of ``tokens`` expected tokens on ``eng`` (engine rid
+        ``rid``; ``routed``: it asks for routed experts)."""
         eng.outstanding_requests += 1
         eng.outstanding_tokens += tokens
         eng.idle.clear()
         eng.unstarted += 1
         eng.all_started.clear()
-        lease = Lease(eng, tokens)
+        lease = Lease(eng, tokens, rid, routed)
+        eng.leases.add(lease)
         try:
             yield lease
         finally:
+            eng.leases.discard(lease)
+            lease.ended.set()
             lease.started()  # over, started or not: nothing of it is left to prefill
             eng.outstanding_requests -= 1
             eng.outstanding_tokens -= tokens

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.aio import Periodic
 from rollout_gateway.errors import GatewayError
 from rollout_gateway.observe.view import GatewayView
 
@@ -20,15 +19,14 @@ class HistorySampler:
     def __init__(self, view: GatewayView, interval_s: float) -> None:
         self.view = view
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(self.sample, interval_s, what="lag history sample", log=log,
+                              now=True)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._loop.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._loop.stop()
 
     async def sample(self) -> None:
         v = self.view
@@ -44,11 +42,3 @@ class HistorySampler:
             "tokens": c["tokens"], "samples": c["samples"],
             "in_flight_samples": v.rollouts.inflight_samples,
         })
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sample()
-            except Exception as exc:  # noqa: BLE001 - a dashboard gap, never a crash
-                log.warning("lag history sample failed: %s", exc)
-            await asyncio.sleep(self.interval_s)

@@ -74,6 +74,26 @@ class EngineLag(BaseModel):
     fenced: bool = Field(description="gate closed (a swap is updating it)")
 
 
+class VersionCut(BaseModel):
+    """The engines at one weight version: one row of the fleet's version cut."""
+
+    version: int | None = Field(description="weight version (None: not known yet)")
+    lag: int | None = Field(description="learner_version - version")
+    engines: list[str] = Field(description="engine ids at this version")
+    routable: list[str] = Field(description="of those, the ones in rotation now")
+
+
+def version_cut(engines: list, learner_version: int) -> list[VersionCut]:
+    """Engines grouped by the version they run, newest first (unknown last)."""
+    by: dict[int | None, list] = {}
+    for e in engines:
+        by.setdefault(e.version, []).append(e)
+    order = sorted(by, key=lambda v: (v is None, -(v or 0)))
+    return [VersionCut(version=v, lag=lag(learner_version, v) if v is not None else None,
+                       engines=[e.id for e in by[v]],
+                       routable=[e.id for e in by[v] if e.routable]) for v in order]
+
+
 class IntraTrajectory(BaseModel):
     """Staleness inside trajectories this replica finished (since it started)."""
 
@@ -127,6 +147,9 @@ class LagReport(BaseModel):
                                 "None unless the caller is the admin, when an admin key is set)")
     learner_version: int
     max_engine_lag: int = Field(description="max lag over engines with a known version")
+    version_cut: list[VersionCut] = Field(
+        default_factory=list, description="the fleet's version cut: engines by the version "
+        "they run, newest first")
     engines: list[EngineLag]
     in_flight: InFlight
     unconsumed: Unconsumed
@@ -175,7 +198,7 @@ async def lag_report(view: GatewayView, *, recent_swaps: int = 10, history: bool
     known = [lag(lv, e.version) for e in engines if e.version is not None]
     return LagReport(
         at=time.time(), replica=view.gatekeeper.replica_id, learner_version=lv,
-        max_engine_lag=max(known, default=0),
+        max_engine_lag=max(known, default=0), version_cut=version_cut(engines, lv),
         engines=[EngineLag(id=e.id, state=e.state.value, version=e.version,
                            lag=lag(lv, e.version) if e.version is not None else None,
                            outstanding_requests=e.outstanding_requests,

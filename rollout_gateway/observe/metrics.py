@@ -55,6 +55,11 @@ ROLLOUT_COUNTERS = {
                            "re-prefilled by retract, abort_resume and failover"),
     "replayed": ("rollout_gateway_replayed", "Samples of a retried request_id answered from "
                  "the store"),
+    "policy_filtered": ("rollout_gateway_version_policy_filtered", "Engine requests whose "
+                        "version policy kept them from an engine in rotation"),
+    "policy_unroutable": ("rollout_gateway_version_policy_unroutable", "Requests and samples "
+                          "answered 503 because no engine runs a version their policy "
+                          "admits"),
 }
 _ADMISSION_GAUGES = ("running", "recycle_waiting")
 

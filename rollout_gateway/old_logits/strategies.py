@@ -18,6 +18,7 @@ import numpy as np
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.trajectory import Trajectory
 from rollout_gateway.errors import FailedPrecondition, GatewayError
+from rollout_gateway.registry.base import read_swaps
 from rollout_gateway.settings import GatewaySettings, OldLogitsMode
 
 from .scorer import OldLogitScorer
@@ -174,12 +175,7 @@ class OldLogitService:
         """Checkpoints of swaps another replica led (shared registry's swap history)."""
         if self.registry is None:
             return
-        try:
-            records = await self.registry.swaps(100)
-        except GatewayError as exc:
-            log.warning("old logits: cannot read the swap history: %s", exc.message)
-            return
-        for r in records:
+        for r in await read_swaps(self.registry, 100, "old logits"):
             if r.checkpoint:
                 self.scorer.sources.setdefault(int(r.version), r.checkpoint)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +21,9 @@ from typing import Any
 
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.core.wire_enum import WireEnum
-from rollout_gateway.errors import Aborted, FailedPrecondition, InvalidArgument
+from rollout_gateway.errors import Aborted, FailedPrecondition, GatewayError, InvalidArgument
+
+log = logging.getLogger(__name__)
 
 #: ``SwapRecord.source`` of a distributed broadcast begins so: ``distributed:group@host:port``
 DISTRIBUTED_SOURCE = "distributed:"
@@ -305,6 +308,17 @@ class VersionRegistry(abc.ABC):
             "swap_leader": await self.lease_holder(),
             "recent_swaps": [s.to_dict() for s in await self.swaps(recent)],
         }
+
+
+async def read_swaps(registry: VersionRegistry, limit: int, reader: str) -> list[SwapRecord]:
+    """The ``limit`` most recent swaps, newest first; none (a warning naming ``reader``)
+    when the registry cannot be read: what a reader learns from the history waits for its
+    next read."""
+    try:
+        return await registry.swaps(limit)
+    except GatewayError as exc:
+        log.warning("%s: cannot read the swap history: %s", reader, exc.message)
+        return []
 
 
 def check_running(replica: str, running: int, ttl: float) -> None:

@@ -111,6 +111,12 @@ class RolloutRequest(BaseModel):
         "with 409 naming what to configure when the engine cannot give it); null (default): "
         "included whenever the engine can give it; false: never asked for.")
 
+    version_policy: str | None = Field(
+        default=None, max_length=64, description="Which engine versions may serve this "
+        "request: any | latest | min_version:<v> | max_staleness:<k> (docs/gateway.md, "
+        "'Version policy'); null: header x-version-policy, else the gateway's setting. None "
+        "qualifying: 503 with Retry-After.")
+
     @model_validator(mode="after")
     def _one_prompt(self) -> RolloutRequest:
         if (self.prompt is None) == (self.input_ids is None):

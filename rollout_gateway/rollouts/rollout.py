@@ -14,12 +14,13 @@ import numpy as np
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.admission import Verdict
 from rollout_gateway.core.trajectory import Trajectory, Transition
+from rollout_gateway.core.version_policy import ANY
 from rollout_gateway.engines.pool import EnginePool
 from rollout_gateway.errors import AlreadyExists, GatewayError, InvalidArgument
 from rollout_gateway.redact import clean_message
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.models import RolloutRequest
-from rollout_gateway.rollouts.sample import PassThrough, SampleRunner
+from rollout_gateway.rollouts.sample import VERSION_POLICY, PassThrough, SampleRunner
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.store.base import TrajectoryStore
 
@@ -38,11 +39,14 @@ class RolloutService:
         self.settings = settings
         self.gatekeeper = gatekeeper
         self.oldlogits = oldlogits  # oldlogits.OldLogitService: fills old_logprobs, or None
-        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits)
         self.counters = {"rollouts": 0, "samples": 0, "tokens": 0, "published": 0,
                          "duplicates": 0, "failed_samples": 0, "failovers": 0,
                          "abort_resumes": 0, "tokens_reprefilled": 0, "publish_failed": 0,
                          "replayed": 0}
+        # the runner adds its version-policy counters to these
+        self.runner = SampleRunner(pool, settings, gatekeeper.registry, oldlogits,
+                                   counters=self.counters)
+        self.default_policy = self.runner.default_policy
         self._background: set[asyncio.Task[None]] = set()
         self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
         #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
@@ -83,6 +87,15 @@ class RolloutService:
             if size > s.max_metadata_bytes:
                 raise InvalidArgument(f"metadata has {size} bytes; the limit is "
                                       f"{s.max_metadata_bytes}")
+
+    async def check_policy(self) -> None:
+        """Before admission: a request whose version policy no engine satisfies is answered
+        503 + Retry-After now (streams too, before their first event), not per sample.
+        Samples a retried ``request_id`` stored earlier are answered whatever the fleet's
+        versions now."""
+        policy = VERSION_POLICY.get() or self.default_policy
+        if policy != ANY:
+            await self.runner.route(policy, probe=True)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""
@@ -236,6 +249,7 @@ class RolloutService:
             results: list[Any] = [(stored[i], "") if i in stored else None
                                   for i in range(req.n)]
             if todo:
+                await self.check_policy()
                 await self._timed_admission("new", self.gatekeeper.admit(len(todo)))
                 slots = [Slot() for _ in todo]
                 try:  # every exit path below returns the slots no sample released
@@ -284,6 +298,7 @@ class RolloutService:
                 queue.put_nowait({"type": "trajectory", "sample_index": i, "trajectory": t,
                                   "text": ""})
             if todo:
+                await self.check_policy()
                 await self._timed_admission("new", self.gatekeeper.admit(len(todo)))
                 slots = [Slot() for _ in todo]
                 self.counters["rollouts"] += 1

@@ -34,6 +34,7 @@ from rollout_gateway.core.trajectory import (
     Trajectory,
     Transition,
 )
+from rollout_gateway.core.version_policy import ANY, VersionPolicy
 from rollout_gateway.engines.client import refusal
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
@@ -47,8 +48,9 @@ from rollout_gateway.errors import (
     GatewayError,
     Timeout,
     Unavailable,
+    VersionPolicyUnmet,
 )
-from rollout_gateway.registry.base import VersionRegistry
+from rollout_gateway.registry.base import VersionRegistry, read_swaps
 from rollout_gateway.rollouts.models import RolloutRequest
 from rollout_gateway.rollouts.vetting import Vetting
 from rollout_gateway.settings import GatewaySettings
@@ -118,6 +120,9 @@ class PassThrough:
 #: engine's version is outside the staleness bound). Set by the caller around
 #: ``RolloutService.run_with_text`` / the stream's consumer; tasks inherit it.
 PREFERRED_ENGINE: ContextVar[str | None] = ContextVar("preferred_engine", default=None)
+#: The request's version policy, parsed at the HTTP edge (header ``x-version-policy``, body
+#: field ``version_policy``); None: the ``version_policy`` setting. Tasks inherit it.
+VERSION_POLICY: ContextVar[VersionPolicy | None] = ContextVar("version_policy", default=None)
 
 
 @dataclass(slots=True)
@@ -188,9 +193,15 @@ class SampleRunner:
     """Runs one sample to completion against the pool."""
 
     def __init__(self, pool: EnginePool, settings: GatewaySettings,
-                 registry: VersionRegistry | None = None, oldlogits: Any = None) -> None:
+                 registry: VersionRegistry | None = None, oldlogits: Any = None,
+                 counters: dict[str, int] | None = None) -> None:
         self.pool = pool
         self.settings = settings
+        self.default_policy = VersionPolicy.parse(settings.version_policy)
+        #: engine requests whose version policy barred an engine in rotation
+        #: (policy_filtered), and requests no engine's version could serve (policy_unroutable)
+        self.counters = counters if counters is not None else {}
+        self.counters.update(policy_filtered=0, policy_unroutable=0)
         self.registry = registry
         self.oldlogits = oldlogits  # oldlogits.OldLogitService (interruption sync) or None
         #: samples running now, by trajectory id (dashboards: lag of tokens in flight)
@@ -198,18 +209,37 @@ class SampleRunner:
         #: called with the seconds from a sample's start to its first streamed chunk
         self.on_first_token = None
 
+    def policy(self) -> VersionPolicy:
+        """The version policy of the request being handled (``VERSION_POLICY``)."""
+        return VERSION_POLICY.get() or self.default_policy
+
+    async def route(self, policy: VersionPolicy, *, sticky_key: str | None = None,
+                    prefer: str | None = None, exclude: set[str] | None = None,
+                    why: str | None = None, probe: bool = False) -> Engine:
+        """An engine ``policy`` admits (``EnginePool.acquire``), counted; failovers and
+        resumes come here too, so every engine request of a sample obeys its policy.
+        ``probe``: a check before admission, not an engine request (not counted as
+        filtered; a 503 is counted)."""
+        lv = 0
+        if policy.needs_learner and self.registry is not None:
+            lv = await self.registry.learner_version()
+        if not probe and policy != ANY and self.pool.barred(policy, lv):
+            self.counters["policy_filtered"] += 1
+        try:
+            return await self.pool.acquire(sticky_key=sticky_key, prefer=prefer,
+                                           exclude=exclude or (), why=why, policy=policy,
+                                           learner_version=lv)
+        except VersionPolicyUnmet:
+            self.counters["policy_unroutable"] += 1
+            raise
+
     async def _learn_install_modes(self, eng: Engine, versions: set[int]) -> None:
         """A version this replica did not install (another replica led the swap): read how
         from the shared swap history, recorded before the leader paused any engine."""
         unknown = {v for v in versions if v not in eng.installed_by}
         if not unknown:
             return
-        try:
-            records = await self.registry.swaps(50)
-        except GatewayError as exc:
-            log.warning("registry: cannot read swap history: %s", exc.message)
-            return
-        for r in records:
+        for r in await read_swaps(self.registry, 50, "rollouts"):
             if r.version in unknown and eng.id in r.engines:
                 eng.installed_by[r.version] = r.mode.transition
 
@@ -351,6 +381,7 @@ class SampleRunner:
         budget = req.sampling_params.max_new_tokens
         began = Transition.START
         prefer: str | None = PREFERRED_ENGINE.get()
+        policy = self.policy()
         exclude: set[str] = set()
         finish: dict[str, Any] | None = None
         attempts = 0
@@ -367,8 +398,8 @@ class SampleRunner:
                                   + (f"; last error: {last_error}" if last_error else ""),
                                   details={"trajectory_id": trajectory_id,
                                            "tokens_so_far": state.generated})
-            eng = await self.pool.acquire(sticky_key=sticky_key, prefer=prefer, exclude=exclude,
-                                          why=last_error)
+            eng = await self.route(policy, sticky_key=sticky_key, prefer=prefer,
+                                   exclude=exclude, why=last_error)
             prefer = None
             state.engine_id = eng.id
             rid = f"{trajectory_id}.{attempts}"
@@ -405,9 +436,9 @@ class SampleRunner:
             if ol is not None:
                 await ol.busy(trajectory_id, eng.id)
             try:
-                async with self.pool.lease(eng, remaining) as lease:
-                    opts = decode_options(eng, self.settings,
-                                          routing=bool(payload.get("return_routed_experts")),
+                routed = bool(payload.get("return_routed_experts"))
+                async with self.pool.lease(eng, remaining, rid, routed) as lease:
+                    opts = decode_options(eng, self.settings, routing=routed,
                                           passthrough=passthrough.keys() if passthrough else
                                           frozenset())
                     dec = await self._call(eng, payload, opts, on_delta, first, on_tokens,
@@ -436,7 +467,8 @@ class SampleRunner:
                 self.pool.record_success(eng)
                 finish = fin
                 break
-            # aborted: by a swap's pause (ours or another replica's) or a failed load. Resume
+            # aborted: by a swap's pause (ours or another replica's), a retract swap breaking
+            # off a request that asked for routing (swap.orchestrator), or a failed load. Resume
             # from the tokens so far, same engine if it is still in rotation; max_attempts
             # bounds an engine that keeps aborting.
             if eng.routable:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_gateway.aio import cancel_and_wait
+from rollout_gateway.aio import Periodic
 from rollout_gateway.core.staleness import is_stale, lag
 from rollout_gateway.core.trajectory import Trajectory, Transition
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
@@ -111,34 +111,24 @@ class SessionManager:
                          "session_trajectories_published": 0, "session_publish_failed": 0,
                          "session_stale_dropped": 0, "rewards_attached": 0,
                          "rewards_missing": 0}
-        self._sweeper: asyncio.Task[None] | None = None
+        period = max(0.05, min(self.idle_timeout, self.reward_wait) / 4)
+        self._sweeper = Periodic(self.sweep, period, what="session sweep", log=log, trace=True)
         self._pumps: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ----
 
     def start(self) -> None:
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+        self._sweeper.start()
 
     async def stop(self) -> None:
         """Publish what is open (ended_by ``shutdown``) and what waits for a reward."""
-        task, self._sweeper = self._sweeper, None
-        await cancel_and_wait(task)
+        await self._sweeper.stop()
         for sid in list(self.sessions):
             with contextlib.suppress(GatewayError):
                 await self._end(sid, "shutdown", None, await_reward=False)
         for tid in list(self.held):
             with contextlib.suppress(GatewayError):
                 await self._release_held(tid, None)
-
-    async def _sweep_loop(self) -> None:
-        period = max(0.05, min(self.idle_timeout, self.reward_wait) / 4)
-        while True:
-            await asyncio.sleep(period)
-            try:
-                await self.sweep()
-            except Exception:  # noqa: BLE001 - keep sweeping
-                log.exception("session sweep failed")
 
     async def sweep(self) -> None:
         now = time.monotonic()

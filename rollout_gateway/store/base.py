@@ -15,6 +15,7 @@ embedded in-process store (one machine). Both have the same semantics:
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from rollout_gateway.core.staleness import StalePolicy, is_stale, lag
 from rollout_gateway.core.trajectory import Trajectory
+from rollout_gateway.errors import ResourceExhausted
 
 
 @dataclass(slots=True)
@@ -35,6 +37,14 @@ class StoreStats:
     stale_recycled: int = 0  # deliveries whose prompt was queued for re-generation
     dead_lettered: int = 0  # entries nacked max_deliveries times (acked, kept for audit)
     redelivered: int = 0  # deliveries with delivery_count > 1 (lease expiry or nack)
+
+    @classmethod
+    def of(cls, counters: Mapping[str, int], backlog: int, max_backlog: int) -> StoreStats:
+        """From a store's counters by name (one not counted yet is 0)."""
+        c = {k: counters.get(k, 0) for k in ("published", "duplicates", "stale_dropped",
+                                              "stale_masked", "stale_recycled",
+                                              "dead_lettered", "redelivered")}
+        return cls(backlog=backlog, max_backlog=max_backlog, **c)
 
 
 class StoreConfig(BaseModel):
@@ -79,9 +89,7 @@ class StoredEntry:
 
     def tokens_by_version(self) -> dict[int, int]:
         """Output tokens per policy version (dashboards: lag of delivered tokens)."""
-        if self.version_tokens:
-            return parse_version_tokens(self.version_tokens)
-        return {self.min_version: self.num_tokens} if self.min_version >= 0 else {}
+        return tokens_by_version(self.version_tokens, self.min_version, self.num_tokens)
 
 
 @dataclass(slots=True)
@@ -120,6 +128,34 @@ def parse_version_tokens(s: str) -> dict[int, int]:
             v, _, c = part.partition(":")
             out[int(v)] = out.get(int(v), 0) + int(c)
     return out
+
+
+def tokens_by_version(vt: str, min_version: int, num_tokens: int) -> dict[int, int]:
+    """Output tokens per policy version of a stored entry: its ``vt`` (see version_tokens),
+    or, for an entry that predates the field, all its tokens at ``min_version``."""
+    if vt:
+        return parse_version_tokens(vt)
+    return {min_version: num_tokens} if min_version >= 0 else {}
+
+
+def count_unconsumed(facts: Iterable[tuple[str, int, int]], limit: int) -> UnconsumedTokens:
+    """The tokens per version of the first ``limit`` unconsumed entries, oldest first, each
+    given as (vt, min_version, num_tokens); truncated when there were more."""
+    out: dict[int, int] = {}
+    n = 0
+    for vt, lo, ntok in facts:
+        if n >= limit:
+            return UnconsumedTokens(out, n, True)
+        n += 1
+        for v, c in tokens_by_version(vt, lo, ntok).items():
+            out[v] = out.get(v, 0) + c
+    return UnconsumedTokens(out, n, False)
+
+
+def backlog_full(max_backlog: int) -> ResourceExhausted:
+    """What publish raises when the backlog reached ``max_backlog``."""
+    return ResourceExhausted(f"trajectory store backlog reached max_backlog={max_backlog}; "
+                             "learners are behind")
 
 
 def entry_facts(traj: Trajectory) -> tuple[int, int, int]:

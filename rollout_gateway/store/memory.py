@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
+from rollout_gateway.errors import InvalidArgument, NotFound, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -24,9 +24,10 @@ from rollout_gateway.store.base import (
     StoreStats,
     TrajectoryStore,
     UnconsumedTokens,
+    backlog_full,
     check_name,
+    count_unconsumed,
     entry_facts,
-    parse_version_tokens,
     version_tokens,
 )
 
@@ -149,8 +150,7 @@ class MemoryStore(TrajectoryStore):
                         (self._counters["duplicates"],))
             return False
         if self._backlog() >= self.config.max_backlog:
-            raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
-                                    f"{self.config.max_backlog}; learners are behind")
+            raise backlog_full(self.config.max_backlog)
         ntok, vmin, vmax = entry_facts(trajectory)
         entry = _Entry(self._next_seq, tid, trajectory_codec.encode(trajectory), ntok, vmin, vmax, now,
                        version_tokens(trajectory))
@@ -183,12 +183,7 @@ class MemoryStore(TrajectoryStore):
         return self._backlog()
 
     async def stats(self) -> StoreStats:
-        c = self._counters
-        return StoreStats(published=c["published"], duplicates=c["duplicates"],
-                          backlog=self._backlog(), max_backlog=self.config.max_backlog,
-                          stale_dropped=c["stale_dropped"], stale_masked=c["stale_masked"],
-                          stale_recycled=c["stale_recycled"], dead_lettered=c["dead_lettered"],
-                          redelivered=c["redelivered"])
+        return StoreStats.of(self._counters, self._backlog(), self.config.max_backlog)
 
     async def close(self) -> None:
         if self._closed:
@@ -348,21 +343,9 @@ class MemoryStore(TrajectoryStore):
 
     async def unconsumed_tokens(self, limit: int = 10_000) -> UnconsumedTokens:
         groups = list(self._groups.values())
-        out: dict[int, int] = {}
-        n = 0
-        truncated = False
-        for seq, e in self._entries.items():
-            if groups and not any(seq >= g.cursor or seq in g.pending for g in groups):
-                continue
-            if n >= limit:
-                truncated = True
-                break
-            n += 1
-            tv = parse_version_tokens(e.vt) if e.vt else (
-                {e.vmin: e.ntok} if e.vmin >= 0 else {})
-            for v, c in tv.items():
-                out[v] = out.get(v, 0) + c
-        return UnconsumedTokens(out, n, truncated)
+        return count_unconsumed(
+            ((e.vt, e.vmin, e.ntok) for seq, e in self._entries.items()
+             if not groups or any(seq >= g.cursor or seq in g.pending for g in groups)), limit)
 
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         taken, self._recycled = self._recycled[:max_n], self._recycled[max_n:]

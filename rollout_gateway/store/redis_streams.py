@@ -36,7 +36,7 @@ from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.core.trajectory import Trajectory
-from rollout_gateway.errors import InvalidArgument, NotFound, ResourceExhausted, StoreError
+from rollout_gateway.errors import InvalidArgument, NotFound, StoreError
 from rollout_gateway.store.base import (
     GroupStats,
     StoreConfig,
@@ -44,9 +44,10 @@ from rollout_gateway.store.base import (
     StoreStats,
     TrajectoryStore,
     UnconsumedTokens,
+    backlog_full,
     check_name,
+    count_unconsumed,
     entry_facts,
-    parse_version_tokens,
     version_tokens,
 )
 from rollout_gateway.store.redis_client import blocking_client
@@ -177,8 +178,7 @@ class RedisStore(TrajectoryStore):
                 args=[int(self.config.dedup_seconds * 1000), self.config.max_backlog, tid, data,
                       n, lo, hi, version_tokens(trajectory)])
         if res == -1:
-            raise ResourceExhausted(f"trajectory store backlog reached max_backlog="
-                                    f"{self.config.max_backlog}; learners are behind")
+            raise backlog_full(self.config.max_backlog)
         return res == 1
 
     async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
@@ -220,13 +220,7 @@ class RedisStore(TrajectoryStore):
     async def stats(self) -> StoreStats:
         async with self._io("stats"):
             c = {k.decode(): int(v) for k, v in (await self._r.hgetall(self._k_counters)).items()}
-        return StoreStats(published=c.get("published", 0), duplicates=c.get("duplicates", 0),
-                          backlog=await self.backlog(), max_backlog=self.config.max_backlog,
-                          stale_dropped=c.get("stale_dropped", 0),
-                          stale_masked=c.get("stale_masked", 0),
-                          stale_recycled=c.get("stale_recycled", 0),
-                          dead_lettered=c.get("dead_lettered", 0),
-                          redelivered=c.get("redelivered", 0))
+        return StoreStats.of(c, await self.backlog(), self.config.max_backlog)
 
     async def close(self) -> None:
         if not self._closed:
@@ -464,22 +458,14 @@ class RedisStore(TrajectoryStore):
                 low = min(min(ids, default=(last[0], last[1] + 1)) for last, ids in groups)
                 start = f"{low[0]}-{low[1]}"
             facts = await self._r.xrange(self._k_facts, min=start, max="+", count=limit + 1)
-        out: dict[int, int] = {}
-        n = 0
-        truncated = False
-        for fid, f in facts:
-            eid = _parse_id(_s(fid))
-            if groups and not any(eid > last or eid in ids for last, ids in groups):
-                continue
-            if n >= limit:
-                truncated = True
-                break
-            n += 1
-            vt, lo, ntok = _s(f.get(b"vt", b"")), int(f[b"lo"]), int(f[b"n"])
-            tv = parse_version_tokens(vt) if vt else ({lo: ntok} if lo >= 0 else {})
-            for v, c in tv.items():
-                out[v] = out.get(v, 0) + c
-        return UnconsumedTokens(out, n, truncated)
+
+        def unconsumed():
+            for fid, f in facts:
+                eid = _parse_id(_s(fid))
+                if not groups or any(eid > last or eid in ids for last, ids in groups):
+                    yield _s(f.get(b"vt", b"")), int(f[b"lo"]), int(f[b"n"])
+
+        return count_unconsumed(unconsumed(), limit)
 
     async def take_recycled(self, max_n: int) -> list[Trajectory]:
         async with self._io("take_recycled"):

@@ -13,6 +13,9 @@ Guarantees:
 * the learner version advances only when at least one engine took the new version (or
   the announce has no source); a swap no engine took changes nothing and can be retried;
 * kv stamping learns how each version was installed (``Engine.installed_by``);
+* a retract swap first breaks off the requests in flight that asked for routed experts
+  (they resume as after ``abort_resume``): SGLang would re-prefill them under the new
+  weights and return the re-prefill's routing for the tokens sampled before the swap;
 * an engine that swapped the weights but refused the cache flush asked for (SGLang answers
   HTTP 400 ``success: false`` yet serves the new weights, ``/model_info`` keeps the old
   label) has its label repaired with ``/update_weight_version`` (``abort_all_requests:
@@ -46,6 +49,7 @@ from rollout_gateway.registry.base import (
     SwapRecord,
     SwapStatus,
     VersionRegistry,
+    read_swaps,
 )
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
@@ -55,6 +59,10 @@ log = logging.getLogger(__name__)
 #: the engine's pause_generation mode for each swap mode that pauses (drain does not)
 _PAUSE_MODE = {SwapMode.IN_PLACE: "in_place", SwapMode.RETRACT: "retract",
                SwapMode.ABORT_RESUME: "abort"}
+
+
+#: a retract swap repeats its abort of a routed request that has not ended after this long
+_ABORT_REPEAT_S = 0.5
 
 
 def effective_mode(e: Engine, mode: SwapMode) -> SwapMode:
@@ -140,10 +148,7 @@ class SwapOrchestrator:
         gateway's back."""
         if now.weight_version is None:  # (this replica may have learnt the version already)
             return False
-        try:
-            records = await self.registry.swaps(50)
-        except GatewayError:
-            return False
+        records = await read_swaps(self.registry, 50, "engine identity")
         return any(r.version == now.weight_version and eng.id in r.engines for r in records)
 
     def _targets(self, req: SwapRequest) -> list[Engine]:
@@ -262,6 +267,8 @@ class SwapOrchestrator:
             mode = effective_mode(e, req.mode)
             if mode is SwapMode.IN_PLACE:
                 await self._quiesce(e)
+            elif mode is SwapMode.RETRACT:
+                await self._break_off_routed(e)
             e.installed_by[req.version] = mode.transition
             await e.client.pause(_PAUSE_MODE[mode])
             r.paused_at = time.time()
@@ -281,6 +288,40 @@ class SwapOrchestrator:
                           f"request(s) in flight had not streamed a token (an in-place pause "
                           f"now could not tell which weights computed them; "
                           f"ROLLOUT_GATEWAY_TIMEOUTS__QUIESCE_S)") from exc
+
+    async def _break_off_routed(self, e: Engine) -> None:
+        """Before a retract pause, abort (by rid) the requests in flight to ``e`` that asked
+        for routed experts, and wait until each has ended. SGLang keeps a request's routed
+        rows by KV slot and sends them once, with its last chunk: a retracted request is
+        re-prefilled (prompt + output) under the new weights and its rows of the tokens
+        sampled before the swap become the re-prefill's, not the routing that sampled them.
+        Aborted while still running, each ends with its own rows (as under ``abort_resume``)
+        and the sample resumes from its output once the gate opens. The abort is repeated
+        until the request ends: one sent before SGLang registered the rid is a no-op."""
+        leases = [x for x in e.leases if x.routed and x.rid]
+        if not leases:
+            return
+        log.info("engine %s: retract swap breaks off %d request(s) asking for routed experts",
+                 e.id, len(leases))
+        limit = self.settings.timeouts.quiesce_s
+        deadline = time.monotonic() + limit
+        while True:
+            left = [x for x in leases if not x.ended.is_set()]
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise Timeout(f"engine {e.id}: {len(left)} request(s) asking for routed experts "
+                              f"did not end within {limit}s of their abort (a retract now "
+                              f"would replace their routing; ROLLOUT_GATEWAY_TIMEOUTS__QUIESCE_S)")
+            await asyncio.gather(*(e.client.abort(x.rid) for x in left))
+            waits = [asyncio.ensure_future(x.ended.wait()) for x in left]
+            try:
+                await asyncio.wait(waits, timeout=min(_ABORT_REPEAT_S,
+                                                      max(deadline - time.monotonic(), 0)),
+                                   return_when=asyncio.ALL_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     async def _load_disk(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if r.error:

@@ -63,6 +63,21 @@ def _unary(fn):
     return wrapper
 
 
+def _streaming(fn):
+    """``_unary`` for a method that streams its answers (an async generator)."""
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            async with contextlib.aclosing(fn(self, request, context)) as answers:
+                async for msg in answers:
+                    yield msg
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the single translation point
+            await _abort(context, exc, private=not self._is_admin(context))
+    return wrapper
+
+
 def _size(e: StoredEntry) -> int:
     """A delivery's share of one Pull message: its trajectory's bytes, also when only a
     reference is sent (a by-reference message then names ~target_batch_bytes of payload:
@@ -153,6 +168,7 @@ class TrajectoryServicer:
 
     # ---- Pull: bidi, credit-based ----
 
+    @_streaming
     async def Pull(self, request_iterator, context):
         stream: _PullStream | None = None
         try:
@@ -182,12 +198,6 @@ class TrajectoryServicer:
             async with contextlib.aclosing(stream.run(request_iterator)) as blobs:
                 async for blob in blobs:
                     yield blob
-        except grpc.aio.AbortError:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, private=not self._is_admin(context))
         finally:
             if stream is not None:
                 await stream.close()
@@ -264,17 +274,11 @@ class TrajectoryServicer:
         return spb.AnnounceResponse(accepted=res.accepted, version=res.version,
                                     message=res.message, pause_seconds=res.pause_seconds)
 
+    @_streaming
     async def WatchVersions(self, request, context):
-        try:
-            async for ev in self.control.watch():
-                yield spb.VersionEvent(version=ev.version, kind=ev.kind, engine_id=ev.engine_id,
-                                       at=ev.at, message=ev.message)
-        except grpc.aio.AbortError:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, private=not self._is_admin(context))
+        async for ev in self.control.watch():
+            yield spb.VersionEvent(version=ev.version, kind=ev.kind, engine_id=ev.engine_id,
+                                   at=ev.at, message=ev.message)
 
 
 class _PullStream:

@@ -231,6 +231,8 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
                     assert marks[chart] > 0, (chart, marks)
                 rep = httpx.get(gw.url + "/v1/lag").json()
                 assert page.inner_text("#learner-version") == str(rep["learner_version"]) == "1"
+                assert page.inner_text("#version-cut") == "  |  ".join(
+                    f"v{c['version']}: {', '.join(c['engines'])}" for c in rep["version_cut"])
                 rows = page.eval_on_selector_all(
                     "#engines tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.innerText))")
                 assert sorted((r[0], r[2], r[3]) for r in rows) == sorted(

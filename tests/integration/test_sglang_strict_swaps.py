@@ -7,11 +7,13 @@ forward passes of each version's weights."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
 
@@ -196,3 +198,142 @@ def test_streamed_chunks_stamped_as_the_trajectory_across_an_in_place_swap(make_
                         kv[ev["offset"] + k] = ev["kv_version"][k]
             assert [pv[i] for i in range(NEW_TOKENS)] == traj["policy_version"]
             assert [kv[i] for i in range(NEW_TOKENS)] == traj["kv_version"]
+
+
+# ---------------------------------------------------------------------------------------------
+# retract swaps and routing (docs/gateway.md, "SGLang behaviours the gateway corrects")
+
+
+def routed_rows(meta_or_traj: dict) -> np.ndarray:
+    """[positions, layers, top_k] rows of a ``/generate`` meta_info (base64 int32) or of a
+    ``/v1/rollouts`` trajectory."""
+    cfg = ModelConfig()
+    re_ = meta_or_traj["routed_experts"]
+    if isinstance(re_, str):
+        data, dtype = base64.b64decode(re_), "<i4"
+    else:
+        assert re_["start"] == 0, re_
+        data, dtype = base64.b64decode(re_["data_b64"]), re_["dtype"]
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(
+        -1, cfg.num_hidden_layers, cfg.num_experts_per_tok).astype(np.int64)
+
+
+def true_rows(traj: dict, models: dict) -> np.ndarray:
+    """Row ``j``: the routing of the forward that sampled the next token from position ``j``
+    (prompt rows: the first prefill's), for trajectories whose segments all rebuilt their KV
+    (start / retract / abort_resume)."""
+    from reference_engine.reference import score
+
+    prompt, out = traj["prompt_token_ids"], traj["token_ids"]
+    ids, p = prompt + out, len(prompt)
+    segs = traj["segments"]
+    want = score(models[segs[0]["policy_version"]], ids, p).routed_experts.astype(np.int64)
+    for s in segs[1:]:
+        assert s["began"] != "in_place", s
+        rows = score(models[s["policy_version"]], ids, p).routed_experts
+        want[p - 1 + s["start"]:p - 1 + s["end"]] = rows[p - 1 + s["start"]:p - 1 + s["end"]]
+    return want
+
+
+def stream_until(url: str, path: str, bodies: list[dict], chunks: int, during) -> list[list]:
+    """Stream ``bodies`` to ``url + path`` at once; when every stream has delivered ``chunks``
+    chunks, call ``during()``; return each stream's events once all ended."""
+    import json
+    import threading
+
+    events: list[list] = [[] for _ in bodies]
+    counts = [0] * len(bodies)
+    ready = threading.Event()
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        with httpx.stream("POST", url + path, json=bodies[i], timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                events[i].append(ev)
+                with lock:
+                    counts[i] += 1
+                    if min(counts) >= chunks:
+                        ready.set()
+
+    with ThreadPoolExecutor(len(bodies)) as ex:
+        futs = [ex.submit(one, i) for i in range(len(bodies))]
+        assert ready.wait(60), counts
+        during()
+        for f in futs:
+            f.result()
+    return events
+
+
+def test_strict_retract_rewrites_the_routing_before_it(make_engine, ckpts, models):
+    """SGLang's behaviour, reproduced by the strict engine: after a retract pause and a load,
+    the request is re-prefilled (prompt + output) under the new weights, and its routed rows
+    for every position, those of the tokens sampled before the swap included, are the
+    re-prefill's (research §4). This is what the gateway must correct."""
+    e = strict(make_engine, ckpts[0])
+    prompt = [5, 9, 13, 2]
+    body = {"input_ids": prompt, "stream": True, "return_logprob": True,
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0,
+                                "ignore_eos": True}}
+
+    def swap() -> None:
+        for path, b in (("/pause_generation", {"mode": "retract"}),
+                        ("/update_weights_from_disk", {"model_path": str(ckpts[1]),
+                                                       "weight_version": "1"}),
+                        ("/continue_generation", {})):
+            r = httpx.post(e.url + path, json=b, timeout=60)
+            assert r.status_code == 200, (path, r.text)
+
+    (events,) = stream_until(e.url, "/generate", [body], 3, swap)
+    last = events[-1]
+    meta = last["meta_info"]
+    spans = meta["weight_versions"]
+    assert [str(s["version"]) for s in spans] == ["0", "1"], spans
+    ids = prompt + last["output_ids"]
+    rows = routed_rows(meta)
+    from reference_engine.reference import score
+
+    v0 = score(models[0], ids, len(prompt)).routed_experts
+    v1 = score(models[1], ids, len(prompt)).routed_experts
+    assert rows.shape == v1.shape
+    assert np.array_equal(rows, v1)  # every row the re-prefill's (new weights)
+    assert not np.array_equal(rows[:len(prompt) + 2], v0[:len(prompt) + 2])
+
+
+def test_retract_swap_keeps_the_routing_that_sampled_each_token(make_engine, ckpts, models):
+    """Through the gateway: a retract swap breaks off the requests that asked for routed
+    experts (they resume as after abort_resume, each segment keeping its own rows: every row
+    is the routing that sampled its token); a request without routing stays retracted."""
+    e = strict(make_engine, ckpts[0])
+    with GatewayProcess({"e0": e.url}) as gw:
+        def body(i: int, routed: bool) -> dict:
+            return {"input_ids": [7 + i, 3, 11], "n": 1, "stream": True,
+                    "return_routed_experts": routed,
+                    "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0,
+                                        "ignore_eos": True}}
+        swaps = []
+
+        def swap() -> None:
+            swaps.append(httpx.post(gw.url + "/v1/weights", json=disk(ckpts[1], 1, "retract"),
+                                    timeout=60))
+        events = stream_until(gw.url, "/v1/rollouts",
+                              [body(0, True), body(1, True), body(2, False)], 3, swap)
+        (r,) = swaps
+        assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+        trajs = [[ev["trajectory"] for ev in evs if ev["type"] == "trajectory"][0]
+                 for evs in events]
+        for t in trajs:
+            assert set(t["policy_version"]) == {0, 1}, t["policy_version"]  # straddles
+            check_against_ground_truth(t, models)
+        for t in trajs[:2]:
+            got, want = routed_rows(t), true_rows(t, models)
+            assert got.shape == want.shape
+            bad = np.flatnonzero((got != want).any(axis=(1, 2)))
+            assert bad.size == 0, f"routed rows wrong at positions {bad.tolist()}"
+            assert [s["began"] for s in t["segments"]] == ["start", "abort_resume"]
+        assert [s["began"] for s in trajs[2]["segments"]] == ["start", "retract"]
+        assert trajs[2].get("routed_experts") is None

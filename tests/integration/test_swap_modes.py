@@ -47,12 +47,13 @@ def cluster(ckpts):
         yield gw, {"e0": e0, "e1": e1}
 
 
-def swap_under_load(gw, body: dict, *, prompts: int = 4, late: int = 0, delay: float = 0.25):
-    """Start ``prompts`` rollouts, swap after ``delay`` s, start ``late`` more during the
-    swap; return (swap response, trajectories)."""
+def swap_under_load(gw, body: dict, *, prompts: int = 4, late: int = 0, delay: float = 0.25,
+                    extra=lambda i: {}):
+    """Start ``prompts`` rollouts (rollout ``i`` with the fields ``extra(i)``), swap after
+    ``delay`` s, start ``late`` more during the swap; return (swap response, trajectories)."""
     with ThreadPoolExecutor(prompts + late + 1) as ex:
-        futs = [ex.submit(rollout, gw.url, [5 + i, 6, 7 + i], max_new_tokens=NEW_TOKENS)
-                for i in range(prompts)]
+        futs = [ex.submit(rollout, gw.url, [5 + i, 6, 7 + i], max_new_tokens=NEW_TOKENS,
+                          **extra(i)) for i in range(prompts)]
         time.sleep(delay)
         swap = ex.submit(httpx.post, gw.url + "/v1/weights", json=body, timeout=120)
         time.sleep(0.15)  # the swap has closed the gates by now (in-flight still running)
@@ -94,15 +95,20 @@ def test_in_place(cluster, ckpts, models):
 
 
 def test_retract(cluster, ckpts, models):
+    """Requests without routed experts are retracted; those asking for them are broken off
+    and resumed (a retract would replace the routing of their tokens before the swap)."""
     gw, _ = cluster
     r, trajs = swap_under_load(gw, {"version": 2, "source": {"kind": "disk", "path": str(ckpts[2])},
-                                    "mode": "retract"})
+                                    "mode": "retract"},
+                               extra=lambda i: {"return_routed_experts": i % 2 == 0})
     assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
     check_all(trajs, models)
     spanning = [t for t in trajs if set(t["policy_version"]) == {1, 2}]
-    assert spanning
+    routed = {t.get("routed_experts") is not None for t in spanning}
+    assert routed == {True, False}, "no rollout of each kind spanned the swap"
     for t in spanning:
-        assert [s["began"] for s in t["segments"]] == ["start", "retract"]
+        began = "abort_resume" if t.get("routed_experts") is not None else "retract"
+        assert [s["began"] for s in t["segments"]] == ["start", began]
         assert t["kv_version"] == t["policy_version"]  # KV rebuilt under the new weights
 
 

@@ -343,10 +343,13 @@ SWAP_SERVER = {"in_place": "default", "retract": "incremental", "abort_resume": 
                "drain": "incremental"}
 
 
-# retract is not here yet: SGLang replaces the routed rows of the positions before a retract
-# swap with the re-prefill's (new weights), and the gateway forwards them (90 wrong rows in
-# the first run; docs/gateway.md, "SGLang behaviours the gateway corrects", open row).
-@pytest.mark.parametrize("mode", ["in_place", "abort_resume", "drain"])
+#: the ``began`` of the segment at the switch, by mode: a retract swap breaks off the requests
+#: that asked for routed experts (all of these) and resumes them as abort_resume does
+BEGAN_AT_SWITCH = {"in_place": {"in_place"}, "retract": {"abort_resume"},
+                   "abort_resume": {"abort_resume"}, "drain": set()}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort_resume", "drain"])
 def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang_checkpoints):
     """Rollouts streaming (two ``/v1/rollouts`` with n=2, a streamed and a plain ``/generate``)
     when ``POST /v1/weights`` swaps v0 -> v1 in ``mode``; one more rollout after the swap.
@@ -357,9 +360,10 @@ def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang
     token in flight at the pause was computed by v0, research §1); the gateway must stamp the
     truth. retract: SGLang re-prefills prompt + output under v1 and returns the re-prefill's
     routing for every position (research §4); the rows of the positions that sampled the
-    tokens before the swap must be the routing that sampled them (v0's, as the gateway's own
-    ``stitch_routing`` keeps them for a resumed sample), else routing replay trains the
-    pre-swap tokens' logprobs under experts that never produced them."""
+    tokens before the swap must be the routing that sampled them (v0's), else routing replay
+    trains the pre-swap tokens' logprobs under experts that never produced them: the gateway
+    breaks off every request that asked for routed experts before the retract pause, so each
+    resumes (``abort_resume``) and ``stitch_routing`` keeps each segment's own rows."""
     incremental = SWAP_SERVER[mode] == "incremental"
     srv = request.getfixturevalue("sglang_inc" if incremental else "sglang")
     gw = serve(e0=srv)
@@ -386,9 +390,8 @@ def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang
             return rec, v
 
     rec, v = asyncio.run(go())
-    began = {"drain": set()}.get(mode, {mode})
     rep = truth.check_all(run.items, tuple(range(v + 1)), engines={"e0"},
-                          began_at_switch=began)
+                          began_at_switch=BEGAN_AT_SWITCH[mode])
     rep.notes.insert(0, f"swap {mode}: {rec['_took_s']:.2f}s, {rec['message']}")
     straddlers = spans_swap(rep)
     if mode == "drain":  # nothing straddles: the in-flight samples finished on v0

@@ -101,3 +101,49 @@ def test_engines_without_spans_never_straddle_a_swap():
         assert effective_mode(pool.get("new"), mode) is mode
         assert effective_mode(pool.get("old"), mode) is SwapMode.ABORT_RESUME
     assert effective_mode(pool.get("old"), SwapMode.DRAIN) is SwapMode.DRAIN
+
+
+def test_version_policy_narrows_the_choice_and_prefer():
+    from rollout_gateway.core.version_policy import VersionPolicy
+
+    pool = pool_of("a", "b", "c")
+    for i, v in zip("abc", (3, 1, None)):
+        pool.get(i).version = v
+    stale1 = VersionPolicy.parse("max_staleness:1")
+    pool.get("a").outstanding_requests = 5  # least load alone would pick b or c
+    assert pool.choose(policy=stale1, learner_version=3).id == "a"
+    assert pool.choose(policy=stale1, learner_version=3, prefer="b").id == "a"
+    assert pool.choose(policy=stale1, learner_version=5) is None
+    assert [e.id for e in pool.barred(stale1, 5)] == ["a", "b", "c"]
+    assert pool.choose(policy=VersionPolicy.parse("min_version:1"), exclude={"a"}).id == "b"
+
+
+async def test_acquire_waits_up_to_the_bound_for_a_qualifying_engine():
+    import asyncio
+
+    from rollout_gateway.core.version_policy import VersionPolicy
+    from rollout_gateway.errors import Unavailable, VersionPolicyUnmet
+
+    pool = EnginePool(GatewaySettings(version_policy_wait_s=0.3))
+    for i, v in (("a", 1), ("b", 2)):
+        pool._engines[i] = Engine(id=i, client=EngineClient(i, f"http://127.0.0.1:1/{i}"),
+                                  version=v)
+    latest = VersionPolicy.parse("latest")
+    with pytest.raises(VersionPolicyUnmet, match=r"latest.*learner version 3.*a v1, b v2") as ei:
+        await pool.acquire(policy=latest, learner_version=3)
+    assert ei.value.retryable and ei.value.http_status == 503
+    assert ei.value.details["engine_versions"] == {"a": 1, "b": 2}
+    # an engine that reaches the version while the request waits takes it
+    pool.settings.version_policy_wait_s = 60
+    waiting = asyncio.ensure_future(pool.acquire(policy=latest, learner_version=3))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    pool.get("b").version = 3
+    await pool._notify()
+    assert (await asyncio.wait_for(waiting, 5)).id == "b"
+    # no engine in rotation at all is the plain 503 (no_engine_s), not the policy's
+    pool.get("a").state = pool.get("b").state = EngineState.UNHEALTHY
+    pool.settings.timeouts.no_engine_s = 0
+    with pytest.raises(Unavailable) as ei:
+        await pool.acquire(policy=latest, learner_version=3)
+    assert type(ei.value) is Unavailable and "no engine available" in ei.value.message

@@ -3,6 +3,8 @@ family, the tracker's intra-trajectory figures and the status table."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -66,11 +68,16 @@ def test_status_table_renders_a_report():
         LagReport,
         StaleHandling,
         Unconsumed,
+        version_cut,
     )
     from rollout_gateway.commands.status import render
 
+    fleet = [SimpleNamespace(id=i, version=v, routable=r)
+             for i, v, r in (("e0", 2, True), ("e1", 3, True), ("e2", 2, False),
+                             ("e3", None, True))]
     rep = LagReport(
         at=0, replica="r", learner_version=3, max_engine_lag=1,
+        version_cut=version_cut(fleet, 3),
         engines=[EngineLag(id="e0", state="healthy", version=2, lag=1, outstanding_requests=0,
                            fenced=False)],
         in_flight=InFlight.from_counts({}, samples=0),
@@ -87,6 +94,7 @@ def test_status_table_renders_a_report():
     assert "learner version 3" in out
     assert ["e0", "healthy", "2", "1", "0"] in [ln.split() for ln in out.splitlines()]
     assert "10 tokens, mean lag 0.30, max 1  [lag:tokens 0:7 1:3]" in out
+    assert "version cut: v3 (lag 0): e1  |  v2 (lag 1): e0, e2 (out)  |  v? (lag ?): e3" in out
     assert np.isfinite(rep.unconsumed.mean_lag)
 
 

@@ -186,6 +186,9 @@ function engineColor(ids, id) {
 function render(rep) {
   document.getElementById("learner-version").textContent = rep.learner_version;
   document.getElementById("max-engine-lag").textContent = rep.max_engine_lag;
+  // the fleet's version cut: engines by version, newest first (status prints the same)
+  document.getElementById("version-cut").textContent = (rep.version_cut || []).map(c =>
+    `v${c.version === null ? "?" : c.version}: ${c.engines.join(", ")}`).join("  |  ") || "–";
   document.getElementById("store-backlog").textContent = rep.store_backlog;
   document.getElementById("inflight-samples").textContent = rep.in_flight.samples;
   const hist = rep.history || [];
