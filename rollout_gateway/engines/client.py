@@ -207,6 +207,28 @@ class WeightLoad:
     message: str = ""
 
 
+def weight_load(engine_id: str, path: str, status: int, content: bytes) -> WeightLoad:
+    """The answer of a weight update (``path``): done (:class:`WeightLoad`), or EngineError
+    when the engine did not swap the weights. A refused flush (HTTP 400, ``success: false``,
+    SGLang's :data:`FLUSH_REFUSED` message) swapped them: ``cache_flushed=False``."""
+    data: Any = None
+    with contextlib.suppress(orjson.JSONDecodeError):
+        data = orjson.loads(content)
+    message = data.get("message") if isinstance(data, dict) else None
+    if (status in (200, 400) and isinstance(data, dict) and data.get("success") is False
+            and isinstance(message, str) and message.startswith(FLUSH_REFUSED)):
+        return WeightLoad(cache_flushed=False, message=message)
+    if status != 200:
+        raise EngineError(f"engine {engine_id} {path}: HTTP {status}: "
+                          f"{content[:300].decode('utf-8', 'replace')}",
+                          details={"engine_id": engine_id, "status": status})
+    if data is None:
+        raise EngineError(f"engine {engine_id} {path}: engine answered non-JSON: "
+                          f"{content[:200]!r}", details={"engine_id": engine_id})
+    ok = EngineClient._check_success(data, path.lstrip("/"), engine_id)
+    return WeightLoad(cache_flushed=True, message=str(ok.get("message", "")))
+
+
 class AnswerGate:
     """How many large engine answers are read and decoded at once, over every engine that
     shares the gate (the pool's).
@@ -489,28 +511,10 @@ class EngineClient:
         return data
 
     async def _load(self, path: str, body: dict[str, Any]) -> WeightLoad:
-        """A weight update: done (:class:`WeightLoad`), or EngineError when the engine
-        did not swap the weights. A refused flush (HTTP 400, ``success: false``, SGLang's
-        :data:`FLUSH_REFUSED` message) swapped them: ``cache_flushed=False``."""
+        """A weight update (:func:`weight_load` reads the answer)."""
         resp = await self.transport.request("POST", path, orjson.dumps(body),
                                             read_timeout=self.t.weight_load_s, abortable=False)
-        content = await resp.read()
-        data: Any = None
-        with contextlib.suppress(orjson.JSONDecodeError):
-            data = orjson.loads(content)
-        message = data.get("message") if isinstance(data, dict) else None
-        if (resp.status in (200, 400) and isinstance(data, dict)
-                and data.get("success") is False and isinstance(message, str)
-                and message.startswith(FLUSH_REFUSED)):
-            return WeightLoad(cache_flushed=False, message=message)
-        if resp.status != 200:
-            raise EngineError(f"engine {self.engine_id} {path}: HTTP {resp.status}: "
-                              f"{content[:300].decode('utf-8', 'replace')}",
-                              details={"engine_id": self.engine_id, "status": resp.status})
-        if data is None:
-            raise EngineError(f"{path}: engine answered non-JSON: {content[:200]!r}")
-        ok = self._check_success(data, path.lstrip("/"), self.engine_id)
-        return WeightLoad(cache_flushed=True, message=str(ok.get("message", "")))
+        return weight_load(self.engine_id, path, resp.status, await resp.read())
 
     async def update_weights_from_disk(self, model_path: str, version: int, *,
                                        flush_cache: bool) -> WeightLoad:

@@ -138,3 +138,23 @@ async def test_a_fenced_engine_is_not_checked_and_a_swap_elsewhere_is_adopted():
     await pool.probe(eng)
     assert (eng.epoch, eng.version, eng.identity) == (0, 1, client.now)
     assert client.detects == 0 and not client.aborted
+
+
+def test_a_refused_flush_is_a_load_and_other_failures_are_not():
+    import orjson
+    import pytest
+
+    from rollout_gateway.engines.client import FLUSH_REFUSED, weight_load
+    from rollout_gateway.errors import EngineError
+
+    refused = orjson.dumps({"success": False, "num_paused_requests": 0, "message": (
+        FLUSH_REFUSED + " because requests are still running or queued. Retract or finish "
+        "them, then call /flush_cache.")})  # SGLang 0.5.23, HTTP 400
+    got = weight_load("e0", "/update_weights_from_disk", 400, refused)
+    assert got.cache_flushed is False and got.message.startswith(FLUSH_REFUSED)
+    ok = orjson.dumps({"success": True, "message": "Succeeded to update model weights."})
+    assert weight_load("e0", "/update_weights_from_disk", 200, ok).cache_flushed is True
+    failed = orjson.dumps({"success": False, "message": "Failed to update weights: no file"})
+    for status, body in ((400, failed), (200, failed), (500, b"boom"), (200, b"<html>")):
+        with pytest.raises(EngineError):
+            weight_load("e0", "/update_weights_from_disk", status, body)
