@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
+import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -151,6 +153,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         torch.set_num_threads(1)
+        t0 = time.perf_counter()
         if settings.checkpoint:
             model = await asyncio.to_thread(ckpt.load_model, settings.checkpoint)
         else:
@@ -163,6 +166,16 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         state["sched"] = sched
         state["model_path"] = _model_path(settings, model.config)
         sched.served_model_path = sched.loaded_model_path = state["model_path"]
+        # what tells one process from another, as SGLang's /server_info does: its measured
+        # start-up durations (TokenizerManager.startup_time) and ServerArgs.random_seed,
+        # drawn per process (serving_hook.py: random.randint(0, 1 << 30) when not given)
+        graphs = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                  "draft_extend")
+        state["startup_time"] = {"load_weight": time.perf_counter() - t0,
+                                 "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+                                 "cuda_graph": dict.fromkeys(graphs, 0.0),
+                                 "tokenizer_e2e": time.perf_counter() - t0}
+        state["random_seed"] = random.randint(0, 1 << 30)
         yield
         await sched.stop()
         dist_update.destroy(sched)
@@ -407,6 +420,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                     "disable_overlap_schedule": not settings.overlap_on,
                     "max_total_tokens": settings.max_total_tokens, "page_size": 1,
                     "schedule_policy": "fcfs", "version": settings.emulate_version,
+                    "random_seed": state["random_seed"], "startup_time": state["startup_time"],
                     "internal_states": [{"num_running_reqs": len(s.running),
                                          "num_waiting_reqs": len(s.waiting),
                                          # the scheduler's: moved even by a refused flush
@@ -421,6 +435,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 "disable_overlap_schedule": not settings.overlap_on,
                 "max_total_tokens": settings.max_total_tokens,
                 "radix_cache_tokens": s.tree.size if s.tree is not None else 0,
+                "random_seed": state["random_seed"], "startup_time": state["startup_time"],
                 "num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
                 "decode_steps": s.steps}
 

@@ -118,6 +118,13 @@ class EngineError(Unavailable):
     """An inference engine failed or answered something we cannot use."""
 
 
+class EngineChanged(EngineError):
+    """An engine answered after it changed behind the gateway (restarted, other weights or
+    version label than the request was sent under): the answer is not stamped; the sample
+    resumes elsewhere as after an engine failure, without counting against the engine's
+    circuit (the pool registers it again)."""
+
+
 class StoreError(Unavailable):
     """The trajectory store or version registry failed."""
 

@@ -95,6 +95,7 @@ class Gateway:
         self.history = HistorySampler(self.view, s.lag_history_interval_s)
         # ---- hooks: what each component reports, and to whom ----
         self.pool.on_recovered = self.swaps.catch_up  # back from UNHEALTHY: its weights
+        self.pool.swapped_elsewhere = self.swaps.swapped_elsewhere  # another replica's swap
         self.rollouts.on_finished = self.tracker.on_finished
         self.rollouts.on_admission_wait = self.metrics.observe_admission
         self.rollouts.runner.on_first_token = self.metrics.ttft.observe

@@ -57,7 +57,7 @@ def is_admin(request: Request) -> bool:
 
 # ---- what a client may see ---------------------------------------------------------------
 
-_ADMIN_ONLY_KEYS = frozenset({"source", "leader", "swap_leader", "url"})
+_ADMIN_ONLY_KEYS = frozenset({"source", "leader", "swap_leader", "url", "model_path"})
 
 
 def public_view(obj: Any) -> Any:

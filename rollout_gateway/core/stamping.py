@@ -29,7 +29,7 @@ No I/O here; numpy in, numpy out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,13 +90,29 @@ def normalize_spans(spans: Sequence[Span], n_tokens: int, fallback_version: int 
     return out
 
 
-def kv_namespace(version: int) -> str:
+def kv_namespace(version: int, epoch: int = 0) -> str:
     """The prefix-cache namespace (SGLang's ``cache_salt``) of requests sent to an engine at
-    ``version``. SGLang's radix cache matches and deduplicates only within one salt and
-    keeps the KV of the first request that inserted a path, so with one salt per version a
-    hit holds KV that this version computed. The gateway quiesces an engine before an
-    in-place pause, so every request sent under ``version`` was prefilled by it."""
-    return f"v{version}"
+    ``version`` in its registration ``epoch`` (engines.pool: bumped when the engine changed
+    behind the gateway's back). SGLang's radix cache matches and deduplicates only within
+    one salt and keeps the KV of the first request that inserted a path, so with one salt
+    per version and epoch a hit holds KV that this version computed in this incarnation,
+    never KV of other weights that carried the same label. The gateway quiesces an engine
+    before an in-place pause, so every request sent under ``version`` was prefilled by it."""
+    return f"v{version}e{epoch}"
+
+
+def foreign_label(labels: Iterable[int], sent: int | None, installed: Container[int]) -> int | None:
+    """The first version label in an engine's answer that the gateway cannot account for,
+    or None. A request sent while the engine ran ``sent`` may carry that label, or a newer
+    one a swap installed under it (``installed``: the engine's ``installed_by`` this
+    epoch). Anything else (older, or newer with no swap) came from weights the gateway
+    did not register: the engine changed behind its back."""
+    if sent is None:
+        return None
+    for v in labels:
+        if v != sent and not (v > sent and v in installed):
+            return v
+    return None
 
 
 def computed_spans(spans: Sequence[Span], installed_by: Mapping[int, Transition],
@@ -127,6 +143,7 @@ def stamp_request(
     ended_at: float = 0.0,
     cached_floor: int | None = None,
     label_lag: int = 0,
+    kv_kept: Container[int] = (),
 ) -> RequestStamp:
     """Stamp one request's tokens (spans already normalized).
 
@@ -140,6 +157,8 @@ def stamp_request(
     the oldest such version; the request's KV starts there instead of at its first span.
     ``label_lag``: tokens by which the engine's in-place labels run ahead of its weights
     (see the module docstring; :func:`computed_spans`).
+    ``kv_kept``: versions whose install left the older KV in the engine's cache although
+    their transition rebuilds it (the engine refused the flush): KV stays the older one.
     Segment ``ended`` is set to FINISHED here; the caller fixes the last one.
     """
     spans = computed_spans(spans, installed_by, label_lag)
@@ -160,7 +179,7 @@ def stamp_request(
             how = installed_by.get(s.version, Transition.IN_PLACE)
             if how not in (Transition.IN_PLACE, Transition.RETRACT):
                 how = Transition.IN_PLACE
-            if how in REBUILDS_KV:
+            if how in REBUILDS_KV and s.version not in kv_kept:
                 kv_now = s.version
             segments[-1].ended = how
         pv[s.start:s.end] = s.version

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from rollout_gateway.engines.identity import EngineIdentity, process_marker
 from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config, vocab_from_hf_config
 from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
@@ -93,6 +94,8 @@ class EngineInfo:
     #: an unknown number of tokens per step; pipeline parallelism keeps several batches in
     #: flight), or None
     in_place_unexact: str | None = None
+    #: who the engine was when these facts were read (engines.identity)
+    identity: EngineIdentity = field(default_factory=EngineIdentity)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -188,6 +191,46 @@ def refusal(engine_id: str, finish_reason: dict[str, Any] | None) -> InvalidArgu
                            details={"engine_id": engine_id, "status": code})
 
 
+#: the start of SGLang's message when ``update_weights_from_*`` swapped the weights but
+#: refused the cache flush asked for (requests resident): HTTP 400, ``success: false``
+#: (scheduler_components/weight_updater.py ``flush_cache_after_weight_update``)
+FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightLoad:
+    """A weight update the engine performed. ``cache_flushed`` False: the flush asked
+    for was refused (SGLang: requests were resident) although the weights were swapped;
+    SGLang then leaves ``/model_info``'s ``weight_version`` and ``model_path`` at the old
+    values (its tokenizer manager moves them only on success) while its scheduler labels
+    tokens with the new version, and the old KV stays in the prefix cache."""
+
+    cache_flushed: bool
+    message: str = ""
+
+
+def weight_load(engine_id: str, path: str, status: int, content: bytes) -> WeightLoad:
+    """The answer of a weight update (``path``): done (:class:`WeightLoad`), or EngineError
+    when the engine did not swap the weights. A refused flush (HTTP 400, ``success: false``,
+    SGLang's :data:`FLUSH_REFUSED` message) swapped them: ``cache_flushed=False``."""
+    data: Any = None
+    with contextlib.suppress(orjson.JSONDecodeError):
+        data = orjson.loads(content)
+    message = data.get("message") if isinstance(data, dict) else None
+    if (status in (200, 400) and isinstance(data, dict) and data.get("success") is False
+            and isinstance(message, str) and message.startswith(FLUSH_REFUSED)):
+        return WeightLoad(cache_flushed=False, message=message)
+    if status != 200:
+        raise EngineError(f"engine {engine_id} {path}: HTTP {status}: "
+                          f"{content[:300].decode('utf-8', 'replace')}",
+                          details={"engine_id": engine_id, "status": status})
+    if data is None:
+        raise EngineError(f"engine {engine_id} {path}: engine answered non-JSON: "
+                          f"{content[:200]!r}", details={"engine_id": engine_id})
+    ok = EngineClient._check_success(data, path.lstrip("/"), engine_id)
+    return WeightLoad(cache_flushed=True, message=str(ok.get("message", "")))
+
+
 class AnswerGate:
     """How many large engine answers are read and decoded at once, over every engine that
     shares the gate (the pool's).
@@ -277,8 +320,8 @@ class EngineClient:
                               details={"engine_id": self.engine_id, "status": resp.status})
         return content
 
-    async def _get_json(self, path: str) -> dict[str, Any]:
-        data = _json(await self._call("GET", path, read=self.t.control_s), path)
+    async def _get_json(self, path: str, read: float | None = None) -> dict[str, Any]:
+        data = _json(await self._call("GET", path, read=read or self.t.control_s), path)
         if not isinstance(data, dict):
             raise EngineError(f"engine {self.engine_id} {path}: expected a JSON object")
         return data
@@ -316,8 +359,19 @@ class EngineClient:
         else:
             found = (None, None, None)
         info.num_layers, info.top_k, info.num_experts = found
+        info.identity = EngineIdentity(process_marker(server), info.model_path,
+                                       info.weight_version)
         self.info = info
         return info
+
+    async def identity(self, read: float | None = None) -> EngineIdentity:
+        """Who the engine is now (engines.identity): ``/model_info``, then ``/server_info``
+        (its ``internal_states`` cost SGLang one round trip to the scheduler)."""
+        model = await self._get_json("/model_info", read)
+        server = await self._get_json("/server_info", read)
+        mp = model.get("model_path") or server.get("model_path")
+        return EngineIdentity(process_marker(server), mp if isinstance(mp, str) and mp else None,
+                              parse_weight_version(model.get("weight_version"), self.engine_id))
 
     async def weight_version(self) -> int | None:
         model = await self._get_json("/model_info")
@@ -460,13 +514,17 @@ class EngineClient:
                               details={"engine_id": engine_id, "message": data.get("message")})
         return data
 
+    async def _load(self, path: str, body: dict[str, Any]) -> WeightLoad:
+        """A weight update (:func:`weight_load` reads the answer)."""
+        resp = await self.transport.request("POST", path, orjson.dumps(body),
+                                            read_timeout=self.t.weight_load_s, abortable=False)
+        return weight_load(self.engine_id, path, resp.status, await resp.read())
+
     async def update_weights_from_disk(self, model_path: str, version: int, *,
-                                       flush_cache: bool) -> dict[str, Any]:
-        data = await self._post_json("/update_weights_from_disk", {
+                                       flush_cache: bool) -> WeightLoad:
+        return await self._load("/update_weights_from_disk", {
             "model_path": model_path, "weight_version": str(version),
-            "flush_cache": flush_cache, "abort_all_requests": False,
-        }, read=self.t.weight_load_s)
-        return self._check_success(data, "update_weights_from_disk", self.engine_id)
+            "flush_cache": flush_cache, "abort_all_requests": False})
 
     async def update_weight_version(self, version: int, *,
                                     abort_all_requests: bool = False) -> dict[str, Any]:
@@ -495,12 +553,10 @@ class EngineClient:
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
-                                              version: int, flush_cache: bool) -> dict[str, Any]:
-        data = await self._post_json("/update_weights_from_distributed", {
+                                              version: int, flush_cache: bool) -> WeightLoad:
+        return await self._load("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": str(version)},
-            read=self.t.weight_load_s)
-        return self._check_success(data, "update_weights_from_distributed", self.engine_id)
+            "flush_cache": flush_cache, "weight_version": str(version)})
 
     async def close(self) -> None:
         await self.transport.aclose()

@@ -11,6 +11,16 @@ cooldown (doubling per trip) that a passing probe does not shorten. An engine th
 answering its health probes (hung: SIGSTOP, a wedged GPU) has every request in flight to
 it broken off at once, so they resume on other engines from their partial output instead
 of waiting out a read timeout.
+
+Identity: the pool records who each engine is at registration (``engines.identity``:
+its process, model_path and weight_version label) and every passing health probe of an
+unfenced engine reads it again (``/model_info`` and ``/server_info``). An engine that
+changed behind the gateway's back (restarted on the same URL within one probe interval,
+weights or label changed by someone else) is taken out of routing, its facts detected
+again and its registration ``epoch`` bumped before it is re-admitted; the epoch is part of
+the KV namespace (``core.stamping.kv_namespace``) and every answer is vetted against it
+(``rollouts.vetting``: a request in flight across the change fails over from there). An engine back from UNHEALTHY is
+re-detected the same way before it serves.
 """
 
 from __future__ import annotations
@@ -25,10 +35,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rollout_gateway.aio import Periodic
+from rollout_gateway.aio import Periodic, cancel_and_wait
 from rollout_gateway.core.trajectory import Transition
 from rollout_gateway.core.version_policy import ANY, VersionPolicy
 from rollout_gateway.engines.client import AnswerGate, EngineClient, Health
+from rollout_gateway.engines.identity import EngineIdentity
 from rollout_gateway.engines.shape import routing_problem
 from rollout_gateway.errors import (
     AlreadyExists,
@@ -68,6 +79,19 @@ class Engine:
     #: oldest version whose KV may still sit in the engine's prefix cache (an in-place swap
     #: cannot flush it); None once a swap flushed the cache
     cache_floor: int | None = None
+    #: versions whose install kept the older KV in the prefix cache although the swap mode
+    #: rebuilds it (the engine refused the flush): stamped as kept, as for in_place
+    kv_kept: set[int] = field(default_factory=set)
+    #: registration epoch: bumped each time the engine is registered again because it
+    #: changed behind the gateway's back (a new process, other model_path or label)
+    epoch: int = 0
+    #: who it was at (re-)registration or after the last swap; None: not read yet (the
+    #: next probe records it)
+    identity: EngineIdentity | None = None
+    #: gate closings and openings so far (a probe that overlapped one ignores its read)
+    fences: int = 0
+    #: one probe at a time (the health loop's and an out-of-turn one)
+    probing: asyncio.Lock = field(default_factory=asyncio.Lock)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     #: leases whose request has not streamed a token yet, and the event set when none is
     #: left (an in-place swap under the overlap scheduler waits for it: core.stamping)
@@ -98,6 +122,7 @@ class Engine:
         info = self.client.info
         return {"id": self.id, "url": self.url, "state": self.state.value,
                 "weight_version": self.version, "sglang_version": info.version_text,
+                "epoch": self.epoch, "model_path": info.model_path,
                 "outstanding_requests": self.outstanding_requests,
                 "outstanding_tokens": self.outstanding_tokens,
                 "fenced": not self.gate.is_set(), "last_error": self.last_error,
@@ -148,8 +173,13 @@ class EnginePool:
         self._changed = asyncio.Condition()
         self._health = Periodic(self._probe_all, settings.health_interval_s,
                                 what="health round", log=log, trace=True)
+        #: probes started out of turn (``suspect``), one per engine at a time
+        self._rechecks: dict[str, asyncio.Task[None]] = {}
         #: called with an engine that came back from UNHEALTHY (e.g. to catch its weights up)
         self.on_recovered: Callable[[Engine], Awaitable[Any]] | None = None
+        #: whether a swap explains an engine's new identity (one another replica led):
+        #: then the pool adopts it instead of registering the engine again
+        self.swapped_elsewhere: Callable[[Engine, EngineIdentity], Awaitable[bool]] | None = None
 
     # ---- registration ------------------------------------------------------------------
     async def register(self, engine_id: str, url: str, api_key: str | None = None) -> Engine:
@@ -163,7 +193,8 @@ class EnginePool:
         except GatewayError:
             await client.close()
             raise
-        eng = Engine(id=engine_id, client=client, version=info.weight_version)
+        eng = Engine(id=engine_id, client=client, version=info.weight_version,
+                     identity=info.identity)
         self._engines[engine_id] = eng
         await self._notify()
         log.info("registered engine %s at %s (sglang %s, weights v%s)", engine_id, url,
@@ -220,6 +251,10 @@ class EnginePool:
 
     # ---- health ------------------------------------------------------------------------
     async def probe(self, eng: Engine) -> EngineState:
+        async with eng.probing:
+            return await self._probe(eng)
+
+    async def _probe(self, eng: Engine) -> EngineState:
         h = await eng.client.health()
         if eng.state in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):
             return eng.state
@@ -232,25 +267,87 @@ class EnginePool:
         elif eng.state is EngineState.UNHEALTHY and eng.breaker_open:
             eng.probe_failures = 0  # alive, but its circuit is open: it stays out until then
         else:
-            was = eng.state
             eng.probe_failures = 0
-            eng.state = EngineState.HEALTHY if h is Health.OK else EngineState.PAUSED
-            if was is EngineState.UNHEALTHY:
-                try:  # it may have restarted: re-detect version and weights
-                    info = await eng.client.detect()
-                    eng.version = info.weight_version
-                    eng.last_error = None
-                except GatewayError as exc:
-                    eng.state = EngineState.UNHEALTHY
-                    eng.last_error = exc.message
-                if eng.state is not EngineState.UNHEALTHY and self.on_recovered is not None:
-                    try:
-                        await self.on_recovered(eng)
-                    except GatewayError as exc:
-                        log.warning("engine %s recovered but could not catch up: %s", eng.id,
-                                    exc.message)
-                await self._notify()
+            alive = EngineState.HEALTHY if h is Health.OK else EngineState.PAUSED
+            if eng.state is EngineState.UNHEALTHY:  # it may have restarted
+                await self.readmit(eng, alive)
+            else:
+                eng.state = alive
+                changed = await self._identity_change(eng)
+                if changed is not None:
+                    await self.readmit(eng, alive, changed)
         return eng.state
+
+    async def _identity_change(self, eng: Engine) -> str | None:
+        """What changed about a routable, unfenced engine since it was registered (None:
+        nothing, or it could not be read: liveness is the health probe's to judge)."""
+        if not eng.gate.is_set():
+            return None
+        fences = eng.fences
+        try:
+            now = await eng.client.identity(read=self.settings.timeouts.health_s)
+        except GatewayError:
+            return None
+        if fences != eng.fences or not eng.gate.is_set():
+            return None  # a swap ran meanwhile: it re-reads the identity itself
+        if eng.identity is None:  # not read after its last swap: this is the record now
+            eng.identity = now
+            return None
+        diff = eng.identity.changes(now)
+        if not diff:
+            return None
+        if (self.swapped_elsewhere is not None and now.process == eng.identity.process
+                and await self.swapped_elsewhere(eng, now)):
+            eng.identity = now
+            if now.weight_version is not None:
+                eng.version = max(eng.version or now.weight_version, now.weight_version)
+            return None
+        return "; ".join(diff)
+
+    async def readmit(self, eng: Engine, alive: EngineState, changed: str | None = None) -> None:
+        """Register ``eng`` again before it serves: out of routing while its facts are
+        detected again; an engine that ``changed`` or is not who it was gets a new epoch and
+        forgets how its versions were installed.
+        Then ``on_recovered`` (e.g. catch its weights up to the pool)."""
+        if changed is not None:
+            log.warning("engine %s changed behind the gateway (%s): registering it again",
+                        eng.id, changed)
+            # its requests in flight are not broken off (that would count against its
+            # circuit): each later chunk of theirs fails the vetting (a new epoch)
+            self.mark_unhealthy(eng, f"changed behind the gateway: {changed}")
+            await self._notify()
+        try:
+            info = await eng.client.detect()
+        except GatewayError as exc:
+            self.mark_unhealthy(eng, exc.message)
+            return
+        diff = eng.identity.changes(info.identity) if eng.identity is not None else []
+        if changed is not None or diff:
+            eng.epoch += 1
+            eng.installed_by.clear()
+            eng.kv_kept.clear()
+            log.warning("engine %s registered again as epoch %d (%s)", eng.id, eng.epoch,
+                        changed or "; ".join(diff))
+        eng.identity = info.identity
+        eng.version = info.weight_version
+        eng.last_error = None
+        eng.state = alive
+        if self.on_recovered is not None:
+            try:
+                await self.on_recovered(eng)
+            except GatewayError as exc:
+                log.warning("engine %s recovered but could not catch up: %s", eng.id,
+                            exc.message)
+        await self._notify()
+
+    async def reread_identity(self, eng: Engine) -> None:
+        """Record who ``eng`` is now; call while it is fenced, after a swap changed its
+        weights or label on purpose. Unreadable: the previous record stays."""
+        try:
+            eng.identity = await eng.client.identity(read=self.settings.timeouts.health_s)
+        except GatewayError as exc:  # the next probe records it (never a change)
+            eng.identity = None
+            log.warning("engine %s: identity not read after the swap: %s", eng.id, exc.message)
 
     def evict(self, eng: Engine, why: str) -> int:
         """Break off every request in flight to ``eng``; they fail over from their
@@ -279,6 +376,24 @@ class EnginePool:
             log.error("engine %s: %s", eng.id, eng.last_error)
             self.evict(eng, "its circuit opened")
 
+    def suspect(self, eng: Engine, why: str) -> None:
+        """An answer showed that ``eng`` changed behind the gateway (rollouts.vetting):
+        out of routing now (not a failure: its circuit is untouched), and probed at once,
+        out of turn, so it is registered again without waiting for the health interval."""
+        self.mark_unhealthy(eng, why)
+        if eng.id in self._rechecks or not self._health.running:
+            return
+
+        async def recheck() -> None:
+            try:
+                await self.probe(eng)
+            except Exception:  # noqa: BLE001 - the health loop tries again
+                log.exception("out-of-turn probe of %s failed", eng.id)
+            finally:
+                self._rechecks.pop(eng.id, None)
+
+        self._rechecks[eng.id] = asyncio.get_running_loop().create_task(recheck())
+
     def mark_unhealthy(self, eng: Engine, why: str) -> None:
         if eng.state not in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):
             eng.state = EngineState.UNHEALTHY
@@ -296,6 +411,8 @@ class EnginePool:
 
     async def close(self) -> None:
         await self._health.stop()
+        for t in list(self._rechecks.values()):
+            await cancel_and_wait(t)
         for eng in list(self._engines.values()):
             await eng.client.close()
         self._engines.clear()
@@ -419,8 +536,10 @@ class EnginePool:
 
     # ---- fences (used by the swap orchestrator) -----------------------------------------
     def close_gate(self, eng: Engine) -> None:
+        eng.fences += 1
         eng.gate.clear()
 
     async def open_gate(self, eng: Engine) -> None:
+        eng.fences += 1
         eng.gate.set()
         await self._notify()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from rollout_gateway.core.stamping import kv_namespace
 from rollout_gateway.engines.client import EngineClient
 from rollout_gateway.errors import EngineError, FailedPrecondition
 from rollout_gateway.settings import OldLogitsSettings, Timeouts
@@ -19,19 +20,25 @@ from rollout_gateway.settings import OldLogitsSettings, Timeouts
 log = logging.getLogger(__name__)
 
 
-def score_payload(prompt_ids: np.ndarray, output_ids: np.ndarray, temperature: float
-                  ) -> dict[str, Any]:
+def score_payload(prompt_ids: np.ndarray, output_ids: np.ndarray, temperature: float,
+                  version: int | None = None) -> dict[str, Any]:
     """/generate body that scores ``output_ids`` after ``prompt_ids`` without sampling:
     input logprobs from position P - 1 (its own value is None, as SGLang's), so the values
     of positions P .. P+T-1 are log p(output_t | prompt, output_<t) at ``temperature``
-    (the behavior logprob's scaling, so pi_old and mu are comparable)."""
+    (the behavior logprob's scaling, so pi_old and mu are comparable). With ``version``
+    (the weights loaded) the request carries that version's prefix-cache namespace
+    (``cache_salt``), so no prefix hit serves KV another version computed: a weight load
+    needs no cache flush (which SGLang refuses while a request is resident)."""
     p = int(prompt_ids.shape[0])
     if p < 1:
         raise FailedPrecondition("cannot score a trajectory with an empty prompt")
     ids = np.concatenate([prompt_ids, output_ids]).astype(np.int64).tolist()
     t = float(temperature)
-    return {"input_ids": ids, "return_logprob": True, "logprob_start_len": p - 1,
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": p - 1,
             "sampling_params": {"max_new_tokens": 0, "temperature": t if t > 0 else 1.0}}
+    if version is not None:
+        body["cache_salt"] = kv_namespace(version)
+    return body
 
 
 def parse_scores(body: bytes, n: int, engine_id: str) -> np.ndarray:
@@ -86,7 +93,11 @@ class OldLogitScorer:
                 f"{sorted(self.sources)}); set old_logits.initial_source for the start-up "
                 "version and swap from disk", details={"version": version})
         t0 = time.perf_counter()
-        await self.client.update_weights_from_disk(path, version, flush_cache=True)
+        # no flush: scores carry the version's cache_salt (score_payload); a flush SGLang
+        # refuses (a score that timed out may still be resident) would fail the load
+        load = await self.client.update_weights_from_disk(path, version, flush_cache=False)
+        if not load.cache_flushed:  # an engine that flushes anyway and refuses: relabel
+            await self.client.update_weight_version(version, abort_all_requests=False)
         got = await self.client.weight_version()
         if got != version:
             raise EngineError(f"old-logit scorer reports version {got} after loading {version}")
@@ -101,7 +112,8 @@ class OldLogitScorer:
         if n == 0:
             return np.zeros(0, np.float32)
         t0 = time.perf_counter()
-        body = await self.client.generate(score_payload(prompt_ids, output_ids, temperature))
+        body = await self.client.generate(score_payload(prompt_ids, output_ids, temperature,
+                                                        self.version))
         out = parse_scores(body, n, self.client.engine_id)
         self.counters["score_calls"] += 1
         self.counters["scored_tokens"] += n

@@ -52,6 +52,9 @@ class EngineSwapOutcome:
     error: str | None = None  # why it failed
     #: it failed but still runs version_before: it stays in rotation at that version
     kept_version: bool = False
+    #: the engine swapped the weights but refused the cache flush (requests were resident):
+    #: its label was repaired with /update_weight_version and the old KV counts as kept
+    cache_kept: bool = False
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
 from rollout_gateway.engines.pool import Engine, EnginePool, Lease
 from rollout_gateway.engines.shape import resolve_spec, routing_problem
 from rollout_gateway.errors import (
+    EngineChanged,
     EngineError,
     FailedPrecondition,
     GatewayError,
@@ -51,6 +52,7 @@ from rollout_gateway.errors import (
 )
 from rollout_gateway.registry.base import VersionRegistry, read_swaps
 from rollout_gateway.rollouts.models import RolloutRequest
+from rollout_gateway.rollouts.vetting import Vetting
 from rollout_gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -277,7 +279,7 @@ class SampleRunner:
         if eng.version is not None and eng.client.info.has_spans:
             # the prefix cache only matches within one salt: a hit holds KV of the version
             # this request was sent under, never an older one an in-place swap left behind
-            p["cache_salt"] = kv_namespace(eng.version)
+            p["cache_salt"] = kv_namespace(eng.version, eng.epoch)
         if state.prompt_ids is None:
             p["text"] = req.prompt
         else:
@@ -285,13 +287,15 @@ class SampleRunner:
         return p
 
     async def _call(self, eng: Engine, payload: dict[str, Any], opts: DecodeOptions,
-                    on_delta=None, first=None, on_tokens=None) -> Decoded:
+                    on_delta=None, first=None, on_tokens=None, check=None) -> Decoded:
         """One engine request -> its decoded output, or :class:`RequestFailed`. A broken,
         silent or unreadable stream keeps what arrived (``RequestFailed.partial``): the
         last cumulative chunk, or the merged deltas of an incremental stream.
         ``on_delta(d)`` (live streaming to a client) sees every chunk's new tokens;
         ``first()`` is called at the first answer byte and ``on_tokens(d)`` per chunk of
-        new tokens (lag of tokens in flight)."""
+        new tokens (lag of tokens in flight); ``await check(label)`` per streamed chunk (its
+        version label, None where not decoded yet: rollouts.vetting) raises EngineChanged
+        when the engine changed since the request was sent: what arrived before is kept."""
         if not self.settings.stream_from_engines and on_delta is None:
             try:
                 body = await eng.client.generate(payload)
@@ -310,7 +314,11 @@ class SampleRunner:
                     if first is not None:
                         first()
                         first = None
+                    if check is not None:
+                        await check(None)  # before the chunk joins the output
                     for d in sd.feed_payload(data):
+                        if check is not None and d.num_tokens:
+                            await check(d.weight_version)
                         if on_tokens is not None and d.num_tokens:
                             on_tokens(d)
                         if on_delta is not None and d.num_tokens:
@@ -332,6 +340,8 @@ class SampleRunner:
                 if first is not None:
                     first()
                     first = None
+                if check is not None:
+                    await check(None)
                 prev, last = last, data  # cumulative: the newest chunk holds everything
         except GatewayError as exc:
             err = exc
@@ -413,6 +423,8 @@ class SampleRunner:
                                     want_prompt_ids=state.prompt_ids is None,
                                     passthrough=passthrough)
             t0 = time.time()
+            vet = Vetting(eng, self._learn_install_modes if self.registry is not None
+                          else None)
             on_delta = None
             if on_chunk is not None:
                 base, how = state.generated, began
@@ -420,8 +432,9 @@ class SampleRunner:
                 labels: list[Span] = []  # this request's chunks by their version labels
 
                 async def on_delta(d: Decoded, eng=eng, base=base, how=how,
-                                   labels=labels) -> None:
+                                   labels=labels, vet=vet) -> None:
                     await on_chunk(self._stamp_delta(eng, d, how, base, labels))
+                    vet.delivered += d.num_tokens
             lease: Lease | None = None
 
             def first(cb=self.on_first_token if attempts == 1 else None, t0=created) -> None:
@@ -444,12 +457,23 @@ class SampleRunner:
                     opts = decode_options(eng, self.settings, routing=routed,
                                           passthrough=passthrough.keys() if passthrough else
                                           frozenset())
-                    dec = await self._call(eng, payload, opts, on_delta, first, on_tokens)
+                    dec = await self._call(eng, payload, opts, on_delta, first, on_tokens,
+                                           vet.chunk)
+                    changed = await vet.answer(dec)
+                    if changed is not None:
+                        raise RequestFailed(changed)
             except RequestFailed as failed:  # what arrived before the failure is kept
-                await self._settle(state, eng, failed.partial, began, payload, t0)
+                partial = failed.partial
+                if partial is not None and await vet.answer(partial, epoch=False):
+                    partial = None  # a changed engine's output is never stamped
+                await self._settle(state, eng, partial, began, payload, t0)
                 last_error = self._failing_over(eng, failed.error, trajectory_id)
                 exclude.add(eng.id)
-                began = Transition.FAILOVER
+                if (partial is not None and partial.num_tokens) or not isinstance(
+                        failed.error, EngineChanged):
+                    began = Transition.FAILOVER
+                # else: nothing of the changed engine's answer is kept, so the next request
+                # begins as this one did (a trajectory's first segment stays its start)
                 continue
             finally:
                 state.live = {}
@@ -509,9 +533,16 @@ class SampleRunner:
 
     def _failing_over(self, eng: Engine, err: GatewayError, trajectory_id: str) -> str:
         """An engine request failed: raise when another engine would not help (the failure
-        is not the engine's); otherwise count it against the engine and return why."""
+        is not the engine's); otherwise count it against the engine and return why (an
+        engine that changed behind the gateway is not counted: the pool registers it
+        again)."""
         if not isinstance(err, EngineError | Timeout):
             raise err  # e.g. InvalidArgument: the engine refused our request (a 4xx)
+        if isinstance(err, EngineChanged):
+            log.warning("sample %s: %s; resuming elsewhere", trajectory_id, err.message)
+            if err.details.get("sent_epoch") == eng.epoch:  # the pool has not seen it yet
+                self.pool.suspect(eng, err.message)
+            return err.message
         log.warning("sample %s: engine %s failed (%s); failing over", trajectory_id, eng.id,
                     err.message)
         self.pool.record_failure(eng, err.message)
@@ -583,7 +614,8 @@ class SampleRunner:
                 labels.append(Span(int(v), d.offset, total))
             spans = normalize_spans(labels, total, v)
         st = stamp_request(spans, offset=base, engine_id=eng.id, began=began,
-                           installed_by=eng.installed_by, label_lag=eng.client.info.label_lag)
+                           installed_by=eng.installed_by, label_lag=eng.client.info.label_lag,
+                           kv_kept=eng.kv_kept)
         out = {"offset": base + d.offset, "engine_id": eng.id, "token_ids": d.output_ids,
                "logprobs": d.logprobs, "entropy": d.entropy,
                "policy_version": st.policy_version[d.offset:],
@@ -600,7 +632,7 @@ class SampleRunner:
                                 else eng.version)
         st = stamp_request(spans, offset=offset, engine_id=eng.id, began=began,
                            installed_by=eng.installed_by, started_at=t0, ended_at=t1,
-                           label_lag=eng.client.info.label_lag)
+                           label_lag=eng.client.info.label_lag, kv_kept=eng.kv_kept)
         if dec.logprobs is None:
             raise EngineError(f"engine {eng.id} returned no output_token_logprobs")
         cols = TokenColumns(token_ids=dec.output_ids, logprobs=dec.logprobs, entropy=dec.entropy,

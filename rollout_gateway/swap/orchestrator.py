@@ -15,7 +15,13 @@ Guarantees:
 * kv stamping learns how each version was installed (``Engine.installed_by``);
 * a retract swap first breaks off the requests in flight that asked for routed experts
   (they resume as after ``abort_resume``): SGLang would re-prefill them under the new
-  weights and return the re-prefill's routing for the tokens sampled before the swap.
+  weights and return the re-prefill's routing for the tokens sampled before the swap;
+* an engine that swapped the weights but refused the cache flush asked for (SGLang answers
+  HTTP 400 ``success: false`` yet serves the new weights, ``/model_info`` keeps the old
+  label) has its label repaired with ``/update_weight_version`` (``abort_all_requests:
+  false``) and the version's KV counts as kept (``Engine.kv_kept``, as for in_place);
+* after every swap the engine's identity is read again while it is still fenced, so the
+  health probe does not mistake the swap for a change behind the gateway's back.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import time
 from typing import Any
 
 from rollout_gateway.core.swap_mode import SwapMode
+from rollout_gateway.engines.client import WeightLoad
+from rollout_gateway.engines.identity import EngineIdentity
 from rollout_gateway.engines.pool import Engine, EnginePool, EngineState
 from rollout_gateway.errors import (
     FailedPrecondition,
@@ -41,6 +49,7 @@ from rollout_gateway.registry.base import (
     SwapRecord,
     SwapStatus,
     VersionRegistry,
+    read_swaps,
 )
 from rollout_gateway.settings import GatewaySettings
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
@@ -132,6 +141,15 @@ class SwapOrchestrator:
                     self.in_progress = None
         finally:
             await self.pool.open_gate(eng)
+
+    async def swapped_elsewhere(self, eng: Engine, now: EngineIdentity) -> bool:
+        """Whether the shared swap history holds a swap of ``eng`` to the version it now
+        reports (led by another replica): its new label is then no change behind the
+        gateway's back."""
+        if now.weight_version is None:  # (this replica may have learnt the version already)
+            return False
+        records = await read_swaps(self.registry, 50, "engine identity")
+        return any(r.version == now.weight_version and eng.id in r.engines for r in records)
 
     def _targets(self, req: SwapRequest) -> list[Engine]:
         if req.engines is not None:
@@ -310,11 +328,27 @@ class SwapOrchestrator:
             return
         assert isinstance(req.source, DiskSource)
         try:
-            await e.client.update_weights_from_disk(
+            load = await e.client.update_weights_from_disk(
                 req.source.path, req.version,
                 flush_cache=effective_mode(e, req.mode) is not SwapMode.IN_PLACE)
+            await self._flush_refused(e, req, r, load)
         except GatewayError as exc:
             r.error = f"load: {exc.message}"
+
+    async def _flush_refused(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome,
+                             load: WeightLoad) -> None:
+        """The weights were swapped but the flush refused: repair the label SGLang left at
+        the old version (its scheduler already labels tokens with the new one) and count
+        the old KV as kept. A label that cannot be repaired leaves the engine unconfirmed
+        (it must not be taken for one that kept its old weights)."""
+        if load.cache_flushed:
+            return
+        r.cache_kept = True
+        e.kv_kept.add(req.version)
+        log.warning("engine %s swapped to version %s but refused the cache flush (%s); "
+                    "repairing its label, old KV counts as kept", e.id, req.version,
+                    load.message)
+        await e.client.update_weight_version(req.version, abort_all_requests=False)
 
     async def _load_distributed(self, group: list[Engine], req: SwapRequest,
                                 res: dict[str, EngineSwapOutcome]) -> None:
@@ -335,10 +369,11 @@ class SwapOrchestrator:
                         master_address=src.master_address, master_port=src.master_port,
                         rank_offset=offsets[e.id], world_size=src.world_size,
                         group_name=src.group_name, backend=src.backend)
-                await e.client.update_weights_from_distributed(
+                load = await e.client.update_weights_from_distributed(
                     names=src.names, dtypes=src.dtypes, shapes=src.shapes,
                     group_name=src.group_name, version=req.version,
                     flush_cache=effective_mode(e, req.mode) is not SwapMode.IN_PLACE)
+                await self._flush_refused(e, req, r, load)
             except GatewayError as exc:
                 r.error = f"load: {exc.message}"
             finally:
@@ -364,6 +399,8 @@ class SwapOrchestrator:
 
     async def _check_kept(self, e: Engine, r: EngineSwapOutcome) -> None:
         """After a failed step: does the engine still run the weights it ran before?"""
+        if r.cache_kept:  # it swapped them (flush refused), then its label repair failed
+            return
         try:
             got = await e.client.weight_version()
         except GatewayError as exc:
@@ -373,6 +410,8 @@ class SwapOrchestrator:
         r.kept_version = got == r.version_before
 
     async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        if r.ok or r.kept_version:  # still fenced: the swap is no change behind our back
+            await self.pool.reread_identity(e)
         if r.ok:
             # requests sent from now on use the new version's prefix-cache namespace
             # (stamping.kv_namespace): no hit can serve KV the old weights left behind
@@ -383,6 +422,7 @@ class SwapOrchestrator:
             # it answered that it kept its weights: it goes on serving them; its paused
             # requests continue (resume below) and are stamped with the old version
             e.installed_by.pop(req.version, None)
+            e.kv_kept.discard(req.version)
             e.last_error = f"swap to version {req.version} failed, serving version " \
                            f"{r.version_after}: {r.error}"
             log.error("engine %s kept version %s: %s", e.id, r.version_after, r.error)
@@ -391,6 +431,7 @@ class SwapOrchestrator:
             e.state = EngineState.FAILED_LOAD
             e.last_error = r.error
             e.installed_by.pop(req.version, None)
+            e.kv_kept.discard(req.version)
             with contextlib.suppress(GatewayError):
                 await e.client.abort(abort_all=True)
             log.error("engine %s failed to take version %s: %s", e.id, req.version, r.error)

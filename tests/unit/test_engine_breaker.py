@@ -113,9 +113,15 @@ class StubClient:
         return 1
 
     async def detect(self):
-        class Info:
-            weight_version = 0
-        return Info()
+        from rollout_gateway.engines.client import EngineInfo
+        from rollout_gateway.engines.identity import EngineIdentity
+
+        return EngineInfo(weight_version=0, identity=EngineIdentity(weight_version=0))
+
+    async def identity(self, read=None):
+        from rollout_gateway.engines.identity import EngineIdentity
+
+        return EngineIdentity(weight_version=0)
 
 
 async def test_circuit_opens_after_failures_in_a_row_and_probes_do_not_close_it_early():
