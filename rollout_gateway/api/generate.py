@@ -111,7 +111,7 @@ class Item:
 
     req: RolloutRequest
     opts: GenerateOptions
-    passthrough: PassThrough | None
+    passthrough: PassThrough
 
 
 def _per(body: dict[str, Any], key: str, i: int, n_items: int, batched: bool,
@@ -203,12 +203,11 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
         if req.input_ids is not None and (start > len(req.input_ids) or rs > len(req.input_ids)):
             raise InvalidArgument(f"logprob_start_len / routed_experts_start_len must be at "
                                   f"most the prompt length {len(req.input_ids)}")
-        pt = None
+        pt = PassThrough()  # at least meta_info.cached_tokens comes from the engine
         if lp and (top > 0 or start >= 0 or text_in):
             pt = PassThrough(top_logprobs_num=top, logprob_start_len=start,
                              return_text_in_logprobs=text_in)
         if routed and rs == 0:  # the engine's routed_experts text is the answer's
-            pt = pt or PassThrough()
             pt.routed_experts = True
         opts = GenerateOptions(
             return_logprob=lp, top=top, routed=bool(routed), routed_start=rs,
@@ -249,7 +248,8 @@ def sglang_output(t: Trajectory, text: str, opts: GenerateOptions, index: int,
         "id": opts.rid if opts.rid is not None and opts.n == 1 else t.trajectory_id,
         "finish_reason": t.finish_reason.to_dict(),
         "prompt_tokens": int(t.prompt_token_ids.shape[0]), "completion_tokens": t.num_tokens,
-        "cached_tokens": 0,
+        # the engine's (summed over the sample's engine requests; 0 for a stored replay)
+        "cached_tokens": int((passed or {}).get("cached_tokens", 0)),
         "weight_version": str(int(c.policy_version[-1])) if t.num_tokens else None,
         "weight_versions": spans,
         "trajectory_id": t.trajectory_id, "policy_versions": c.policy_version,

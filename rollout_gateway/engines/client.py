@@ -19,7 +19,11 @@ from typing import Any
 
 import orjson
 
-from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config
+from rollout_gateway.engines.shape import (
+    read_hf_config,
+    shape_from_hf_config,
+    vocab_from_hf_config,
+)
 from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
 from rollout_gateway.errors import EngineError, GatewayError, InvalidArgument
@@ -80,6 +84,10 @@ class EngineInfo:
     #: /server_info's enable_return_routed_experts (None: the engine does not say)
     routing_enabled: bool | None = None
     model_path: str | None = None
+    #: the model's vocabulary (HF config ``vocab_size``, found as the shape is): SGLang
+    #: 0.5.23 crashes its scheduler on an input id at or above it, so the gateway refuses
+    #: such prompts first (None: unknown, nothing checked)
+    vocab_size: int | None = None
     #: where num_layers / top_k / num_experts came from, or why they could not be read
     shape_source: str | None = None
     exact_entropy: bool = False  # its last answer carried output_token_entropy
@@ -305,9 +313,11 @@ class EngineClient:
         cfg = model.get("model_config") or model.get("hf_config")
         if isinstance(cfg, dict):  # the engine reports its config (reference engine)
             found, info.shape_source = shape_from_hf_config(cfg), "/model_info model_config"
+            info.vocab_size = vocab_from_hf_config(cfg)
         elif info.model_path is not None:
             hf, where = await asyncio.to_thread(read_hf_config, info.model_path)
             found = shape_from_hf_config(hf) if hf is not None else (None, None, None)
+            info.vocab_size = vocab_from_hf_config(hf) if hf is not None else None
             info.shape_source = where
         else:
             found = (None, None, None)

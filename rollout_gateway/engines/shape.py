@@ -50,6 +50,15 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> tuple[int | None, int | None, i
     return _first_int(cfg, LAYER_KEYS), _first_int(cfg, TOP_K_KEYS), _first_int(cfg, EXPERT_KEYS)
 
 
+def vocab_from_hf_config(cfg: dict[str, Any]) -> int | None:
+    """The vocabulary size (``vocab_size``; multimodal configs nest it like the shape)."""
+    for sub in ("text_config", "language_config", "llm_config"):
+        inner = cfg.get(sub)
+        if isinstance(inner, dict) and _first_int(inner, ("vocab_size",)):
+            return _first_int(inner, ("vocab_size",))
+    return _first_int(cfg, ("vocab_size",))
+
+
 def read_hf_config(model_path: str) -> tuple[dict[str, Any] | None, str]:
     """(config dict, where/why) for ``<model_path>/config.json``; None when unreadable."""
     p = Path(model_path)

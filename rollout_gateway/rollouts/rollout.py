@@ -75,6 +75,8 @@ class RolloutService:
         if req.input_ids is not None and len(req.input_ids) > s.max_prompt_tokens:
             raise InvalidArgument(f"prompt has {len(req.input_ids)} tokens; the limit is "
                                   f"{s.max_prompt_tokens}")
+        if req.input_ids is not None:
+            self._check_vocab(req.input_ids)
         if req.prompt is not None and len(req.prompt) > s.max_prompt_chars:
             raise InvalidArgument(f"prompt has {len(req.prompt)} characters; the limit is "
                                   f"{s.max_prompt_chars}")
@@ -83,6 +85,21 @@ class RolloutService:
             if size > s.max_metadata_bytes:
                 raise InvalidArgument(f"metadata has {size} bytes; the limit is "
                                       f"{s.max_metadata_bytes}")
+
+    def _check_vocab(self, ids: list[int]) -> None:
+        """An id outside the engines' vocabulary is the caller's error (SGLang 0.5.23 would
+        crash its scheduler on it): 400 naming the id and the size. The smallest vocabulary
+        any engine reports (from its model's config); nothing is checked when none does."""
+        sizes = [e.client.info.vocab_size for e in self.pool.list()
+                 if e.client.info.vocab_size is not None]
+        if not sizes or not ids:
+            return
+        vocab = min(sizes)
+        if min(ids) < 0 or max(ids) >= vocab:  # builtins: a long prompt costs ~1 ms
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise InvalidArgument(f"input_ids holds token id {bad}, outside the model's "
+                                  f"vocabulary of {vocab} ids (valid: 0 .. {vocab - 1})",
+                                  details={"token_id": bad, "vocab_size": vocab})
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no sample is in flight (graceful shutdown)."""
