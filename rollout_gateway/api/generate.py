@@ -303,7 +303,7 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
     items = parse_generate(body)
     as_list = len(items) > 1 or items[0].req.n > 1
     if items[0].opts.stream:
-        return sse(_stream(rollouts, pool, items))
+        return await sse(_stream(rollouts, pool, items))
     results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough)
                                      for it in items))
     outs = []

@@ -169,7 +169,7 @@ def test_generate_passthrough_streams_cumulative_sglang_chunks(gateway):
     ({"input_ids": "abc"}, 422, "input_ids"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 422, "bogus"),
     ({"input_ids": [-5]}, 422, "input_ids.0: Input should be greater than or equal to 0"),
-    ({"input_ids": [99999]}, 400, "engine rejected"),  # outside the model's vocabulary
+    ({"input_ids": [99999]}, 400, "token id 99999, outside the model's vocabulary of 259"),
 ])
 def test_bad_rollout_requests_are_clear_4xx(gateway, body, status, needle):
     r = httpx.post(gateway.url + "/v1/rollouts", json=body, timeout=30)
