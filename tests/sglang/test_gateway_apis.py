@@ -62,7 +62,7 @@ def test_generate_temperature_rows_routing_offset_and_cached_tokens(sglang, sgla
                 temperature=0.6, label=f"T0.6-{'inc' if incremental else 'cum'}",
                 stream=incremental)
         for st in got:  # the answer's rows are positions start ..
-            st.routed_start = start
+            st.routed_start = st.routed_asked = start
         return run
 
     async def both():
