@@ -230,8 +230,9 @@ def test_chat_and_session_through_the_checkpoint_tokenizer(sglang, serve, truth,
     call's prompt ids equal SGLang's own tokenization of the rendered conversation; every
     model token of both is stamped exactly; the session's context tokens carry loss mask 0
     and logprob 0."""
+    import jinja2
+    from _sglang_support import CHAT_TEMPLATE
     from learner_client import TrajectoryClient
-    from transformers import AutoTokenizer
 
     ck = str(sglang_checkpoints.path(0))
     gw = serve(env={"ROLLOUT_GATEWAY_CHAT_TEMPLATE": ck}, e0=sglang)
@@ -263,9 +264,12 @@ def test_chat_and_session_through_the_checkpoint_tokenizer(sglang, serve, truth,
     single = next(r for r in got if r is not session)
     assert single.metadata.get("session_ended_by") == "single_call", single.metadata
 
-    # SGLang's own tokenization of the conversation the gateway rendered
-    text = AutoTokenizer.from_pretrained(ck).apply_chat_template(
-        user, tokenize=False, add_generation_prompt=True)
+    # SGLang's own tokenization of the conversation (the checkpoint's template, rendered as
+    # transformers renders it: trim_blocks, lstrip_blocks)
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(CHAT_TEMPLATE).render(messages=user, tools=None,
+                                                 add_generation_prompt=True)
+    assert text == "<|bos|><|user|>\nTell me about bytes.<|eos|>\n<|assistant|>\n", text
     r = httpx.post(sglang.url + "/generate", timeout=60, json={
         "text": text, "return_logprob": True, "logprob_start_len": 0,
         "sampling_params": {"max_new_tokens": 1}})
