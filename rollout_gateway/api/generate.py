@@ -115,7 +115,7 @@ class Item:
 
     req: RolloutRequest
     opts: GenerateOptions
-    passthrough: PassThrough | None
+    passthrough: PassThrough
 
 
 def _per(body: dict[str, Any], key: str, i: int, n_items: int, batched: bool,
@@ -220,12 +220,11 @@ def parse_generate(body: Any, max_top: int = 100) -> list[Item]:
         if req.input_ids is not None and (start > len(req.input_ids) or rs > len(req.input_ids)):
             raise InvalidArgument(f"logprob_start_len / routed_experts_start_len must be at "
                                   f"most the prompt length {len(req.input_ids)}")
-        pt = None
+        pt = PassThrough()  # at least meta_info.cached_tokens comes from the engine
         if lp and (top > 0 or start >= 0 or text_in):
             pt = PassThrough(top_logprobs_num=top, logprob_start_len=start,
                              return_text_in_logprobs=text_in)
         if routed and rs == 0:  # the engine's routed_experts text is the answer's
-            pt = pt or PassThrough()
             pt.routed_experts = True
         opts = GenerateOptions(
             return_logprob=lp, top=top, routed=routed, routed_start=rs,
@@ -265,7 +264,8 @@ def sglang_output(t: Trajectory, text: str, opts: GenerateOptions, index: int,
         "id": opts.rid if opts.rid is not None and opts.n == 1 else t.trajectory_id,
         "finish_reason": t.finish_reason.to_dict(),
         "prompt_tokens": int(t.prompt_token_ids.shape[0]), "completion_tokens": t.num_tokens,
-        "cached_tokens": 0,
+        # the engine's (summed over the sample's engine requests; 0 for a stored replay)
+        "cached_tokens": int((passed or {}).get("cached_tokens", 0)),
         "weight_version": str(int(c.policy_version[-1])) if t.num_tokens else None,
         "weight_versions": spans,
         "trajectory_id": t.trajectory_id, "policy_versions": c.policy_version,
@@ -323,7 +323,7 @@ async def generate(request: Request, rollouts: Rollouts, pool: Pool) -> Response
     as_list = len(items) > 1 or items[0].req.n > 1
     if items[0].opts.stream:
         await rollouts.check_policy()  # none qualifying: a 503 before the stream begins
-        return sse(_stream(rollouts, pool, items, await _open(rollouts, items, tenant,
+        return await sse(_stream(rollouts, pool, items, await _open(rollouts, items, tenant,
                                                               keep_pending(request))))
     results = await asyncio.gather(*(rollouts.run_with_text(it.req, it.passthrough,
                                                             tenant=tenant)

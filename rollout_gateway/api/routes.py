@@ -32,7 +32,7 @@ from rollout_gateway.api.security import (
 )
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
 from rollout_gateway.api.version_policy import apply_body_policy, versions_header
-from rollout_gateway.errors import EngineError, GatewayError
+from rollout_gateway.errors import HTTP_STATUS, EngineError, ErrorCode, GatewayError
 from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
 from rollout_gateway.registry.base import SwapStatus
@@ -44,13 +44,42 @@ from rollout_gateway.swap.models import SwapRequest
 log = logging.getLogger(__name__)
 
 
-def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def _client_status(err: Any) -> int | None:
+    """The HTTP status of an error event's client error (4xx), else None."""
+    try:
+        status = HTTP_STATUS[ErrorCode(err.get("code"))] if isinstance(err, dict) else None
+    except ValueError:
+        return None
+    return status if status is not None and 400 <= status < 500 else None
+
+
+async def sse(events: AsyncIterator[dict[str, Any]]) -> Response:
+    """An SSE answer of ``events`` then ``[DONE]``. The first event is awaited before the
+    response starts: when it is a client error (a 4xx: the request is bad, e.g. a prompt
+    the engine refuses, which SGLang reports inside its 200 stream) or the stream raises
+    before it, the answer is that error with its HTTP status, as for a request that does
+    not stream (nothing was sent yet). Errors after the first event are events."""
+    it = aiter(events)
+    try:
+        first: dict[str, Any] | None = await anext(it)
+    except StopAsyncIteration:
+        first = None
+    if first is not None and "error" in first:
+        status = _client_status(first["error"])
+        if status is not None:
+            close = getattr(it, "aclose", None)
+            if close is not None:
+                await close()  # the other samples of the request stop
+            return ORJSONResponse({"error": clean(first["error"])}, status_code=status)
+
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for ev in events:
+            ev = first
+            while ev is not None:
                 if "error" in ev:  # a failed sample: shown as a client may see it
                     ev = {**ev, "error": clean(ev["error"])}
                 yield b"data: " + dumps(ev) + b"\n\n"
+                ev = await anext(it, None)
         except GatewayError as exc:
             err = {"type": "error", "error": clean(exc.to_dict())}
             yield b"data: " + orjson.dumps(err) + b"\n\n"
@@ -89,7 +118,7 @@ async def create_rollout(req: RolloutRequest, request: Request, rollouts: Rollou
                     ev = {"type": "trajectory", "sample_index": ev["sample_index"],
                           "trajectory": trajectory_to_json(ev["trajectory"])}
                 yield ev
-        return sse(rendered())
+        return await sse(rendered())
     trajs = await rollouts.run(req, tenant)
     return ORJSONResponse({"trajectories": [trajectory_to_json(t) for t in trajs],
                            "learner_version": await registry.learner_version()},

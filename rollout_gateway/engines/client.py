@@ -20,7 +20,11 @@ from typing import Any
 import orjson
 
 from rollout_gateway.engines.identity import EngineIdentity, process_marker
-from rollout_gateway.engines.shape import read_hf_config, shape_from_hf_config, vocab_from_hf_config
+from rollout_gateway.engines.shape import (
+    read_hf_config,
+    shape_from_hf_config,
+    vocab_from_hf_config,
+)
 from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
 from rollout_gateway.errors import EngineError, GatewayError, InvalidArgument
@@ -81,7 +85,9 @@ class EngineInfo:
     #: /server_info's enable_return_routed_experts (None: the engine does not say)
     routing_enabled: bool | None = None
     model_path: str | None = None
-    #: the model's vocabulary size (from the same config as the shape; None: unknown)
+    #: the model's vocabulary (HF config ``vocab_size``, found as the shape is): SGLang
+    #: 0.5.23 crashes its scheduler on an input id at or above it, so the gateway refuses
+    #: such prompts first (None: unknown, nothing checked)
     vocab_size: int | None = None
     #: where num_layers / top_k / num_experts came from, or why they could not be read
     shape_source: str | None = None

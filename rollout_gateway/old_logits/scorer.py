@@ -20,42 +20,87 @@ from rollout_gateway.settings import OldLogitsSettings, Timeouts
 log = logging.getLogger(__name__)
 
 
+def _scale(temperature: float) -> float:
+    """The temperature the behavior logprobs were scaled by (greedy: 1, as SGLang stamps)."""
+    t = float(temperature)
+    return t if t > 0 else 1.0
+
+
 def score_payload(prompt_ids: np.ndarray, output_ids: np.ndarray, temperature: float,
-                  version: int | None = None) -> dict[str, Any]:
+                  vocab_size: int | None = None, version: int | None = None) -> dict[str, Any]:
     """/generate body that scores ``output_ids`` after ``prompt_ids`` without sampling:
     input logprobs from position P - 1 (its own value is None, as SGLang's), so the values
-    of positions P .. P+T-1 are log p(output_t | prompt, output_<t) at ``temperature``
-    (the behavior logprob's scaling, so pi_old and mu are comparable). With ``version``
-    (the weights loaded) the request carries that version's prefix-cache namespace
-    (``cache_salt``), so no prefix hit serves KV another version computed: a weight load
-    needs no cache flush (which SGLang refuses while a request is resident)."""
+    of positions P .. P+T-1 are log p(output_t | prompt, output_<t).
+
+    SGLang 0.5.23 computes input logprobs from the raw logits (temperature 1, whatever the
+    request's temperature; ``logprob_processor.py``) while its sampled-token logprobs are
+    ``log_softmax(logits / T)``. So the body always asks at temperature 1; at another
+    temperature it also asks for every position's whole distribution
+    (``top_logprobs_num = vocab_size``), which :func:`parse_scores` rescales by ``T``
+    (``log_softmax(l / T) = log_softmax(z / T)`` for ``l = log_softmax(z)``), so the old
+    logprobs are comparable with the behavior ones (the same definition, exactly).
+
+    With ``version`` (the weights loaded) the request carries that version's prefix-cache
+    namespace (``cache_salt``), so no prefix hit serves KV another version computed: a
+    weight load needs no cache flush (which SGLang refuses while a request is resident)."""
     p = int(prompt_ids.shape[0])
     if p < 1:
         raise FailedPrecondition("cannot score a trajectory with an empty prompt")
     ids = np.concatenate([prompt_ids, output_ids]).astype(np.int64).tolist()
-    t = float(temperature)
-    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": p - 1,
-            "sampling_params": {"max_new_tokens": 0, "temperature": t if t > 0 else 1.0}}
+    body: dict[str, Any] = {"input_ids": ids, "return_logprob": True, "logprob_start_len": p - 1,
+                            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+    if _scale(temperature) != 1.0:
+        if not vocab_size:
+            raise FailedPrecondition(
+                "old-logit scorer: scoring at temperature != 1 needs the model's vocabulary "
+                "size (the engine's input logprobs are at temperature 1): mount the model "
+                "directory at the model_path the scorer reports, so its config.json is "
+                "readable")
+        body["top_logprobs_num"] = int(vocab_size)
     if version is not None:
         body["cache_salt"] = kv_namespace(version)
     return body
 
 
-def parse_scores(body: bytes, n: int, engine_id: str) -> np.ndarray:
-    """float32 [n] log-probabilities of the scored tokens from a /generate response."""
+def parse_scores(body: bytes, n: int, engine_id: str, output_ids: np.ndarray | None = None,
+                 temperature: float = 1.0) -> np.ndarray:
+    """float32 [n] log-probabilities of the scored tokens from a /generate response (at
+    ``temperature``: rescaled from the whole distributions, see :func:`score_payload`)."""
     data = orjson.loads(body)
     if isinstance(data, list):
         data = data[0]
-    rows = (data.get("meta_info") or {}).get("input_token_logprobs")
+    meta = data.get("meta_info") or {}
+    t = _scale(temperature)
+    key = "input_token_logprobs" if t == 1.0 else "input_top_logprobs"
+    rows = meta.get(key)
     if not isinstance(rows, list) or len(rows) != n + 1:
         got = len(rows) if isinstance(rows, list) else None
-        raise EngineError(f"scorer {engine_id}: expected {n + 1} input_token_logprobs, got {got}",
+        raise EngineError(f"scorer {engine_id}: expected {n + 1} {key}, got {got}",
                           details={"engine_id": engine_id})
-    vals = [r[0] for r in rows[1:]]
-    if any(v is None for v in vals):
-        raise EngineError(f"scorer {engine_id}: a scored token has no logprob",
-                          details={"engine_id": engine_id})
-    return np.asarray(vals, dtype=np.float32)
+    if t == 1.0:
+        vals = [r[0] for r in rows[1:]]
+        if any(v is None for v in vals):
+            raise EngineError(f"scorer {engine_id}: a scored token has no logprob",
+                              details={"engine_id": engine_id})
+        return np.asarray(vals, dtype=np.float32)
+    if output_ids is None or int(output_ids.shape[0]) != n:
+        raise ValueError("parse_scores at temperature != 1 needs the n scored token ids")
+    out = np.empty(n, np.float64)
+    for i, (row, y) in enumerate(zip(rows[1:], output_ids.tolist())):
+        if not row:
+            raise EngineError(f"scorer {engine_id}: no distribution at scored token {i}",
+                              details={"engine_id": engine_id})
+        lp = np.array([e[0] for e in row], np.float64) / t
+        ids = [int(e[1]) for e in row]
+        try:
+            at = ids.index(int(y))
+        except ValueError:
+            raise EngineError(f"scorer {engine_id}: token {y} missing from the distribution "
+                              f"at scored token {i} ({len(row)} entries)",
+                              details={"engine_id": engine_id}) from None
+        m = lp.max()
+        out[i] = lp[at] - (m + np.log(np.exp(lp - m).sum()))
+    return out.astype(np.float32)
 
 
 class OldLogitScorer:
@@ -112,9 +157,9 @@ class OldLogitScorer:
         if n == 0:
             return np.zeros(0, np.float32)
         t0 = time.perf_counter()
-        body = await self.client.generate(score_payload(prompt_ids, output_ids, temperature,
-                                                        self.version))
-        out = parse_scores(body, n, self.client.engine_id)
+        body = await self.client.generate(score_payload(
+            prompt_ids, output_ids, temperature, self.client.info.vocab_size, self.version))
+        out = parse_scores(body, n, self.client.engine_id, output_ids, temperature)
         self.counters["score_calls"] += 1
         self.counters["scored_tokens"] += n
         self.counters["prefill_tokens"] += n + int(prompt_ids.shape[0])

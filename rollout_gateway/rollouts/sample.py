@@ -101,6 +101,8 @@ class PassThrough:
     #: forward the engine's own ``routed_experts`` text (base64 int32, from position 0)
     #: when the sample is one engine request's output (resumed samples are re-encoded)
     routed_experts: bool = False
+    #: ``out[i]["cached_tokens"]``: the engine's ``cached_tokens``, summed over the sample's
+    #: engine requests (the input tokens not prefilled again); always filled
     out: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def keys(self) -> frozenset[str]:
@@ -142,6 +144,7 @@ class Piece:
     text: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # PassThrough rows of this request
     input_start: int = -1  # logprob_start_len this request was sent with
+    cached_tokens: int = 0  # input tokens the engine served from its prefix cache
 
 
 #: the finish message of a sample cut short by shutdown (past ``drain_grace_s``)
@@ -552,8 +555,8 @@ class SampleRunner:
     def _passed(pt: PassThrough, state: SampleState, tid: str) -> dict[str, Any]:
         """The forwarded rows of a finished sample; anything asked for and missing is an
         engine error (never silently absent)."""
-        out: dict[str, Any] = {}
         pieces = state.pieces
+        out: dict[str, Any] = {"cached_tokens": sum(p.cached_tokens for p in pieces)}
         if pt.routed_experts and len(pieces) == 1 and pieces[0].routing_b64 is not None:
             out["routed_experts"] = pieces[0].routing_b64
         if pt.return_text_in_logprobs:
@@ -643,7 +646,8 @@ class SampleRunner:
                      routing=dec.routed.data if dec.routed is not None else None,
                      routing_b64=dec.routed_b64 if dec.routed is not None else None,
                      num_experts=dec.routed.num_experts if dec.routed is not None else 0,
-                     text=dec.text or "", extra=dec.extra)
+                     text=dec.text or "", extra=dec.extra,
+                     cached_tokens=dec.cached_tokens or 0)
 
     def _assemble(self, req: RolloutRequest, state: SampleState, group_id: str, index: int,
                   finish: dict[str, Any], created: float) -> Trajectory:

@@ -234,6 +234,8 @@ class Stamped:
     entropy_bound: float | None = None
     rows: np.ndarray | None = None  # [R, L, K] for positions routed_start ..
     routed_start: int = 0
+    #: ``routed_experts_start_len`` the caller asked for: rows before it are not owed
+    routed_asked: int = 0
     top: list | None = None  # output_top_logprobs: per token [[lp, id, text], ...]
     input_lp: list | None = None  # input_token_logprobs from input_start
     input_top: list | None = None
@@ -538,15 +540,15 @@ class GroundTruth:
                 want_rows[p - 1 + i] = chosen[i].topk[p - 1 + i]
             got = st.rows
             lo = st.routed_start
-            rep.checked["routed_rows"] += want_rows.shape[0]
-            if got.shape[0] + lo != want_rows.shape[0]:
+            rep.checked["routed_rows"] += want_rows.shape[0] - st.routed_asked
+            if got.shape[0] + lo != want_rows.shape[0] or lo != st.routed_asked:
                 rep.miss("routed_rows", want_rows.shape[0], f"{tag}: routed_experts rows "
                          f"{lo}..{lo + got.shape[0]} for {want_rows.shape[0]} positions")
             else:
                 rowbad = np.flatnonzero((got != want_rows[lo:]).any(axis=(1, 2))) + lo
                 whose = [c.name for c in chains if rowbad.size and np.array_equal(
                     got[rowbad - lo], c.topk[rowbad])]
-                rep.miss("routed_rows", rowbad.size + lo,
+                rep.miss("routed_rows", rowbad.size,
                          f"{tag}: routed rows differ from the sampling forward's at positions "
                          f"{rowbad.tolist()} (prompt {p}, output {n}); they are the rows of "
                          f"{whose or 'no chain'}" if rowbad.size else None)

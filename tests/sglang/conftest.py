@@ -27,6 +27,14 @@ Stable names:
 ``make_sglang`` (function)
     ``make_sglang(**options)`` -> a dedicated started server, stopped at the end of the test
     (for tests that restart, kill or otherwise spoil a server).
+``sglang_inc`` (function)
+    A pooled server with ``--incremental-streaming-output`` (overlap scheduler), put back to
+    v0 with an empty cache before and after the test (``restore``).
+``serve`` (function)
+    ``serve(e0=server, ..., env={...})`` -> a started ``rollout-gateway serve`` in front of
+    those servers (:class:`_stamp_truth.GatewayServe`), stopped after the test.
+``truth`` (session)
+    :class:`_stamp_truth.GroundTruth` over ``sglang_reference``.
 ``sglang_reference`` (session)
     ``sglang_reference(version)`` -> the reference engine's model (``Qwen3MoeLM``, float32)
     with that version's checkpoint weights: the ground truth to score what SGLang returned
@@ -42,6 +50,7 @@ from pathlib import Path
 import httpx
 import pytest
 from _sglang_support import LIVE, Checkpoints, SGLangServer, sglang_python
+from _stamp_truth import GatewayServe, GroundTruth
 
 SEEDS = {"0": 100, "1": 101, "2": 102}
 MAX_LIVE = int(os.environ.get("SGLANG_TEST_MAX_LIVE", "2"))
@@ -199,3 +208,32 @@ def sglang_reference(sglang_checkpoints):
         return cache[v]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def truth(sglang_reference) -> GroundTruth:
+    return GroundTruth(sglang_reference)
+
+
+@pytest.fixture
+def sglang_inc(sglang_pool, sglang_checkpoints):
+    """A shared server with ``--incremental-streaming-output`` (overlap scheduler), put back
+    to v0 with an empty cache after the test."""
+    srv = sglang_pool.get(incremental_streaming_output=True)
+    restore(srv, sglang_checkpoints)
+    yield srv
+    restore(srv, sglang_checkpoints)
+
+
+@pytest.fixture
+def serve(sglang_logs):
+    started: list[GatewayServe] = []
+
+    def factory(env: dict[str, str] | None = None, **engines) -> GatewayServe:
+        gw = GatewayServe({k: v.url for k, v in engines.items()}, env=env, log_dir=sglang_logs)
+        started.append(gw)
+        return gw.start()
+
+    yield factory
+    for gw in started:
+        gw.stop()

@@ -21,15 +21,34 @@ from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapReque
 
 
 def test_score_payload_scores_exactly_the_output_tokens():
-    p = score_payload(np.array([3, 4, 5], np.int32), np.array([7, 8], np.int32), 0.7)
+    p = score_payload(np.array([3, 4, 5], np.int32), np.array([7, 8], np.int32), 1.0)
     assert p["input_ids"] == [3, 4, 5, 7, 8]
     assert p["logprob_start_len"] == 2  # the last prompt token: its own value is None
-    assert p["sampling_params"] == {"max_new_tokens": 0, "temperature": 0.7}
-    assert p["return_logprob"] is True
-    assert score_payload(np.array([1]), np.array([2]), 0.0)["sampling_params"][
-        "temperature"] == 1.0  # greedy: logprobs at temperature 1 (as the engine stamps)
+    assert p["sampling_params"] == {"max_new_tokens": 0, "temperature": 1.0}
+    assert p["return_logprob"] is True and "top_logprobs_num" not in p
+    # SGLang's input logprobs are at temperature 1 whatever the request says: at another
+    # temperature the whole distribution is asked for (rescaled by parse_scores)
+    p = score_payload(np.array([3, 4, 5], np.int32), np.array([7, 8], np.int32), 0.7, 259)
+    assert p["sampling_params"] == {"max_new_tokens": 0, "temperature": 1.0}
+    assert p["top_logprobs_num"] == 259
+    assert "top_logprobs_num" not in score_payload(np.array([1]), np.array([2]), 0.0)  # greedy
+    with pytest.raises(FailedPrecondition, match="vocabulary"):
+        score_payload(np.array([1]), np.array([2]), 0.7)
     with pytest.raises(FailedPrecondition):
         score_payload(np.zeros(0, np.int32), np.array([2]), 1.0)
+
+
+def test_parse_scores_rescales_the_whole_distribution_by_the_temperature():
+    logits = np.array([[0.3, -1.0, 2.0, 0.5], [1.5, 0.0, -0.5, 0.25]])
+    raw = logits - np.log(np.exp(logits).sum(1, keepdims=True))  # what the engine returns
+    rows = [None] + [[[float(v), j, None] for j, v in sorted(enumerate(r), key=lambda e: -e[1])]
+                     for r in raw]
+    body = orjson.dumps({"meta_info": {"input_top_logprobs": rows}})
+    t, ys = 0.6, np.array([2, 3])
+    want = logits / t - np.log(np.exp(logits / t).sum(1, keepdims=True))
+    got = parse_scores(body, 2, "s", ys, t)
+    assert np.allclose(got, want[[0, 1], ys], atol=1e-6)
+    assert not np.allclose(got, raw[[0, 1], ys], atol=1e-3)  # not the T = 1 values
 
 
 def test_parse_scores_checks_the_count_and_missing_values():

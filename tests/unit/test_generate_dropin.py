@@ -55,7 +55,7 @@ def test_batch_lists_and_n():
     assert [it.req.n for it in items] == [2, 1] and [it.opts.rid for it in items] == ["a", "b"]
     assert items[0].passthrough.top_logprobs_num == 3
     assert items[0].passthrough.logprob_start_len == 0
-    assert items[1].passthrough is None  # no return_logprob: SGLang returns no logprobs
+    assert items[1].passthrough.keys() == frozenset()  # no return_logprob: no rows forwarded
     items = parse_generate({"text": ["x", "y"], "rid": "p"})
     assert [it.opts.rid for it in items] == ["p_0", "p_1"]
     for bad, needle in [({"text": ["x", "y"], "rid": ["a"]}, "rid"),
