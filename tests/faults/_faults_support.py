@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 
+from _gateway_support import wait_for  # noqa: E402,F401 - the suite's tests import it here
+
 from rollout_gateway.commands.engine_process import free_port  # noqa: E402
 
 
@@ -218,16 +220,6 @@ def create_group(target: str, group: str) -> None:
 
     with TrajectoryClient(target, group, "setup") as client:
         client.create_group(from_latest=True)
-
-
-def wait_for(pred, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 #: engines of the suite run seed FAULT_SEED + weight version
