@@ -110,6 +110,7 @@ class Streams:
         self._ex = ThreadPoolExecutor(workers)
         self._cond = threading.Condition()
         self.tokens: Counter = Counter()  # (stream, sample_index) -> tokens streamed
+        self.engine: dict[tuple[int, int], str] = {}  # (stream, sample_index) -> last engine
         self._samples: set[tuple[int, int]] = set()
         self._ended: set[int] = set()
         self._n = 0
@@ -141,6 +142,7 @@ class Streams:
                     if ev.get("type") == "chunk":
                         with self._cond:
                             self.tokens[(k, ev["sample_index"])] += len(ev["token_ids"])
+                            self.engine[(k, ev["sample_index"])] = ev["engine_id"]
                             self._cond.notify_all()
         finally:
             with self._cond:
