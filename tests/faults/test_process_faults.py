@@ -146,6 +146,23 @@ def test_redis_killed_and_restarted_loses_nothing_acknowledged(engine, redis_ser
         gw.stop()
 
 
+def renewed_past_lease(redis_server, consumer: str, n: int, since: float, lease: float) -> bool:
+    """True once ``n`` entries are pending to ``consumer`` more than a lease after ``since``
+    (when they were known delivered), each idle for less than the time since: renewed."""
+    import redis
+
+    r = redis.Redis(port=redis_server.port)
+    try:
+        (stream,) = r.keys("*:stream")
+        pending = r.xpending_range(stream, "learner", min="-", max="+", count=100)
+    finally:
+        r.close()
+    elapsed_ms = (time.monotonic() - since) * 1000
+    assert len(pending) == n and {p["consumer"] for p in pending} == {consumer.encode()}, pending
+    return elapsed_ms > lease * 1200 and all(p["time_since_delivered"] < elapsed_ms - 300
+                                             for p in pending)
+
+
 def test_learner_killed_before_ack_gets_its_batch_redelivered(engine, redis_server):
     url = urls(redis_server, lease_seconds=3)
     gw = GatewayProcess({"e0": engine.url}, store_url=url, registry_url=url).start()
@@ -164,7 +181,12 @@ def test_learner_killed_before_ack_gets_its_batch_redelivered(engine, redis_serv
                                   env=env, text=True)
         try:
             assert doomed.stdout.readline().strip() == "4"
-            time.sleep(4.5)  # it holds them past the lease, renewing in the background
+            held = time.monotonic()
+            # it holds them past the lease, renewing in the background: wait until the
+            # store shows every entry still pending to it, a lease after delivery, with an
+            # idle time that proves a renewal (the event, read from Redis's XPENDING)
+            wait_for(lambda: renewed_past_lease(redis_server, "doomed", 4, held, 3.0), 30,
+                     "the held entries renewed past their first lease")
             from learner_client import TrajectoryClient
 
             with TrajectoryClient(target(gw), "learner", "peek") as peek:
