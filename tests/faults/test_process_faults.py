@@ -1,12 +1,13 @@
 """Process faults around the store: the gateway, Redis and a learner killed with SIGKILL,
 against ``rollout-gateway serve``, a real reference engine and our own ``redis-server``
-(append-only, fsync always), counted end to end through a real learner over gRPC.
+(append-only, fsync every second as deploy/k8s/redis.yaml ships it), counted end to end through a real learner over gRPC.
 Also: 200 concurrent rollouts from cold through a small Redis pool, without a 503."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _faults_support import FAULT_SEED, create_group, drain, wait_for
+from _faults_support import APPENDFSYNC, FAULT_SEED, create_group, drain, wait_for
 from _gateway_support import GatewayProcess, check_against_ground_truth
 
 import rollout_gateway
@@ -96,6 +97,21 @@ def test_gateway_killed_mid_rollouts_restarts_and_retries_are_idempotent(
             assert r.token_ids.tolist() == submitted[r.trajectory_id]["token_ids"]
     finally:
         gw2.stop()
+
+
+def test_the_suite_runs_redis_with_the_shipped_fsync_policy(redis_server):
+    import redis
+
+    manifest = Path(rollout_gateway.__file__).resolve().parent.parent / "deploy/k8s/redis.yaml"
+    args = re.search(r'args: \[(.*?)\]', manifest.read_text(), re.S).group(1)
+    shipped = re.findall(r'"([^"]*)"', args)
+    assert shipped[shipped.index("--appendfsync") + 1] == APPENDFSYNC
+    r = redis.Redis(port=redis_server.port)
+    try:
+        assert r.config_get("appendfsync") == {"appendfsync": APPENDFSYNC}
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+    finally:
+        r.close()
 
 
 def test_redis_killed_and_restarted_loses_nothing_acknowledged(engine, redis_server):
