@@ -61,7 +61,8 @@ def test_the_only_engine_restarting_mid_rollout_resumes_on_it(make_engine, refer
 
     a = make_engine(seed=SEED, step_delay_ms=30)
     models = {0: reference_model((ModelConfig(), SEED))}
-    env = {"ROLLOUT_GATEWAY_TIMEOUTS__NO_ENGINE_S": "30"}
+    # the sample waits for the restart (torch import, load): minutes under heavy CPU load
+    env = {"ROLLOUT_GATEWAY_TIMEOUTS__NO_ENGINE_S": "180"}
     with GatewayProcess({"a": a.url}, env=env) as gw:
         with Streams(gw.url) as st:
             fut = st.start([5, 5, 5], max_new_tokens=16)
