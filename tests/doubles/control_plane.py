@@ -27,6 +27,11 @@ class InProcessControlPlane:
         self.engines = {e: version for e in (engine_ids or ["engine-0"])}
         self._subscribers: set[asyncio.Queue[VersionEvent]] = set()
 
+    @property
+    def watchers(self) -> int:
+        """Open ``watch`` streams (a test waits for its watcher before announcing)."""
+        return len(self._subscribers)
+
     async def status(self) -> ControlStatus:
         return ControlStatus(self.learner_version,
                              [EngineVersion(e, v) for e, v in self.engines.items()])

@@ -1,9 +1,10 @@
 """The fault suite's parts: real processes on loopback, and injectors in front of them
 (imported by its tests; the fixtures are in conftest.py).
 
-* :class:`RedisServer` - our own ``redis-server`` on a free port, append-only file with
-  ``appendfsync always``, in a temp dir: killed with SIGKILL and restarted on the same
-  port and dir (the shared Redis on :6379 is never touched).
+* :class:`RedisServer` - our own ``redis-server`` on a free port, append-only file with the
+  fsync policy ``deploy/k8s/redis.yaml`` ships (:data:`APPENDFSYNC`), in a temp dir: killed
+  with SIGKILL and restarted on the same port and dir (the shared Redis on :6379 is never
+  touched).
 * :class:`FaultProxy` - a loopback HTTP proxy in front of a real engine that can, on
   demand, answer ``/update_weights_from_disk`` with a failure (the engine keeps its
   weights, as SGLang does) or cut a streamed ``/generate`` after a few chunks with a
@@ -25,11 +26,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 
+from _gateway_support import wait_for  # noqa: E402,F401 - the suite's tests import it here
+
 from rollout_gateway.commands.engine_process import free_port  # noqa: E402
 
 
+#: the append-only fsync policy of deploy/k8s/redis.yaml (a test checks they agree)
+APPENDFSYNC = "everysec"
+
+
 class RedisServer:
-    """``redis-server`` with AOF (fsync on every write) in ``workdir``, on a free port."""
+    """``redis-server`` with AOF (fsync policy :data:`APPENDFSYNC`) in ``workdir``, on a
+    free port."""
 
     def __init__(self, workdir: Path) -> None:
         self.dir = Path(workdir)
@@ -46,7 +54,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (the fault suite starts its own)")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             "--appendonly", "yes", "--appendfsync", APPENDFSYNC, "--save", "",
              "--logfile", str(self.dir / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         import redis
@@ -218,16 +226,6 @@ def create_group(target: str, group: str) -> None:
 
     with TrajectoryClient(target, group, "setup") as client:
         client.create_group(from_latest=True)
-
-
-def wait_for(pred, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 #: engines of the suite run seed FAULT_SEED + weight version

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """Our own redis-server (AOF, fsync always) on a free port, in a temp dir."""
+    """Our own redis-server (AOF, fsync as shipped) on a free port, in a temp dir."""
     srv = RedisServer(tmp_path).start()
     yield srv
     srv.stop()

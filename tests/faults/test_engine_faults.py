@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
+from _gateway_support import GatewayProcess, Streams, check_against_ground_truth
 from _faults_support import FAULT_SEED, FaultProxy, create_group, drain, wait_for
 
 from rollout_gateway.commands.engine_process import EngineProcess
@@ -66,14 +66,16 @@ def all_healthy(gw) -> None:
                          if e["state"] != "failed_load"), 60, "engines back in rotation")
 
 
-def run_batch(gw, fault, *, after: float = 0.4, prompts: int = SAMPLES):
-    """Submit ``prompts`` rollouts (one sample each, request ids), call ``fault()`` after
-    ``after`` s; return (trajectories, submitted ids, seconds from the fault to the end)."""
+def run_batch(gw, fault, *, under_way: int = 2, prompts: int = SAMPLES):
+    """Stream ``prompts`` rollouts (one sample each, request ids); call ``fault()`` once every
+    sample has streamed ``under_way`` tokens (0: at once); return (trajectories, submitted
+    ids, seconds from the fault to the end, what ``fault`` returned)."""
     rid = uuid.uuid4().hex[:8]
-    with ThreadPoolExecutor(prompts + 1) as ex:
-        futs = [ex.submit(rollout, gw.url, [3 + i, 9, 4 + i], max_new_tokens=NEW,
-                          request_id=f"{rid}-{i}") for i in range(prompts)]
-        time.sleep(after)
+    with Streams(gw.url) as st:
+        futs = [st.start([3 + i, 9, 4 + i], max_new_tokens=NEW, request_id=f"{rid}-{i}")
+                for i in range(prompts)]
+        if under_way:
+            st.wait_tokens(under_way)
         t_fault = time.monotonic()
         fault_result = fault()
         trajs = [t for f in futs for t in f.result()["trajectories"]]
@@ -97,7 +99,7 @@ def test_hung_engine_requests_move_elsewhere_within_seconds(cluster, fault_model
     create_group(target(gw), "hang")
     try:
         trajs, submitted, after_fault, _ = run_batch(
-            gw, lambda: os.kill(e0.pid, signal.SIGSTOP), after=0.8)
+            gw, lambda: os.kill(e0.pid, signal.SIGSTOP))
         # health probes fail after ~2 x (0.5 s interval + 1 s probe deadline); the
         # requests it held are broken off then and resume on e1 (not after 600 s)
         assert after_fault < 30, f"rollouts took {after_fault:.1f}s after the hang"
@@ -125,7 +127,7 @@ def test_garbage_answers_fail_over_keeping_the_output_before_them(cluster, fault
     create_group(target(gw), "garbage")
     proxy.garbage_after, proxy.cut = 3, []
     proxy.garbage = 2  # the next two streamed answers of e1 turn to garbage
-    trajs, submitted, _, _ = run_batch(gw, lambda: None, after=0.0)
+    trajs, submitted, _, _ = run_batch(gw, lambda: None, under_way=0)
     assert proxy.cut, "no request reached the garbage engine"
     bad = moved(trajs)
     assert bad and all(t["engine_ids"][-1] == "e0" for t in bad)
@@ -195,7 +197,7 @@ def test_killed_engine_requests_fail_over_with_true_stamps(cluster, fault_models
     gw, e0, _, _ = cluster
     all_healthy(gw)
     create_group(target(gw), "kill")
-    trajs, submitted, after_fault, _ = run_batch(gw, e0.kill, after=0.8)
+    trajs, submitted, after_fault, _ = run_batch(gw, e0.kill)
     assert after_fault < 30
     dead = moved(trajs)
     assert dead and all(t["engine_ids"][-1] == "e1" for t in dead)

@@ -1,12 +1,13 @@
 """Process faults around the store: the gateway, Redis and a learner killed with SIGKILL,
 against ``rollout-gateway serve``, a real reference engine and our own ``redis-server``
-(append-only, fsync always), counted end to end through a real learner over gRPC.
+(append-only, fsync every second as deploy/k8s/redis.yaml ships it), counted end to end through a real learner over gRPC.
 Also: 200 concurrent rollouts from cold through a small Redis pool, without a 503."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _faults_support import FAULT_SEED, create_group, drain, wait_for
+from _faults_support import APPENDFSYNC, FAULT_SEED, create_group, drain, wait_for
 from _gateway_support import GatewayProcess, check_against_ground_truth
 
 import rollout_gateway
@@ -98,6 +99,21 @@ def test_gateway_killed_mid_rollouts_restarts_and_retries_are_idempotent(
         gw2.stop()
 
 
+def test_the_suite_runs_redis_with_the_shipped_fsync_policy(redis_server):
+    import redis
+
+    manifest = Path(rollout_gateway.__file__).resolve().parent.parent / "deploy/k8s/redis.yaml"
+    args = re.search(r'args: \[(.*?)\]', manifest.read_text(), re.S).group(1)
+    shipped = re.findall(r'"([^"]*)"', args)
+    assert shipped[shipped.index("--appendfsync") + 1] == APPENDFSYNC
+    r = redis.Redis(port=redis_server.port)
+    try:
+        assert r.config_get("appendfsync") == {"appendfsync": APPENDFSYNC}
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+    finally:
+        r.close()
+
+
 def test_redis_killed_and_restarted_loses_nothing_acknowledged(engine, redis_server):
     url = urls(redis_server)
     gw = GatewayProcess({"e0": engine.url}, store_url=url, registry_url=url).start()
@@ -146,6 +162,23 @@ def test_redis_killed_and_restarted_loses_nothing_acknowledged(engine, redis_ser
         gw.stop()
 
 
+def renewed_past_lease(redis_server, consumer: str, n: int, since: float, lease: float) -> bool:
+    """True once ``n`` entries are pending to ``consumer`` more than a lease after ``since``
+    (when they were known delivered), each idle for less than the time since: renewed."""
+    import redis
+
+    r = redis.Redis(port=redis_server.port)
+    try:
+        (stream,) = r.keys("*:stream")
+        pending = r.xpending_range(stream, "learner", min="-", max="+", count=100)
+    finally:
+        r.close()
+    elapsed_ms = (time.monotonic() - since) * 1000
+    assert len(pending) == n and {p["consumer"] for p in pending} == {consumer.encode()}, pending
+    return elapsed_ms > lease * 1200 and all(p["time_since_delivered"] < elapsed_ms - 300
+                                             for p in pending)
+
+
 def test_learner_killed_before_ack_gets_its_batch_redelivered(engine, redis_server):
     url = urls(redis_server, lease_seconds=3)
     gw = GatewayProcess({"e0": engine.url}, store_url=url, registry_url=url).start()
@@ -164,7 +197,12 @@ def test_learner_killed_before_ack_gets_its_batch_redelivered(engine, redis_serv
                                   env=env, text=True)
         try:
             assert doomed.stdout.readline().strip() == "4"
-            time.sleep(4.5)  # it holds them past the lease, renewing in the background
+            held = time.monotonic()
+            # it holds them past the lease, renewing in the background: wait until the
+            # store shows every entry still pending to it, a lease after delivery, with an
+            # idle time that proves a renewal (the event, read from Redis's XPENDING)
+            wait_for(lambda: renewed_past_lease(redis_server, "doomed", 4, held, 3.0), 30,
+                     "the held entries renewed past their first lease")
             from learner_client import TrajectoryClient
 
             with TrajectoryClient(target(gw), "learner", "peek") as peek:

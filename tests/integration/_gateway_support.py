@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -122,6 +127,100 @@ def rollout(url: str, prompt_ids: list[int], *, n: int = 1, max_new_tokens: int 
     r = httpx.post(url + "/v1/rollouts", json=body, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+class Streams:
+    """Streamed ``/v1/rollouts`` (``"stream": true``) read on threads, the tokens of their
+    chunks counted per sample, so a test acts (swaps, kills an engine) once every sample is
+    under way: it waits on that event, never on a sleep. ``start`` returns a future of the
+    rollout's answer (``{"trajectories": [...]}``, as :func:`rollout`)."""
+
+    def __init__(self, url: str, workers: int = 16) -> None:
+        self.url = url
+        self._ex = ThreadPoolExecutor(workers)
+        self._cond = threading.Condition()
+        self.tokens: Counter = Counter()  # (stream, sample_index) -> tokens streamed
+        self.engine: dict[tuple[int, int], str] = {}  # (stream, sample_index) -> last engine
+        self._samples: set[tuple[int, int]] = set()
+        self._ended: set[int] = set()
+        self._n = 0
+
+    def start(self, prompt_ids: list[int], *, n: int = 1, max_new_tokens: int = 12,
+              timeout: float = 120.0, **extra) -> Future:
+        body = {"input_ids": prompt_ids, "n": n, "stream": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0,
+                                    "ignore_eos": True}, **extra}
+        with self._cond:
+            k, self._n = self._n, self._n + 1
+            self._samples |= {(k, i) for i in range(n)}
+        return self._ex.submit(self._read, k, body, timeout)
+
+    def _read(self, k: int, body: dict, timeout: float) -> dict:
+        events = []
+        try:
+            with httpx.stream("POST", self.url + "/v1/rollouts", json=body,
+                              timeout=timeout) as r:
+                if r.status_code != 200:
+                    raise AssertionError(f"HTTP {r.status_code}: {r.read()[:2000]!r}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        break
+                    ev = json.loads(line[6:])
+                    events.append(ev)
+                    if ev.get("type") == "chunk":
+                        with self._cond:
+                            self.tokens[(k, ev["sample_index"])] += len(ev["token_ids"])
+                            self.engine[(k, ev["sample_index"])] = ev["engine_id"]
+                            self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._ended.add(k)
+                self._cond.notify_all()
+        errors = [e for e in events if e.get("type") == "error"]
+        assert not errors, errors
+        trajs = {e["sample_index"]: e["trajectory"] for e in events
+                 if e.get("type") == "trajectory"}
+        assert sorted(trajs) == list(range(body["n"])), events[-3:]
+        return {"trajectories": [trajs[i] for i in range(body["n"])]}
+
+    def wait_tokens(self, k: int, timeout: float = 60.0) -> None:
+        """Block until every sample started has streamed at least ``k`` tokens; fail if
+        a stream ended first (the test would no longer act mid-generation)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not all(self.tokens[s] >= k for s in self._samples):
+                short = {s for s in self._samples if self.tokens[s] < k}
+                if any(s[0] in self._ended for s in short):
+                    raise AssertionError(f"a stream ended with under {k} tokens streamed: "
+                                         f"{dict(self.tokens)}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out after {timeout}s waiting for {k} tokens "
+                                         f"of every sample: {dict(self.tokens)}")
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.01):
+    """Poll ``pred`` until it returns something true (returned); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
 
 
 def check_against_ground_truth(traj: dict, models: dict[int, object], *, atol: float = 2e-3) -> None:

@@ -90,7 +90,7 @@ def test_flush_rules_as_sglang(make_engine, checkpoint_v2):
     with httpx.Client(timeout=60) as c:
         t = threading.Thread(target=c.post, args=(eng.url + "/generate",), kwargs={"json": long})
         t.start()
-        time.sleep(0.5)
+        running(c, eng)  # the request holds KV now
         r = c.post(eng.url + "/flush_cache")
         assert (r.status_code, r.text) == (400, "Flush cache failed.\n")
         assert c.post(eng.url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
@@ -98,10 +98,12 @@ def test_flush_rules_as_sglang(make_engine, checkpoint_v2):
         assert c.post(eng.url + "/pause_generation", json={"mode": "retract"}).status_code == 200
         assert c.post(eng.url + "/flush_cache").status_code == 200  # retracted: no KV held
         c.post(eng.url + "/continue_generation", json={})
-        time.sleep(0.3)
-        t0 = time.monotonic()
+        running(c, eng)  # resumed (re-prefilled): it holds KV again
         r = c.post(eng.url + "/flush_cache", params={"timeout": 60})  # waits for the request
-        assert r.status_code == 200 and time.monotonic() - t0 > 0.2
+        assert r.status_code == 200
+        info = c.get(eng.url + "/server_info").json()  # flushed once it had finished
+        assert info["num_running_reqs"] + info["num_waiting_reqs"] == 0
+        assert info["radix_cache_tokens"] == 0
         t.join(60)
     gen(eng, P, n=2)
     assert gen(eng, P, n=2)["meta_info"]["cached_tokens"] == len(P) - 1
@@ -121,6 +123,17 @@ def test_strict_mode_defaults_are_sglang_defaults(make_engine, flags, on):
     assert info["disable_radix_cache"] is (not on) and info["disable_overlap_schedule"] is (not on)
     gen(eng, P, n=3)
     assert gen(eng, P, n=3)["meta_info"]["cached_tokens"] == (len(P) - 1 if on else 0)
+
+
+def running(c: httpx.Client, eng, timeout: float = 30.0) -> None:
+    """Wait until the engine runs a request, unpaused (an event read from /server_info)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = c.get(eng.url + "/server_info").json()
+        if info["num_running_reqs"] == 1 and not info["paused"]:
+            return
+        assert time.monotonic() < deadline, f"no request running: {info}"
+        time.sleep(0.01)
 
 
 def _idle_close_after(eng, wait: float) -> bool:

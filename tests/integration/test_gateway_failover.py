@@ -3,12 +3,10 @@ tokens already generated, with segments that say so, and no token lost or duplic
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import pytest
-from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
+from _gateway_support import (GatewayProcess, Streams, check_against_ground_truth, redis_urls,
+                              rollout)
 
 from reference_engine.config import ModelConfig
 
@@ -27,20 +25,13 @@ def test_sigkill_mid_rollout_fails_over_with_partial_output(make_engine, referen
     models = {0: reference_model((ModelConfig(), SEED))}
     store, registry = redis_urls()
     with GatewayProcess({"a": a.url, "b": b.url}, store_url=store, registry_url=registry) as gw:
-        with ThreadPoolExecutor(4) as ex:
+        with Streams(gw.url) as st:
             # one group -> sticky to one engine; that is the one we kill
-            futs = [ex.submit(rollout, gw.url, [9, 8, 7], n=3, max_new_tokens=20, group_id="grp")]
-            victim = None
-            deadline = time.monotonic() + 10
-            while victim is None and time.monotonic() < deadline:
-                for e in httpx.get(gw.url + "/v1/engines").json()["engines"]:
-                    if e["outstanding_requests"] == 3:
-                        victim = e["id"]
-                time.sleep(0.02)
-            assert victim, "the rollout never started"
-            time.sleep(0.25)  # some tokens are out
+            fut = st.start([9, 8, 7], n=3, max_new_tokens=20, group_id="grp")
+            st.wait_tokens(3)  # every sample has tokens out
+            (victim,) = set(st.engine.values())
             (a if victim == "a" else b).kill()
-            trajs = futs[0].result()["trajectories"]
+            trajs = fut.result()["trajectories"]
         survivor = "b" if victim == "a" else "a"
         assert len(trajs) == 3
         for t in trajs:
@@ -70,11 +61,12 @@ def test_the_only_engine_restarting_mid_rollout_resumes_on_it(make_engine, refer
 
     a = make_engine(seed=SEED, step_delay_ms=30)
     models = {0: reference_model((ModelConfig(), SEED))}
-    env = {"ROLLOUT_GATEWAY_TIMEOUTS__NO_ENGINE_S": "30"}
+    # the sample waits for the restart (torch import, load): minutes under heavy CPU load
+    env = {"ROLLOUT_GATEWAY_TIMEOUTS__NO_ENGINE_S": "180"}
     with GatewayProcess({"a": a.url}, env=env) as gw:
-        with ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(rollout, gw.url, [5, 5, 5], max_new_tokens=16)
-            time.sleep(0.3)
+        with Streams(gw.url) as st:
+            fut = st.start([5, 5, 5], max_new_tokens=16)
+            st.wait_tokens(2)
             a.kill()
             again = EngineProcess(seed=SEED, step_delay_ms=30, port=a.port).start()
             try:

@@ -33,6 +33,13 @@ def leftovers(gw: Gateway) -> dict[str, object]:
             "engine connections busy": set(raw._busy)}
 
 
+async def closers_done(gw: Gateway, timeout: float = 30.0) -> None:
+    """Wait for the stream closers (they end after a stream's last event: the client can
+    have every answer before they run) - the tasks themselves, not a sleep."""
+    await asyncio.wait_for(asyncio.gather(*list(gw.rollouts._background),
+                                          return_exceptions=True), timeout)
+
+
 async def test_a_burst_of_generate_calls_leaves_nothing_behind(engine):
     gw = Gateway(GatewaySettings(engines=[{"id": "ref", "url": engine.url}], heap_trim_s=0))
     await gw.start()
@@ -53,7 +60,7 @@ async def test_a_burst_of_generate_calls_leaves_nothing_behind(engine):
 
             first = await burst(0)
             assert first == [200] * 17 + [400]
-            await asyncio.sleep(0.2)  # stream closers end after the last event
+            await closers_done(gw)
             at_rest = leftovers(gw)
             assert at_rest == {"samples running": {}, "request ids claimed": {},
                                "stream closers": set(), "admission slots": 0,
@@ -62,7 +69,7 @@ async def test_a_burst_of_generate_calls_leaves_nothing_behind(engine):
             await c.get("/metrics")  # its own label set (route /metrics) exists from now on
             metrics1 = (await c.get("/metrics")).text.count("\n")
             assert await burst(100) == first
-            await asyncio.sleep(0.2)
+            await closers_done(gw)
             assert leftovers(gw) == at_rest
             # no label set per request id or trajectory: the exposition does not grow
             assert (await c.get("/metrics")).text.count("\n") == metrics1

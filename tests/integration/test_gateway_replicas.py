@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from _gateway_support import GatewayProcess, check_against_ground_truth, redis_urls, rollout
+from _gateway_support import (GatewayProcess, Streams, check_against_ground_truth, redis_urls,
+                              wait_for)
 
 from reference_engine.config import ModelConfig
 from rollout_gateway.commands.engine_process import EngineProcess
@@ -39,9 +40,9 @@ def models(reference_model):
 
 
 def load_on_b_swap_via_a(a, b, body):
-    with ThreadPoolExecutor(6) as ex:
-        futs = [ex.submit(rollout, b.url, [30 + i, 31], max_new_tokens=16) for i in range(4)]
-        time.sleep(0.25)
+    with Streams(b.url) as st:
+        futs = [st.start([30 + i, 31], max_new_tokens=16) for i in range(4)]
+        st.wait_tokens(2)  # every sample on B is generating
         r = httpx.post(a.url + "/v1/weights", json=body, timeout=120)
         return r, [t for f in futs for t in f.result()["trajectories"]]
 
@@ -73,18 +74,22 @@ def test_swap_led_by_one_replica_keeps_the_others_stamps_exact(replicas, models,
 
 def test_one_replica_leads_a_swap_at_a_time(replicas):
     a, b, ckpts = replicas
-    with ThreadPoolExecutor(3) as ex:
-        long = ex.submit(rollout, a.url, [1, 2], max_new_tokens=48)  # ~1.2 s on A
-        time.sleep(0.2)
+    before = httpx.get(a.url + "/v1/versions").json()["learner_version"]
+    with Streams(a.url) as st, ThreadPoolExecutor(1) as ex:
+        long = st.start([1, 2], max_new_tokens=48)  # ~1.2 s on A
+        st.wait_tokens(2)
         drain = ex.submit(httpx.post, a.url + "/v1/weights", timeout=120, json={
             "version": 3, "mode": "drain", "source": {"kind": "disk", "path": str(ckpts[3])}})
-        time.sleep(0.3)  # A holds the lease while it drains
+        # A holds the lease while it drains: its engines are fenced
+        wait_for(lambda: drain.done() or all(e["fenced"] for e in httpx.get(
+            a.url + "/v1/engines").json()["engines"]), 30, "A fencing its engines")
+        assert not drain.done(), drain.result().text
         r = httpx.post(b.url + "/v1/weights", timeout=60, json={
             "version": 4, "mode": "in_place", "source": {"kind": "disk", "path": str(ckpts[3])}})
         assert r.status_code == 409, r.text
         assert "being led by" in r.json()["error"]["message"]
         assert drain.result().json()["status"] == "succeeded"
-        assert set(long.result()["trajectories"][0]["policy_version"]) == {2}
+        assert set(long.result()["trajectories"][0]["policy_version"]) == {before}
 
 
 def _running(url: str) -> float:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from _gateway_support import GatewayProcess, redis_urls, rollout
+from _gateway_support import GatewayProcess, Streams, redis_urls, rollout
 
 pytestmark = pytest.mark.integration
 
@@ -19,9 +18,9 @@ def test_sigterm_drains_in_flight_rollouts(make_engine):
     store, registry = redis_urls()
     gw = GatewayProcess({"e0": eng.url}, store_url=store, registry_url=registry).start()
     try:
-        with ThreadPoolExecutor(2) as ex:
-            fut = ex.submit(rollout, gw.url, [1, 2, 3], n=2, max_new_tokens=30)
-            time.sleep(0.3)
+        with Streams(gw.url) as st:
+            fut = st.start([1, 2, 3], n=2, max_new_tokens=30)
+            st.wait_tokens(2)  # both samples generating
             gw.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 3
             while True:  # health turns off while the rollout is still draining

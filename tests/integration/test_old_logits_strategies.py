@@ -7,12 +7,11 @@ that produced it (in-process recomputation from the checkpoint)."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
-from _gateway_support import GatewayProcess, rollout
+from _gateway_support import GatewayProcess, Streams, rollout
 
 from reference_engine.config import ModelConfig
 from rollout_gateway.commands.engine_process import EngineProcess
@@ -57,14 +56,13 @@ def _run(mode: str, ckpts, models, swap_mode: str = "abort_resume"):
                     "--old-logits-initial-source", str(ckpts[0])]
         with gw:
             # rollouts in flight while the weights change: abort_resume splits them
-            with ThreadPoolExecutor(4) as ex:
-                futs = [ex.submit(rollout, gw.url, [5 + i, 6, 7 + i], max_new_tokens=NEW_TOKENS)
+            with Streams(gw.url) as st:
+                futs = [st.start([5 + i, 6, 7 + i], max_new_tokens=NEW_TOKENS)
                         for i in range(3)]
-                time.sleep(0.25)
-                swap = ex.submit(httpx.post, gw.url + "/v1/weights", timeout=120, json={
+                st.wait_tokens(2)  # every sample generating when the weights change
+                r = httpx.post(gw.url + "/v1/weights", timeout=120, json={
                     "version": 1, "mode": swap_mode,
                     "source": {"kind": "disk", "path": str(ckpts[1])}})
-                r = swap.result()
                 assert r.status_code == 200, r.text
                 sent = [t for f in futs for t in f.result()["trajectories"]]
             after = rollout(gw.url, [9, 2], n=2, max_new_tokens=6)["trajectories"]

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
-from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
+from _gateway_support import GatewayProcess, Streams, check_against_ground_truth, rollout
 
 from reference_engine.config import ModelConfig
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.integration
 
 BASE_SEED = 21  # version v has seed BASE_SEED + v
 STEP_MS = 25
-NEW_TOKENS = 14
+NEW_TOKENS = 24  # >= 0.5 s left after SWAP_AFTER tokens: the swap lands mid-flight
+SWAP_AFTER = 2
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +45,12 @@ def strict(make_engine, ckpt, **kw):
                        enable_return_routed_experts=True, step_delay_ms=STEP_MS, **kw)
 
 
-def swap_under_load(gw, body: dict, prompts: int = 3, delay: float = 0.2):
-    with ThreadPoolExecutor(prompts + 1) as ex:
-        futs = [ex.submit(rollout, gw.url, [5 + i, 6, 7], max_new_tokens=NEW_TOKENS)
-                for i in range(prompts)]
-        time.sleep(delay)
-        r = ex.submit(httpx.post, gw.url + "/v1/weights", json=body, timeout=120).result()
+def swap_under_load(gw, body: dict, prompts: int = 3):
+    """Stream ``prompts`` rollouts; swap once every sample has streamed SWAP_AFTER tokens."""
+    with Streams(gw.url) as st:
+        futs = [st.start([5 + i, 6, 7], max_new_tokens=NEW_TOKENS) for i in range(prompts)]
+        st.wait_tokens(SWAP_AFTER)
+        r = httpx.post(gw.url + "/v1/weights", json=body, timeout=120)
         trajs = [t for f in futs for t in f.result()["trajectories"]]
     return r, trajs
 
@@ -142,11 +143,15 @@ def test_update_weight_version_is_sent_with_explicit_abort_flag(make_engine, ckp
         await c.detect()
         body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 12,
                                                          "ignore_eos": True}}
-        async with httpx.AsyncClient(timeout=60) as h:
-            gen = asyncio.create_task(h.post(e.url + "/generate", json=body))
-            await asyncio.sleep(0.1)
+        async with httpx.AsyncClient(timeout=60) as h, \
+                h.stream("POST", e.url + "/generate", json=body | {"stream": True}) as r:
+            lines = r.aiter_lines()
+            first = await anext(line async for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["meta_info"]["finish_reason"] is None  # running
             await c.update_weight_version(3)
-            out = (await gen).json()
+            data = [line[6:] async for line in lines if line.startswith("data: ")]
+            assert data[-1] == "[DONE]"
+            out = json.loads(data[-2])
         assert await c.weight_version() == 3
         await c.close()
         return out
@@ -161,7 +166,6 @@ def test_streamed_chunks_stamped_as_the_trajectory_across_an_in_place_swap(make_
     """Live chunks of ``/v1/rollouts`` streams carry no engine spans (SGLang sends them with
     the last chunk only): a chunk after an in-place switch must still keep the older KV
     version and the label lag of the overlap scheduler, i.e. equal the final trajectory."""
-    import json
     import threading
 
     e = strict(make_engine, ckpts[0])

@@ -46,8 +46,14 @@ async def publish(store, n, start=0, **kw):
         await store.publish(make_trajectory(f"t{i}", seed=i, **kw))
 
 
-async def raw_pull(target, group, grants, wait=0.6, **open_kw):
-    """Open a raw Pull stream, send grants, collect every Batch for `wait` seconds."""
+async def raw_pull(target, group, grants, expect, barrier=None, timeout=30.0, **open_kw):
+    """Open a raw Pull stream, send ``grants`` and collect Batches until ``expect``
+    deliveries arrived. Then grant ``barrier`` (default: one trajectory) and read until its
+    delivery: the stream is ordered, so anything the server sent beyond ``grants`` arrives
+    before it, and must be the barrier's entry (the next one published). Counting ends on
+    events, never after a sleep. Returns the Batches of ``grants``; asserts the barrier got
+    exactly one delivery, the entry after the last one granted."""
+    barrier = barrier or spb.CreditGrant(trajectories=1)
     async with grpc.aio.insecure_channel(target) as ch:
         stub = service_pb2_grpc.TrajectoryServiceStub(ch)
         q: asyncio.Queue = asyncio.Queue()
@@ -60,20 +66,38 @@ async def raw_pull(target, group, grants, wait=0.6, **open_kw):
                 yield await q.get()
 
         call = stub.Pull(gen())
-        batches = []
+        batches, after = [], []
 
         async def collect():
-            async for b in call:
-                batches.append(b)
+            it = call.__aiter__()
+            while sum(len(b.deliveries) for b in batches) < expect:
+                batches.append(await it.__anext__())
+            q.put_nowait(spb.PullRequest(credit=barrier))
+            while not after or not after[-1].deliveries:
+                after.append(await it.__anext__())
 
-        task = asyncio.create_task(collect())
-        await asyncio.sleep(wait)
-        call.cancel()
         try:
-            await task
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
-            pass
-        return batches
+            await asyncio.wait_for(collect(), timeout)
+        finally:
+            call.cancel()
+    got = [d.trajectory.trajectory_id for b in batches for d in b.deliveries]
+    extra = [d.trajectory.trajectory_id for b in after for d in b.deliveries]
+    assert len(got) == expect, f"{len(got)} deliveries for a credit of {expect}: {got}"
+    assert len(extra) == 1, f"the barrier's grant of one got {extra}"
+    return batches, extra[0]
+
+
+async def until(pred, what: str, timeout: float = 10.0) -> None:
+    """Yield to the loop until ``pred()`` holds (the server runs in this loop)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def tid_after(batches) -> str:
+    """The id published after the last one delivered in ``batches`` (ids ``t<i>``)."""
+    return f"t{int(batches[-1].deliveries[-1].trajectory.trajectory_id[1:]) + 1}"
 
 
 async def test_pull_ack_roundtrip_and_duplicates_deliver_once(gateway):
@@ -93,19 +117,20 @@ async def test_pull_ack_roundtrip_and_duplicates_deliver_once(gateway):
 
 async def test_flow_control_never_exceeds_credit(gateway):
     store, _, _, target = gateway
-    await publish(store, 10, prompt_len=8, num_tokens=16)  # 24 tokens each
-    batches = await raw_pull(target, "job", [spb.CreditGrant(trajectories=3)])
-    assert sum(len(b.deliveries) for b in batches) == 3
-    assert batches[-1].credit_trajectories == 0
+    await publish(store, 12, prompt_len=8, num_tokens=16)  # 24 tokens each
+    # (each pull ends with a barrier: one more granted entry, the next in order, arrives;
+    # an over-credit delivery would have come before it)
+    batches, nxt = await raw_pull(target, "job", [spb.CreditGrant(trajectories=3)], 3)
+    assert batches[-1].credit_trajectories == 0 and nxt == tid_after(batches)
     # token credit: 50 tokens admit two 24-token trajectories, not three
-    batches = await raw_pull(target, "job", [spb.CreditGrant(trajectories=10, tokens=50)])
-    got = [d for b in batches for d in b.deliveries]
-    assert len(got) == 2
+    batches, nxt = await raw_pull(target, "job", [spb.CreditGrant(trajectories=10, tokens=50)],
+                                  2, barrier=spb.CreditGrant(tokens=24))
+    assert batches[-1].credit_tokens == 2 and nxt == tid_after(batches)
     # more credit on the same stream is honoured, exactly
-    batches = await raw_pull(target, "job", [spb.CreditGrant(trajectories=1),
-                                             spb.CreditGrant(trajectories=2)])
+    batches, nxt = await raw_pull(target, "job", [spb.CreditGrant(trajectories=1),
+                                                  spb.CreditGrant(trajectories=2)], 3)
     got = [d for b in batches for d in b.deliveries]
-    assert len(got) == 3
+    assert nxt == tid_after(batches)
     # entries the server leased but never sent (no credit) were released, not "redelivered"
     assert [d.delivery_count for d in got] == [1, 1, 1]
 
@@ -229,7 +254,7 @@ async def test_announce_watch_and_status(gateway):
                     return
 
         task = asyncio.create_task(watch())
-        await asyncio.sleep(0.2)
+        await until(lambda: control.watchers == 1 or task.done(), "the watch stream to open")
         res = await c.announce(1, "/ckpt/v1", mode="in_place")
         assert res.accepted and res.version == 1
         await asyncio.wait_for(task, 5)
@@ -328,8 +353,9 @@ async def test_messages_split_at_the_target_size_within_credit():
     server = GrpcServer(store, InProcessControlPlane(), port=0, target_message_bytes=40 << 10)
     port = await server.start()
     try:
-        batches = await raw_pull(f"127.0.0.1:{port}", "job",
-                                 [spb.CreditGrant(trajectories=5)], wait=0.8)
+        batches, nxt = await raw_pull(f"127.0.0.1:{port}", "job",
+                                      [spb.CreditGrant(trajectories=5)], 5)
+        assert nxt == "t5"
         sizes = [len(b.deliveries) for b in batches]
         assert sum(sizes) == 5 and len(sizes) >= 3 and max(sizes) <= 2
         assert all(b.ByteSize() <= 40 << 10 for b in batches)

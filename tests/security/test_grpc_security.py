@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import uuid
 
 import grpc
 import httpx
@@ -143,12 +144,14 @@ def test_health_stays_open_for_probes(gw, pki):
 
 def test_job_tokens_are_isolated_to_their_groups(gw, pki):
     verify = ssl.create_default_context(cafile=str(pki.ca))
-    with learner(gw, pki, "job-b", LEARNER) as owner_b, \
-            learner(gw, pki, "job-a-main", JOB_A) as job_a, \
-            learner(gw, pki, "job-b", JOB_A) as stranger:
-        assert owner_b.create_group(from_latest=True) in (True, False)
-        assert job_a.create_group(from_latest=True) in (True, False)
+    run = uuid.uuid4().hex[:8]  # groups of this test only: it runs alone or in any order
+    with learner(gw, pki, f"job-b-{run}", LEARNER) as owner_b, \
+            learner(gw, pki, f"job-a-{run}", JOB_A) as job_a, \
+            learner(gw, pki, f"job-b-{run}", JOB_A) as stranger:
         assert code_of(stranger.create_group) == "PERMISSION_DENIED"
+        assert owner_b.create_group(from_latest=True) is True  # created now
+        assert job_a.create_group(from_latest=True) is True
+        assert owner_b.create_group(from_latest=True) is False  # already there
         r = httpx.post(gw.url + "/v1/rollouts", verify=verify, timeout=120,
                        headers={"Authorization": f"Bearer {CLIENT}"},
                        json={"input_ids": [5, 6, 7], "n": 2,

@@ -58,7 +58,10 @@ async def test_a_recycled_sample_waits_for_a_slot_then_takes_it_before_new_work(
     await a._report()  # (what the background reporter does)
     await b.admit(1)  # another replica takes the slot first
     waiter = asyncio.create_task(a.readmit_recycled("t:0"))
-    await asyncio.sleep(0.1)
+    for _ in range(500):  # until it waits (an event of the gatekeeper's), not a set delay
+        if a.ctl.stats.recycle_waiting or waiter.done():
+            break
+        await asyncio.sleep(0.01)
     assert not waiter.done() and a.ctl.stats.recycle_waiting == 1
     b.release_failed(1)
     await b._report()

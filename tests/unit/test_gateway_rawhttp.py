@@ -218,12 +218,24 @@ async def test_a_reused_connection_cut_after_answer_bytes_is_not_resent():
         srv.close()
 
 
-async def test_a_connection_idle_past_keep_alive_s_is_not_reused(server):
-    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2, keep_alive_s=0.1)
+async def test_a_connection_idle_past_keep_alive_s_is_not_reused(server, monkeypatch):
+    import time
+
+    import rollout_gateway.engines.rawhttp as rawhttp
+
+    ahead = [0.0]  # the pool's clock runs this far ahead of the real one
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + ahead[0]
+
+    monkeypatch.setattr(rawhttp, "time", Clock)
+    pool = RawHttpPool("t", "127.0.0.1", server.port, connect_timeout=2, keep_alive_s=5.0)
     assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
     assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
     assert server.connections == 1  # reused within the bound
-    await asyncio.sleep(0.15)  # idle past the bound (the server itself keeps it open)
+    ahead[0] = 5.0  # idle past the bound (the server itself keeps it open)
     assert await (await pool.post("/cl", b"{}", read_timeout=2)).read() == b"hello"
     assert server.connections == 2
     assert pool.counters == {"dialled": 2, "reused": 1, "stale": 1, "resent": 0}
