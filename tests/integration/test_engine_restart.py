@@ -161,8 +161,11 @@ def test_a_refused_cache_flush_during_a_swap_still_stamps_the_new_version(
             after = rollout(gw.url, [20, 21, 22, 23], max_new_tokens=8)["trajectories"][0]
             assert stamped(after) == {1}
             check_against_ground_truth(after, models)
-            view = engine_view(gw)
-            assert (view["weight_version"], view["epoch"], view["state"]) == (1, 0, "healthy")
+            # the controller's resume is seen by the next health probe: healthy again, the
+            # same registration (a swap's refused flush is no change of engine)
+            view = wait_for("the resumed engine healthy again",
+                            lambda: (v := engine_view(gw))["state"] == "healthy" and v)
+            assert (view["weight_version"], view["epoch"]) == (1, 0)
         finally:
             httpx.post(e0.url + "/abort_request", json={"rid": "outsider"})
             direct.join(60)
