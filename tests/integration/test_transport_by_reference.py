@@ -102,10 +102,10 @@ async def test_by_reference_gives_the_same_trajectories_as_bytes(redis_gateway):
 async def test_the_stream_carries_references_not_bytes(redis_gateway):
     make, prefix = redis_gateway
     store, target = await make()
-    await publish(store, 3, num_layers=2)
+    await publish(store, 4, num_layers=2)  # the 4th: raw_pull's barrier delivery
     stored = await store.lookup(["t0", "t1", "t2"])
-    batches = await raw_pull(target, "job", [spb.CreditGrant(trajectories=3)],
-                             payload=spb.PAYLOAD_REFERENCE)
+    batches, _ = await raw_pull(target, "job", [spb.CreditGrant(trajectories=3)], 3,
+                                payload=spb.PAYLOAD_REFERENCE)
     ds = [d for b in batches for d in b.deliveries]
     assert len(ds) == 3 and not any(d.HasField("trajectory") for d in ds)
     for d in ds:
@@ -206,7 +206,7 @@ async def test_store_url_of_another_redis_db_is_refused_clearly(redis_gateway):
 
 async def test_embedded_store_falls_back_to_bytes_or_refuses(memory_gateway):
     store, target = memory_gateway
-    await publish(store, 2)
+    await publish(store, 3)  # the 3rd: raw_pull's barrier delivery
     async with AsyncTrajectoryClient(target, "job", store_url=REDIS) as c:  # prefer
         got = await c.pull(1, timeout=1.0)
         assert [r.trajectory_id for r in got] == ["t0"] and c.fetched == 0
@@ -217,8 +217,8 @@ async def test_embedded_store_falls_back_to_bytes_or_refuses(memory_gateway):
             await c.pull(1, timeout=2.0)
         assert info.value.code == "FAILED_PRECONDITION"
         assert "cannot serve references" in info.value.message
-    batches = await raw_pull(target, "job", [spb.CreditGrant(trajectories=1)],
-                             payload=spb.PAYLOAD_PREFER_REFERENCE)
+    batches, _ = await raw_pull(target, "job", [spb.CreditGrant(trajectories=1)], 1,
+                                payload=spb.PAYLOAD_PREFER_REFERENCE)
     [d] = [d for b in batches for d in b.deliveries]
     assert d.HasField("trajectory") and not d.HasField("reference")
 
