@@ -332,6 +332,27 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         ok, msg = await s.update_from_disk(path, _version(body), bool(body.get("flush_cache", True)))
         return _json({"success": ok, "message": msg, "num_paused_requests": 0}, 200 if ok else 400)
 
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        """SGLang 0.5.23: the parameter under its Hub name as float32 values, the first
+        ``truncate_size`` rows (``tensor.float().tolist()[:truncate_size]``), a bare JSON
+        list; an unknown name answers 400 ``{"error": {"message": "Get parameter by name
+        failed"}}`` (SGLang logs the cause and returns None)."""
+        body = await _body(request)
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool):
+            raise ProtocolError("name (str) and truncate_size (int) are required.")
+        s = sched()
+        async with s.step_lock:  # not mid-load
+            t = ckpt.to_hub_state_dict(s.model).get(name)
+            if t is None and name == "lm_head.weight" and s.cfg.tie_word_embeddings:
+                t = s.model.state_dict().get("model.embed_tokens.weight")
+            param = None if t is None else t.detach().float().cpu().tolist()[:size]
+        if param is None:
+            log.error("Error when getting parameter %s: unknown name", name)
+            return _bad("Get parameter by name failed")
+        return _json(param)
+
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await _body(request)
