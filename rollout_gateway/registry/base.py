@@ -116,7 +116,7 @@ class SwapRecord:
                     else "failed",
                     "serving_version": o.version_after if o.ok or o.kept_version
                     else None,
-                    "why": o.error, "verification": o.verification}
+                    "why": o.error, "verification": o.verification or None}
                 for k, o in self.engines.items()}
 
     def to_dict(self) -> dict[str, Any]:

@@ -448,11 +448,13 @@ class SwapOrchestrator:
         for name, want in manifest.tensors.items():
             try:
                 got = await e.client.weights_by_name(name, manifest.truncate_size)
-            except InvalidArgument as exc:
-                r.verification = f"version only: the engine cannot read {name} back " \
-                                 f"({exc.message})"
-                return
             except GatewayError as exc:
+                status = (exc.details or {}).get("status")
+                if isinstance(exc, InvalidArgument) or (
+                        isinstance(status, int) and 400 <= status < 500):
+                    r.verification = f"version only: the engine cannot read {name} back " \
+                                     f"({exc.message})"
+                    return
                 r.error = f"verify: reading {name} back failed: {exc.message}"
                 return
             if checksum(got) != want:

@@ -119,6 +119,19 @@ def test_refit_without_manifest_verifies_by_version_only(make_engine, ckpts):
         assert res["verification"] == f"version only: no {MANIFEST_FILE} beside the checkpoint"
 
 
+def test_an_engine_that_cannot_read_weights_back_verifies_by_version_only(make_engine,
+                                                                          ckpts):
+    # strict: SGLang 0.5.23's Qwen3-MoE has no get_weights_by_name (the route answers 400)
+    a = make_engine(seed=21, sglang_strict=True)
+    with GatewayProcess({"a": a.url}) as gw:
+        r = httpx.post(gw.url + "/v1/weights", json=disk(ckpts[1], 1), timeout=120)
+        assert r.status_code == 200, r.text
+        res = r.json()["results"]["a"]
+        assert res["result"] == "verified" and res["serving_version"] == 1
+        assert res["verification"].startswith("version only: the engine cannot read "), res
+        assert "Get parameter by name failed" in res["verification"]
+
+
 def test_sampled_tensors_catch_a_checkpoint_that_differs_from_its_manifest(make_engine, ckpts):
     a = make_engine(seed=21)
     b = make_engine(seed=21)
