@@ -434,7 +434,8 @@ class SwapOrchestrator:
         if not isinstance(req.source, DiskSource):
             r.verification = "version only: a distributed source has no manifest"
         elif manifest is None:
-            r.verification = f"version only: no {MANIFEST_FILE} beside the checkpoint"
+            r.verification = (f"version only: no {MANIFEST_FILE} beside the checkpoint "
+                              "(that the gateway can read)")
         else:
             await self._verify_tensors(e, r, manifest)
             if r.error:

@@ -116,7 +116,7 @@ def test_refit_without_manifest_verifies_by_version_only(make_engine, ckpts):
         assert r.status_code == 200, r.text
         res = r.json()["results"]["a"]
         assert res["result"] == "verified"
-        assert res["verification"] == f"version only: no {MANIFEST_FILE} beside the checkpoint"
+        assert res["verification"].startswith(f"version only: no {MANIFEST_FILE} beside the ")
 
 
 def test_an_engine_that_cannot_read_weights_back_verifies_by_version_only(make_engine,
