@@ -181,3 +181,24 @@ def test_a_joining_engine_at_an_old_version_takes_no_traffic_until_current(make_
         assert any("late" in t["engine_ids"] for t in trajs), "late got no traffic"
         for t in trajs:  # every token is version 1, on a and on late
             assert set(t["policy_version"]) == {1}, t
+
+
+def test_a_joining_engine_that_cannot_catch_up_serves_only_policies_admitting_it(
+        make_engine, ckpts):
+    a = make_engine(seed=21)
+    odd = make_engine(seed=21, model_config=OTHER_SHAPE)  # cannot load the fleet's weights
+    with GatewayProcess({"a": a.url}) as gw:
+        r = httpx.post(gw.url + "/v1/weights", json=disk(ckpts[1], 1), timeout=120)
+        assert r.status_code == 200, r.text
+        r = httpx.post(gw.url + "/v1/engines", json={"id": "odd", "url": odd.url}, timeout=120)
+        assert r.status_code == 201, r.text
+        assert r.json()["weight_version"] == 0  # its catch-up failed: it kept version 0
+        swaps = versions(gw)["recent_swaps"]
+        assert swaps[0]["message"] == "catch-up of odd" and swaps[0]["status"] == "failed"
+        assert swaps[0]["engines"]["odd"]["kept_version"]
+        assert published(gw) == {"a": 1, "odd": 0}
+        # the default policy (any) admits it; latest and max_staleness:0 never reach it
+        assert "odd" in {e for t in rollouts(gw, 8) for e in t["engine_ids"]}
+        for policy in ("latest", "max_staleness:0", "min_version:1"):
+            trajs = rollouts(gw, 6, version_policy=policy)
+            assert {e for t in trajs for e in t["engine_ids"]} == {"a"}, policy
