@@ -5,7 +5,8 @@ import). Endpoints: /generate, /pause_generation, /continue_generation, /abort_r
 /update_weights_from_disk, /init_weights_update_group, /destroy_weights_update_group,
 /begin_weight_update, /end_weight_update, /update_weights_from_distributed,
 /update_weight_version, /flush_cache, /model_info (+/get_model_info), /server_info
-(+/get_server_info), /get_weight_version, /health, /health_generate, /ready.
+(+/get_server_info), /get_weight_version, /get_weights_by_name, /health, /health_generate,
+/ready.
 """
 
 from __future__ import annotations
@@ -331,6 +332,36 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             await s.abort("", abort_all=True)
         ok, msg = await s.update_from_disk(path, _version(body), bool(body.get("flush_cache", True)))
         return _json({"success": ok, "message": msg, "num_paused_requests": 0}, 200 if ok else 400)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        """SGLang 0.5.23 for models that implement it (Llama and kin): the parameter under
+        its Hub name as float32 values, the first ``truncate_size`` rows
+        (``tensor.float().tolist()[:truncate_size]``), a bare JSON list; an unknown name
+        answers 400 ``{"error": {"message": "Get parameter by name failed"}}`` (SGLang logs
+        the cause and returns None). Strict mode answers as SGLang does for the
+        Qwen3-MoE model this engine is: that 400 for every name."""
+        body = await _body(request)
+        if strict:
+            # SGLang 0.5.23's Qwen models (Qwen3-MoE among them) have no
+            # get_weights_by_name: the model runner's call raises, is logged, and the route
+            # answers this 400 for every name
+            log.error("Error when getting parameter %s: the model has no get_weights_by_name",
+                      body.get("name"))
+            return _bad("Get parameter by name failed")
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool):
+            raise ProtocolError("name (str) and truncate_size (int) are required.")
+        s = sched()
+        async with s.step_lock:  # not mid-load
+            t = ckpt.to_hub_state_dict(s.model).get(name)
+            if t is None and name == "lm_head.weight" and s.cfg.tie_word_embeddings:
+                t = s.model.state_dict().get("model.embed_tokens.weight")
+            param = None if t is None else t.detach().float().cpu().tolist()[:size]
+        if param is None:
+            log.error("Error when getting parameter %s: unknown name", name)
+            return _bad("Get parameter by name failed")
+        return _json(param)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):

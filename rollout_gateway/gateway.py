@@ -159,7 +159,7 @@ class Gateway:
                               api_key: str | None = None) -> Engine:
         """``POST /v1/engines``: register an engine and catch it up to the pool's weights
         before it serves; a failure goes back to the caller."""
-        eng = await self.pool.register(engine_id, url, api_key)
+        eng = await self.pool.register(engine_id, url, api_key, fenced=True)
         await self._catch_up_fenced(eng)
         await self.sync_engine_version(eng.id, eng.version)
         return eng
@@ -169,7 +169,7 @@ class Gateway:
         before it serves; one that does not answer yet is registered offline (the health
         loop brings it in and catches it up)."""
         try:
-            eng = await self.pool.register(engine_id, url, api_key)
+            eng = await self.pool.register(engine_id, url, api_key, fenced=True)
         except GatewayError as exc:
             if engine_id in {e.id for e in self.pool.list()}:
                 return

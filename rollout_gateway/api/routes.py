@@ -134,12 +134,13 @@ async def swap_weights(req: SwapRequest, swaps: Swaps) -> Response:
     rec = await swaps.swap(req)
     body = rec.to_dict()
     body["ok"] = rec.status is SwapStatus.SUCCEEDED
-    # a swap that left engines out of rotation is still a completed swap: 200 with the
-    # per-engine outcome; only "no engine took the version" is an error status
+    body["results"] = rec.results()
+    # a partial refit is 207 (Multi-Status) with each engine's result; only "no engine
+    # took the version" is an error status
     if rec.status is SwapStatus.FAILED:
         raise EngineError(f"no engine took version {rec.version}: {rec.message}",
                           details={"swap": body})
-    return ORJSONResponse(body)
+    return ORJSONResponse(body, status_code=207 if rec.status is SwapStatus.PARTIAL else 200)
 
 
 @weights.get("/v1/versions")

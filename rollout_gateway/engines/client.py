@@ -385,6 +385,14 @@ class EngineClient:
         self.info.weight_version = v
         return v
 
+    async def weights_by_name(self, name: str, truncate_size: int) -> Any:
+        """SGLang's ``/get_weights_by_name``: the parameter's first ``truncate_size`` rows
+        as float32 values (nested JSON lists). An engine that cannot read it back (no such
+        route: 404; a model without it or an unknown name: SGLang answers 400) raises
+        EngineError with ``details["status"]``."""
+        return await self._post_json("/get_weights_by_name",
+                                     {"name": name, "truncate_size": truncate_size})
+
     async def health(self) -> Health:
         try:
             async with asyncio.timeout(self.t.health_s):  # connect included

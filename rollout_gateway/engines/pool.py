@@ -182,7 +182,10 @@ class EnginePool:
         self.swapped_elsewhere: Callable[[Engine, EngineIdentity], Awaitable[bool]] | None = None
 
     # ---- registration ------------------------------------------------------------------
-    async def register(self, engine_id: str, url: str, api_key: str | None = None) -> Engine:
+    async def register(self, engine_id: str, url: str, api_key: str | None = None, *,
+                       fenced: bool = False) -> Engine:
+        """Add an engine. ``fenced``: it joins with its gate closed (no request reaches it
+        until the caller opens it, e.g. once it runs the pool's current weights)."""
         if engine_id in self._engines:
             raise AlreadyExists(f"engine {engine_id!r} is already registered",
                                 details={"engine_id": engine_id})
@@ -195,6 +198,8 @@ class EnginePool:
             raise
         eng = Engine(id=engine_id, client=client, version=info.weight_version,
                      identity=info.identity)
+        if fenced:
+            self.close_gate(eng)
         self._engines[engine_id] = eng
         await self._notify()
         log.info("registered engine %s at %s (sglang %s, weights v%s)", engine_id, url,

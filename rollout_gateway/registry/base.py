@@ -55,6 +55,9 @@ class EngineSwapOutcome:
     #: the engine swapped the weights but refused the cache flush (requests were resident):
     #: its label was repaired with /update_weight_version and the old KV counts as kept
     cache_kept: bool = False
+    #: how the new weights were verified: "version and N sampled tensors" or "version only:
+    #: <why>" (no manifest beside the checkpoint, the engine cannot read parameters back)
+    verification: str = ""
 
 
 @dataclass(slots=True)
@@ -104,6 +107,17 @@ class SwapRecord:
             if e.paused_at is not None:
                 out.append((e.engine_id, e.paused_at, e.resumed_at))
         return out
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Each engine's result in one word, with the version it serves now and why:
+        ``verified`` (runs the new version), ``kept_version`` (the load failed, it serves
+        its old version) or ``failed`` (out of rotation)."""
+        return {k: {"result": "verified" if o.ok else "kept_version" if o.kept_version
+                    else "failed",
+                    "serving_version": o.version_after if o.ok or o.kept_version
+                    else None,
+                    "why": o.error, "verification": o.verification or None}
+                for k, o in self.engines.items()}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,8 +1,20 @@
-"""Hot-swap: fence the pool, update every engine, verify, resume, record.
+"""Hot-swap (a refit): fence the pool, update every engine, verify, publish, resume, record.
+
+One refit is one transaction (``SwapRecord.swap_id``) with a version cut: each engine's
+outcome is recorded, and the learner version is published once, after the engines that
+took the new weights verified and before any of them resumes.
 
 Guarantees:
 * an engine is resumed only after it reports the new version (``/model_info``); until
   then its gate stays closed, so no new request reaches it;
+* with a disk source and a ``weights_manifest.json`` beside the checkpoint
+  (``swap.manifest``), an engine verifies only when every sampled tensor it reads back
+  (``/get_weights_by_name``) matches its checksum; one that differs runs weights that are
+  neither the old nor the announced ones and leaves rotation (``failed_load``, below).
+  Without a manifest, or on an engine that cannot read parameters back, verification is
+  by version only and the outcome's ``verification`` says so;
+* only engines that verified get the new version (``Engine.version``, the registry's
+  engine versions); nothing else is published for the others;
 * an engine whose load fails but that still reports its old version afterwards (SGLang
   and the reference engine keep the served weights when a load fails) stays in rotation at
   that version: nothing is aborted, its paused requests continue, ``kept_version`` is
@@ -30,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_gateway.core.swap_mode import SwapMode
@@ -39,6 +52,7 @@ from rollout_gateway.engines.pool import Engine, EnginePool, EngineState
 from rollout_gateway.errors import (
     FailedPrecondition,
     GatewayError,
+    InvalidArgument,
     NotFound,
     Timeout,
     Unavailable,
@@ -52,6 +66,7 @@ from rollout_gateway.registry.base import (
     read_swaps,
 )
 from rollout_gateway.settings import GatewaySettings
+from rollout_gateway.swap.manifest import MANIFEST_FILE, Manifest, checksum, read_manifest
 from rollout_gateway.swap.models import DiskSource, DistributedSource, SwapRequest
 
 log = logging.getLogger(__name__)
@@ -131,7 +146,7 @@ class SwapOrchestrator:
                         rec.engines[eng.id] = EngineSwapOutcome(
                             engine_id=eng.id, version_before=eng.version,
                             version_after=eng.version)
-                        await self._swap_group([eng], req, rec)
+                        await self._swap_group([eng], req, rec, None)
                         ok = rec.engines[eng.id].ok
                         rec.status = SwapStatus.SUCCEEDED if ok else SwapStatus.FAILED
                         rec.finished_at = time.time()
@@ -174,6 +189,18 @@ class SwapOrchestrator:
                      f"{req.source.master_address}:{req.source.master_port}"
         rec = SwapRecord(version=req.version, mode=req.mode, rolling=req.rolling,
                          source=source, leader=self.holder)
+        if isinstance(req.source, DiskSource):
+            read_manifest(req.source.path)  # a malformed manifest: 400 before any pause
+        published = False
+
+        async def publish() -> None:
+            """The version cut: the learner version is published once, when the first
+            engines verified, before any of them resumes at it."""
+            nonlocal published
+            if not published:
+                await self.registry.set_learner_version(req.version)
+                published = True
+
         if req.source is not None:
             targets = self._targets(req)
             if not targets:
@@ -204,7 +231,7 @@ class SwapOrchestrator:
             groups = [[e] for e in targets] if req.rolling else [targets]
             for g in groups:
                 lease.check()
-                await self._swap_group(g, req, rec)
+                await self._swap_group(g, req, rec, publish)
             if not req.rolling and targets:
                 rec.paused_at = min((o.paused_at for o in rec.engines.values() if o.paused_at),
                                     default=None)
@@ -212,7 +239,7 @@ class SwapOrchestrator:
                                       if o.resumed_at), default=None)
         oks = [o.ok for o in rec.engines.values()]
         if req.source is None or any(oks):
-            await self.registry.set_learner_version(req.version)
+            await publish()
         rec.status = (SwapStatus.SUCCEEDED if all(oks) else SwapStatus.FAILED if not any(oks)
                       else SwapStatus.PARTIAL)
         kept = [f"{o.engine_id} (still v{o.version_after})" for o in rec.engines.values()
@@ -227,8 +254,11 @@ class SwapOrchestrator:
         await self.registry.record_swap(rec)
         return rec
 
-    async def _swap_group(self, group: list[Engine], req: SwapRequest, rec: SwapRecord) -> None:
+    async def _swap_group(self, group: list[Engine], req: SwapRequest, rec: SwapRecord,
+                          publish: Callable[[], Awaitable[None]] | None) -> None:
         res = {e.id: rec.engines[e.id] for e in group}
+        manifest = read_manifest(req.source.path) if isinstance(req.source, DiskSource) \
+            else None
         for e in group:
             self.pool.close_gate(e)
         try:
@@ -242,7 +272,7 @@ class SwapOrchestrator:
                 await self._load_distributed(group, req, res)
             else:
                 await asyncio.gather(*(self._load_disk(e, req, res[e.id]) for e in group))
-            await asyncio.gather(*(self._verify(e, req, res[e.id]) for e in group))
+            await asyncio.gather(*(self._verify(e, req, res[e.id], manifest) for e in group))
             if self.oldlogits is not None and isinstance(req.source, DiskSource):
                 try:  # inside the pause window: the scorer follows the pool
                     await self.oldlogits.after_swap(req.version, req.source.path,
@@ -251,7 +281,12 @@ class SwapOrchestrator:
                     log.warning("old-logit scorer did not take version %s: %s", req.version,
                                 exc.message)
         finally:
-            await asyncio.gather(*(self._finish(e, req, res[e.id]) for e in group))
+            try:
+                await asyncio.gather(*(self._settle(e, req, res[e.id]) for e in group))
+                if publish is not None and any(r.ok for r in res.values()):
+                    await publish()  # verified engines are at the cut before any resumes
+            finally:
+                await asyncio.gather(*(self._resume(e, req, res[e.id]) for e in group))
 
     async def _fence(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         try:
@@ -382,7 +417,8 @@ class SwapOrchestrator:
 
         await asyncio.gather(*(one(e) for e in group))
 
-    async def _verify(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+    async def _verify(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome,
+                      manifest: Manifest | None) -> None:
         if r.error:
             await self._check_kept(e, r)
             return
@@ -394,8 +430,38 @@ class SwapOrchestrator:
         r.version_after = got
         if got != req.version:
             r.error = f"verify: engine reports version {got}, expected {req.version}"
+            return
+        if not isinstance(req.source, DiskSource):
+            r.verification = "version only: a distributed source has no manifest"
+        elif manifest is None:
+            r.verification = (f"version only: no {MANIFEST_FILE} beside the checkpoint "
+                              "(that the gateway can read)")
         else:
-            r.ok = True
+            await self._verify_tensors(e, r, manifest)
+            if r.error:
+                return
+        r.ok = True
+
+    async def _verify_tensors(self, e: Engine, r: EngineSwapOutcome, manifest: Manifest) -> None:
+        """Read each sampled tensor back (``/get_weights_by_name``) and compare its checksum
+        with the manifest's. An engine that cannot read parameters back (a 4xx answer) is
+        verified by version only, and the outcome says so."""
+        for name, want in manifest.tensors.items():
+            try:
+                got = await e.client.weights_by_name(name, manifest.truncate_size)
+            except GatewayError as exc:
+                status = (exc.details or {}).get("status")
+                if isinstance(exc, InvalidArgument) or (
+                        isinstance(status, int) and 400 <= status < 500):
+                    r.verification = f"version only: the engine cannot read {name} back " \
+                                     f"({exc.message})"
+                    return
+                r.error = f"verify: reading {name} back failed: {exc.message}"
+                return
+            if checksum(got) != want:
+                r.error = f"verify: tensor {name} differs from the checkpoint's manifest"
+                return
+        r.verification = f"version and {len(manifest.tensors)} sampled tensor(s)"
 
     async def _check_kept(self, e: Engine, r: EngineSwapOutcome) -> None:
         """After a failed step: does the engine still run the weights it ran before?"""
@@ -409,7 +475,8 @@ class SwapOrchestrator:
         r.version_after = got
         r.kept_version = got == r.version_before
 
-    async def _finish(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+    async def _settle(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        """Still fenced: record what the engine runs now (or take it out of rotation)."""
         if r.ok or r.kept_version:  # still fenced: the swap is no change behind our back
             await self.pool.reread_identity(e)
         if r.ok:
@@ -435,6 +502,8 @@ class SwapOrchestrator:
             with contextlib.suppress(GatewayError):
                 await e.client.abort(abort_all=True)
             log.error("engine %s failed to take version %s: %s", e.id, req.version, r.error)
+
+    async def _resume(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         if req.mode is not SwapMode.DRAIN or not r.ok:
             with contextlib.suppress(GatewayError):
                 await e.client.resume()

@@ -153,9 +153,12 @@ def test_a_swap_one_engine_fails_to_load_aborts_nothing_and_stamps_true(cluster,
             "version": 1, "source": {"kind": "disk", "path": str(ckpt)}, "mode": "in_place"})
 
     trajs, submitted, _, r = run_batch(gw, swap)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 207, r.text  # a partial refit: each engine's result
     rec = r.json()
     assert rec["status"] == "partial"
+    assert rec["results"]["e0"]["result"] == "verified"
+    assert rec["results"]["e1"]["result"] == "kept_version"
+    assert rec["results"]["e1"]["serving_version"] == 0
     assert rec["engines"]["e0"]["ok"] and rec["engines"]["e0"]["version_after"] == 1
     e1 = rec["engines"]["e1"]
     assert not e1["ok"] and e1["kept_version"] and e1["version_after"] == 0
