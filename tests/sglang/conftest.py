@@ -52,7 +52,7 @@ import pytest
 from _sglang_support import LIVE, Checkpoints, SGLangServer, sglang_python
 from _stamp_truth import GatewayServe, GroundTruth
 
-SEEDS = {"0": 100, "1": 101, "2": 102}
+SEEDS = {"0": 100, "1": 101, "2": 102, "3": 103, "4": 104}  # 3, 4: retried swap rounds
 MAX_LIVE = int(os.environ.get("SGLANG_TEST_MAX_LIVE", "2"))
 TEST_TIMEOUT_S = 900
 

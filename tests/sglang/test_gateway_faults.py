@@ -76,7 +76,7 @@ def test_engine_killed_or_frozen_mid_generation_fails_over_exactly(sig, sglang, 
     it."""
     gw = serve(e0=sglang, e1=sglang_inc)
     run = Run(gw)
-    n_new = 40
+    n_new = 160  # long enough that e0 cannot finish before the signal, even under load
 
     async def go():
         async with client(gw) as c:
