@@ -15,11 +15,10 @@ processes and the gateway as a real process.
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
-from _gateway_support import GatewayProcess, check_against_ground_truth, rollout
+from _gateway_support import GatewayProcess, check_against_ground_truth, rollout, wait_for
 
 from reference_engine.config import ModelConfig
 from rollout_gateway.commands.engine_process import EngineProcess
@@ -45,18 +44,6 @@ def models(reference_model):
 
 def engine_view(gw) -> dict:
     return httpx.get(gw.url + "/v1/engines/e0", timeout=10).json()
-
-
-def wait_for(what, cond, timeout: float = 60.0):
-    """Poll the gateway's state until ``cond()`` holds (the event), or fail naming it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def restart(eng: EngineProcess, ckpt, version: str, **kw) -> EngineProcess:
@@ -99,8 +86,8 @@ def test_a_restart_seen_by_the_health_probe_is_registered_again(make_engine, ckp
         assert stamped(rollout(gw.url, PROMPT, max_new_tokens=4)["trajectories"][0]) == {0}
         e1 = restart(e0, ckpts[5], "5")
         try:
-            view = wait_for("the restarted engine registered again",
-                            lambda: (v := engine_view(gw))["epoch"] == 1 and v)
+            view = wait_for(lambda: (v := engine_view(gw))["epoch"] == 1 and v, 60,
+                            "the restarted engine registered again")
             assert (view["weight_version"], view["state"]) == (5, "healthy")
             after = rollout(gw.url, PROMPT, max_new_tokens=8)["trajectories"][0]
             assert stamped(after) == {5}
@@ -119,8 +106,8 @@ def test_a_restart_with_the_same_weights_and_label_is_a_new_incarnation(make_eng
         e1 = restart(e0, ckpts[0], "0")
         try:
             assert httpx.get(e1.url + "/server_info").json()["random_seed"] != seed
-            view = wait_for("the new process registered again",
-                            lambda: (v := engine_view(gw))["epoch"] == 1 and v)
+            view = wait_for(lambda: (v := engine_view(gw))["epoch"] == 1 and v, 60,
+                            "the new process registered again")
             assert (view["weight_version"], view["state"]) == (0, "healthy")
             assert "a new process" in gw.log_tail(20000)
         finally:
@@ -143,8 +130,8 @@ def test_a_refused_cache_flush_during_a_swap_still_stamps_the_new_version(
             "timeout": 120})
         direct.start()
         try:
-            wait_for("the outside request running on the engine", lambda: httpx.get(
-                e0.url + "/server_info").json()["internal_states"][0]["num_running_reqs"])
+            wait_for(lambda: httpx.get(e0.url + "/server_info").json()["internal_states"][0][
+                "num_running_reqs"], 60, "the outside request running on the engine")
             paused = httpx.post(e0.url + "/pause_generation", json={"mode": "in_place"})
             assert paused.status_code == 200, paused.text
             r = httpx.post(gw.url + "/v1/weights", timeout=120, json={
@@ -163,8 +150,8 @@ def test_a_refused_cache_flush_during_a_swap_still_stamps_the_new_version(
             check_against_ground_truth(after, models)
             # the controller's resume is seen by the next health probe: healthy again, the
             # same registration (a swap's refused flush is no change of engine)
-            view = wait_for("the resumed engine healthy again",
-                            lambda: (v := engine_view(gw))["state"] == "healthy" and v)
+            view = wait_for(lambda: (v := engine_view(gw))["state"] == "healthy" and v, 60,
+                            "the resumed engine healthy again")
             assert (view["weight_version"], view["epoch"]) == (1, 0)
         finally:
             httpx.post(e0.url + "/abort_request", json={"rid": "outsider"})
