@@ -19,8 +19,8 @@ changed behind the gateway's back (restarted on the same URL within one probe in
 weights or label changed by someone else) is taken out of routing, its facts detected
 again and its registration ``epoch`` bumped before it is re-admitted; the epoch is part of
 the KV namespace (``core.stamping.kv_namespace``) and every answer is vetted against it
-(``rollouts.vetting``: a request in flight across the change fails over from there). An engine back from UNHEALTHY is
-re-detected the same way before it serves.
+(``rollouts.vetting``: a request in flight across the change fails over from there). An
+engine back from UNHEALTHY is re-detected the same way before it serves.
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ class Engine:
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     #: version -> how it was installed under running requests (for kv stamping)
     installed_by: dict[int, Transition] = field(default_factory=dict)
-    #: oldest version whose KV may still sit in the engine's prefix cache (an in-place swap
-    #: cannot flush it); None once a swap flushed the cache
-    cache_floor: int | None = None
     #: versions whose install kept the older KV in the prefix cache although the swap mode
     #: rebuilds it (the engine refused the flush): stamped as kept, as for in_place
     kv_kept: set[int] = field(default_factory=set)
