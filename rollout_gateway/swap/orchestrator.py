@@ -80,6 +80,11 @@ _PAUSE_MODE = {SwapMode.IN_PLACE: "in_place", SwapMode.RETRACT: "retract",
 _ABORT_REPEAT_S = 0.5
 
 
+def _manifest(req: SwapRequest) -> Manifest | None:
+    """The checkpoint's weights manifest (a disk source with one), else None."""
+    return read_manifest(req.source.path) if isinstance(req.source, DiskSource) else None
+
+
 def effective_mode(e: Engine, mode: SwapMode) -> SwapMode:
     """Engines without weight_versions spans (SGLang < 0.5.21) cannot say where inside a
     request the version changed, so requests must not straddle a swap there: in_place and
@@ -146,7 +151,7 @@ class SwapOrchestrator:
                         rec.engines[eng.id] = EngineSwapOutcome(
                             engine_id=eng.id, version_before=eng.version,
                             version_after=eng.version)
-                        await self._swap_group([eng], req, rec, None)
+                        await self._swap_group([eng], req, rec, None, _manifest(req))
                         ok = rec.engines[eng.id].ok
                         rec.status = SwapStatus.SUCCEEDED if ok else SwapStatus.FAILED
                         rec.finished_at = time.time()
@@ -189,8 +194,7 @@ class SwapOrchestrator:
                      f"{req.source.master_address}:{req.source.master_port}"
         rec = SwapRecord(version=req.version, mode=req.mode, rolling=req.rolling,
                          source=source, leader=self.holder)
-        if isinstance(req.source, DiskSource):
-            read_manifest(req.source.path)  # a malformed manifest: 400 before any pause
+        manifest = _manifest(req)  # read once per refit; malformed: 400 before any pause
         published = False
 
         async def publish() -> None:
@@ -231,7 +235,7 @@ class SwapOrchestrator:
             groups = [[e] for e in targets] if req.rolling else [targets]
             for g in groups:
                 lease.check()
-                await self._swap_group(g, req, rec, publish)
+                await self._swap_group(g, req, rec, publish, manifest)
             if not req.rolling and targets:
                 rec.paused_at = min((o.paused_at for o in rec.engines.values() if o.paused_at),
                                     default=None)
@@ -255,10 +259,9 @@ class SwapOrchestrator:
         return rec
 
     async def _swap_group(self, group: list[Engine], req: SwapRequest, rec: SwapRecord,
-                          publish: Callable[[], Awaitable[None]] | None) -> None:
+                          publish: Callable[[], Awaitable[None]] | None,
+                          manifest: Manifest | None) -> None:
         res = {e.id: rec.engines[e.id] for e in group}
-        manifest = read_manifest(req.source.path) if isinstance(req.source, DiskSource) \
-            else None
         for e in group:
             self.pool.close_gate(e)
         try:
