@@ -162,16 +162,23 @@ async def sse(client: httpx.AsyncClient, path: str, body: dict, on_event=None) -
     async with client.stream("POST", path, json={**body, "stream": True}) as r:
         if r.status_code != 200:
             raise AssertionError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:2000]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
-            events.append(ev)
-            if on_event is not None:
-                on_event(ev)
+        buf = b""
+        async for chunk in r.aiter_bytes():
+            # SSE lines end at b"\n" only: httpx's aiter_lines also splits at U+0085 / U+2028,
+            # which JSON leaves unescaped inside the byte-level model's generated text
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                line = raw.rstrip(b"\r").decode()
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    return events
+                ev = json.loads(data)
+                events.append(ev)
+                if on_event is not None:
+                    on_event(ev)
     return events
 
 
