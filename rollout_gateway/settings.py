@@ -397,7 +397,18 @@ class GatewaySettings(BaseSettings):
         "await_reward waits for POST /v1/trajectories/{id}/reward before it is published "
         "without one (metadata reward=missing).")
     max_sessions: int = Field(default=10_000, ge=1, le=10_000_000,
-                              description="Open sessions at most; a new one past it gets 429.")
+                              description="Open sessions at most (every replica's, on a "
+                              "shared store); a new one past it gets 429.")
+    session_lease_s: float = Field(
+        default=30.0, ge=0.3, le=3600, description="A call's lock on its session in the "
+        "session store lasts this long and is renewed every third of it while the call "
+        "runs; when the replica running a call dies, the session's next call (on any "
+        "replica) is accepted at most this long after (409 with Retry-After before).")
+    session_remember_s: float = Field(
+        default=86_400.0, ge=1, le=30 * 86400, description="Shared (Redis) store: how long "
+        "ended session ids and published session trajectory ids are remembered, so a call to "
+        "an ended session is 409 (not a new session) and a late reward 409 (not 404). The "
+        "embedded store remembers the last 100000 of each.")
 
     @model_validator(mode="after")
     def _tenants(self) -> GatewaySettings:
