@@ -80,6 +80,8 @@ class Gateway:
                                        engines=self.pool.list, publish=self.store.publish,
                                        store=session_store_for(self.store),
                                        replica_id=self.gatekeeper.replica_id)
+        if self.sessions.store.shared:  # one run of a request_id across the replicas
+            self.rollouts.claims = self.sessions.store
         # ---- engine discovery through DNS (settings.engine_discovery.dns_name) ----
         self.discovery = None
         if s.engine_discovery.dns_name:

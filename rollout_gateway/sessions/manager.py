@@ -247,6 +247,15 @@ class SessionManager:
         else:
             await self.store.release(s.key, owner)
 
+    async def _unlock_quietly(self, s: Session) -> None:
+        """:meth:`_unlock` on an error path: the error raised is the caller's (a store
+        failure here leaves the lock to lapse after its lease)."""
+        try:
+            await asyncio.shield(self._unlock(s))
+        except (GatewayError, asyncio.CancelledError) as exc:
+            log.warning("session %s: unlocking failed (%s); its lease lapses", s.session_id,
+                        getattr(exc, "message", type(exc).__name__))
+
     async def _commit(self, s: Session, recs: list[records.Record], reset: bool) -> None:
         owner, s.owner = s.owner, ""
         self.locks.pop(s.key, None)
@@ -376,7 +385,7 @@ class SessionManager:
                                            parse_tools, tag) for i, (t, _text) in enumerate(pairs)]
         except BaseException:
             if s is not None:  # a first call that failed leaves no session
-                await asyncio.shield(self._unlock(s))
+                await self._unlock_quietly(s)
             raise
         return self._stream(s, plan, extends, kind, plan_input, tools, events, parse_tools, tag)
 
@@ -458,7 +467,7 @@ class SessionManager:
         except BaseException:
             if s is not None:
                 self.cache.pop(s.key, None)  # the copy may hold what was not stored
-                await asyncio.shield(self._unlock(s))
+                await self._unlock_quietly(s)
             raise
 
     async def _record_inner(self, s, plan, extends, kind, plan_input, tools, index, turn,
@@ -612,6 +621,8 @@ class SessionManager:
                                         or got.head.last_active >= idle_before):
             if s is not None:
                 await self._unlock(s)
+            elif got.status in ("absent", "ended"):  # a leftover in the idle index
+                await self.store.prune(key, idle_before)
             return None
         if got.status == "ended":
             raise FailedPrecondition(f"session {sid!r} has already ended ({got.ended_by})",
@@ -629,7 +640,7 @@ class SessionManager:
             else:
                 result.update({"published": False, "reason": "the session had no model call"})
         except BaseException:
-            await asyncio.shield(self._unlock(s))
+            await self._unlock_quietly(s)
             raise
         owner, s.owner = s.owner, ""
         self.locks.pop(key, None)

@@ -80,6 +80,22 @@ return 1
 """
 
 
+# KEYS: open index; ARGV: session id, before_ms
+_PRUNE = """
+local at = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if at and tonumber(at) < tonumber(ARGV[2]) then return redis.call('ZREM', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+# KEYS: claim; ARGV: owner, ttl_ms ('0': release)
+_REQUEST = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then return redis.call('DEL', KEYS[1]) end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+
 class RedisKeys:
     """Every Redis key of the session store (one place: the layout)."""
 
@@ -112,6 +128,10 @@ class RedisKeys:
     def published(self, tid: str) -> str:
         return f"{self.p}:published:{{{tid}}}"
 
+    def request(self, rid: str) -> str:
+        """The lease of a request_id being run (one run across replicas)."""
+        return f"{self.p}:running:{{{rid}}}"
+
     def sweep(self) -> str:
         return f"{self.p}:sessions:sweep"
 
@@ -132,6 +152,8 @@ class RedisSessionStore(SessionStore):
         self._commit = client.register_script(_COMMIT)
         self._lease = client.register_script(_LEASE)
         self._finish = client.register_script(_FINISH)
+        self._prune = client.register_script(_PRUNE)
+        self._request = client.register_script(_REQUEST)
 
     @asynccontextmanager
     async def _io(self, what: str):
@@ -161,7 +183,8 @@ class RedisSessionStore(SessionStore):
         zkey, sid = self.k.open(head.tenant), head.session_id
         async with self._io("create"):
             async with self.r.pipeline(transaction=False) as p:
-                p.zadd(zkey, {sid: _ms(head.last_active)}, nx=True)
+                # the score now (not NX): a sweeper never takes it for an idle leftover
+                p.zadd(zkey, {sid: _ms(head.last_active)})
                 p.sadd(self.k.tenants(), head.tenant)
                 p.zcard(zkey)
                 added, _, mine = await p.execute()
@@ -236,6 +259,10 @@ class RedisSessionStore(SessionStore):
 
     async def drop(self, key, owner):
         await self._forget(key, owner, "", 1)
+
+    async def prune(self, key, before):
+        async with self._io("prune"):
+            await self._prune(keys=[self.k.open(key[0])], args=[key[1], _ms(before)])
 
     async def idle(self, before, limit):
         out: list[tuple[float, Key]] = []
@@ -314,3 +341,17 @@ class RedisSessionStore(SessionStore):
     async def sweep_lease(self, owner, ttl):
         async with self._io("sweep lease"):
             return bool(await self.r.set(self.k.sweep(), owner, nx=True, px=max(1, _ms(ttl))))
+
+    async def claim_request(self, rid, owner, ttl):
+        async with self._io("request claim"):
+            return bool(await self.r.set(self.k.request(rid), owner, nx=True,
+                                          px=max(1, _ms(ttl))))
+
+    async def renew_request(self, rid, owner, ttl):
+        async with self._io("request claim"):
+            return bool(await self._request(keys=[self.k.request(rid)],
+                                            args=[owner, max(1, _ms(ttl))]))
+
+    async def release_request(self, rid, owner):
+        async with self._io("request claim"):
+            await self._request(keys=[self.k.request(rid)], args=[owner, "0"])

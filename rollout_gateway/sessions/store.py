@@ -116,6 +116,11 @@ class SessionStore(abc.ABC):
     async def idle(self, before: float, limit: int) -> list[Key]:
         """Open sessions last active before ``before`` (wall clock), oldest first."""
 
+    async def prune(self, key: Key, before: float) -> None:
+        """Drop ``key`` from the idle index if it is there and idle since before ``before``
+        but the session is gone (a create that died half-way). Embedded store: nothing
+        to do (no separate index)."""
+
     @abc.abstractmethod
     async def open_counts(self) -> dict[str, int]:
         """Open sessions per tenant (every replica's)."""
@@ -155,6 +160,19 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def published_tenant(self, trajectory_id: str) -> str | None: ...
+
+    # ---- request ids run now (rollouts: one run of a request_id across replicas) ----
+
+    @abc.abstractmethod
+    async def claim_request(self, rid: str, owner: str, ttl: float) -> bool:
+        """Take the lease on request id ``rid`` for ``ttl`` seconds; False: another run
+        holds it."""
+
+    @abc.abstractmethod
+    async def renew_request(self, rid: str, owner: str, ttl: float) -> bool: ...
+
+    @abc.abstractmethod
+    async def release_request(self, rid: str, owner: str) -> None: ...
 
     # ---- the idle sweeper ----
 
@@ -305,6 +323,16 @@ class MemorySessionStore(SessionStore):
 
     async def sweep_lease(self, owner, ttl):
         return True
+
+    # one process: the rollout service's own per-request events already serialize runs
+    async def claim_request(self, rid, owner, ttl):
+        return True
+
+    async def renew_request(self, rid, owner, ttl):
+        return True
+
+    async def release_request(self, rid, owner):
+        return None
 
 
 def session_store_for(store: object) -> SessionStore:
