@@ -1,10 +1,14 @@
 """Redis version registry: the state several gateway replicas share.
 
-Keys under ``{prefix}:reg:``: ``learner`` (int), ``engines`` (hash engine -> version),
-``swaps`` (hash swap_id -> JSON), ``swap_order`` (zset by start time), ``lease`` (the
-leader's token, with a PX expiry). Changes are published on ``{prefix}:reg:events``.
+Keys under ``{prefix}:reg:`` (named by ``store.keys.KeyLayout.key``: on a Redis Cluster
+``{prefix}:{{prefix}}:reg:``, all in one slot): ``learner`` (int), ``engines`` (hash
+engine -> version), ``swaps`` (hash swap_id -> JSON), ``swap_order`` (zset by start time),
+``lease`` (the leader's token, with a PX expiry), ``running`` / ``running_expiry``.
+Changes are published on ``reg:events`` (named like a key, so a script's PUBLISH names
+a key of its own slot; on a cluster PUBLISH reaches every node).
 Check-and-set steps run as Lua scripts, so concurrent replicas cannot interleave them.
-Pub/sub is at-most-once: a watcher that reconnects should re-read ``snapshot()``.
+Pub/sub is at-most-once: a watcher that reconnects should re-read ``snapshot()``. On a
+cluster the watch subscribes on one node and moves to another when that node is lost.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from rollout_gateway.errors import FailedPrecondition, StoreError
+from rollout_gateway.store.keys import KeyLayout
 from rollout_gateway.registry.base import (
     Lease,
     SwapRecord,
@@ -91,17 +96,21 @@ def _event(kind: str, version: int | None, engine_id: str | None = None) -> byte
 class RedisRegistry(VersionRegistry):
     def __init__(self, client: aioredis.Redis, *, prefix: str = "rg",
                  max_history: int = 1000, version_cache_s: float = 0.0) -> None:
+        from redis.asyncio.cluster import RedisCluster
+
         self._r = client
+        self.cluster = isinstance(client, RedisCluster)
+        keys = KeyLayout(prefix, cluster=self.cluster)
         #: the learner version is read on every admission and judgement: cache it briefly
         #: (this replica's own writes update it at once) and share one read among callers
         self._cache_s = version_cache_s
         self._cached: tuple[float, int] | None = None  # (monotonic read time, version)
         self._reading: asyncio.Task[int] | None = None
-        p = f"{prefix}:reg:"
-        self._k_learner, self._k_engines = p + "learner", p + "engines"
-        self._k_swaps, self._k_order, self._k_lease = p + "swaps", p + "swap_order", p + "lease"
-        self._k_running, self._k_running_exp = p + "running", p + "running_expiry"
-        self.channel = p + "events"
+        k = lambda name: keys.key(f"reg:{name}")  # noqa: E731
+        self._k_learner, self._k_engines = k("learner"), k("engines")
+        self._k_swaps, self._k_order, self._k_lease = k("swaps"), k("swap_order"), k("lease")
+        self._k_running, self._k_running_exp = k("running"), k("running_expiry")
+        self.channel = k("events")
         self._max_history = max_history
         self._set_learner = client.register_script(_SET_LEARNER)
         self._set_engine = client.register_script(_SET_ENGINE)
@@ -113,8 +122,10 @@ class RedisRegistry(VersionRegistry):
     @classmethod
     def from_url(cls, url: str, *, max_connections: int | None = None,
                  pool_wait_s: float | None = None, **kw: Any) -> RedisRegistry:
-        from rollout_gateway.store.redis_client import blocking_client
+        from rollout_gateway.store.redis_client import blocking_client, cluster_client, is_cluster
 
+        if is_cluster(url):
+            return cls(cluster_client(url, max_connections=max_connections), **kw)
         return cls(blocking_client(url, max_connections=max_connections, wait_s=pool_wait_s),
                    **kw)
 

@@ -28,3 +28,47 @@ def blocking_client(url: str, *, max_connections: int | None = None,
         timeout=wait_s if wait_s is not None else WAIT_S, decode_responses=False,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
     return aioredis.Redis(connection_pool=pool)
+
+
+#: retries of a cluster command that met a broken connection or a cluster in failover
+#: (jittered backoff, 50 ms doubling up to 1 s: ~8 s in all, past a failover on a cluster
+#: with a node timeout of a few seconds; the client refreshes its slot map between tries)
+CLUSTER_RETRIES = 10
+
+
+def is_cluster(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``)."""
+    from rollout_proto.redis_url import is_cluster_url
+
+    return is_cluster_url(url)
+
+
+def cluster_client(url: str, *, max_connections: int | None = None):
+    """An asyncio Redis Cluster client from a ``redis+cluster://h:p[,h:p...]`` URL (query
+    ignored): ``max_connections`` per node (a call finding a node's all busy fails:
+    StoreError, 503), commands retried across a failover (:data:`CLUSTER_RETRIES`)."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    from rollout_proto.redis_url import parse_cluster_url
+
+    t = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], decode_responses=False,
+        max_connections=max_connections or MAX_CONNECTIONS,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
+        **t.client_kwargs())
+
+
+def sync_cluster_client(url: str, *, socket_timeout: float = 30.0):
+    """The blocking counterpart (bulk reads on a thread pool)."""
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry as SyncRetry
+
+    from rollout_proto.redis_url import parse_cluster_url
+
+    t = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], decode_responses=False,
+        socket_timeout=socket_timeout, socket_connect_timeout=5.0,
+        retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
+        **t.client_kwargs())
