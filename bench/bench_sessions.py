@@ -105,10 +105,11 @@ async def main() -> None:
         import redis.asyncio as aioredis
 
         from rollout_gateway.sessions.redis_store import RedisSessionStore
+        from rollout_gateway.store.keys import KeyLayout
 
         client = aioredis.Redis.from_url(args.redis)
         await client.ping()
-        stores["redis"] = RedisSessionStore(client, prefix)
+        stores["redis"] = RedisSessionStore(client, KeyLayout(prefix))
     except Exception as exc:  # noqa: BLE001 - the embedded figures still stand
         rep.note(f"redis not measured: {exc}")
     try:

@@ -1,9 +1,9 @@
 """The session store on Redis: shared by every gateway replica on the same store.
 
-Keys (all built by :func:`keys`, under the store's prefix): per session a hash (head,
-lock owner and lease) and a list (the current branch's records, framed by
-:mod:`rollout_gateway.sessions.records`) sharing one hash tag, so each session's scripts
-touch one slot; the ended marker (its own key, with a TTL); per tenant a sorted set of
+Keys (all named by :class:`RedisKeys`, through the store's key layout, under its prefix):
+per session a hash (head, lock owner and lease) and a list (the current branch's records,
+framed by :mod:`rollout_gateway.sessions.records`) sharing one hash tag, so each session's
+scripts touch one slot; the ended marker (its own key, with a TTL); per tenant a sorted set of
 open sessions by last activity (the idle sweeper's index and the per-tenant count). Held
 trajectories are the trajectory codec's bytes under their id, indexed by deadline.
 
@@ -25,6 +25,7 @@ from rollout_gateway.core import trajectory_codec
 from rollout_gateway.errors import StoreError
 from rollout_gateway.sessions import records as rec_codec
 from rollout_gateway.sessions.store import Claim, Head, Key, SessionStore
+from rollout_gateway.store.keys import KeyLayout
 
 # KEYS: head, records, ended; ARGV: now_ms, owner, lease_ms, have_epoch, have_n
 _CLAIM = """
@@ -97,43 +98,46 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 
 
 class RedisKeys:
-    """Every Redis key of the session store (one place: the layout)."""
+    """Every Redis key of the session store, named through the store's
+    :class:`~rollout_gateway.store.keys.KeyLayout` (one session's keys share a hash tag:
+    one slot of a Redis Cluster; different sessions spread over the cluster)."""
 
-    def __init__(self, prefix: str) -> None:
-        self.p = prefix
+    def __init__(self, layout: KeyLayout) -> None:
+        self.layout = layout
 
     def session(self, key: Key) -> tuple[str, str, str]:
-        """(head hash, records list, ended marker); one hash tag per session."""
-        tag = f"{self.p}:session:{{{key[0]}/{key[1]}}}"
-        return f"{tag}:h", f"{tag}:r", f"{tag}:e"
+        """(head hash, records list, ended marker) of one session."""
+        tag = f"session/{key[0]}/{key[1]}"
+        return (self.layout.tagged(tag, "h"), self.layout.tagged(tag, "r"),
+                self.layout.tagged(tag, "e"))
 
     def open(self, tenant: str) -> str:
         """Open sessions of a tenant, by last activity (ms)."""
-        return f"{self.p}:sessions:open:{{{tenant}}}"
+        return self.layout.tagged(f"sessions/{tenant}", "open")
 
     def tenants(self) -> str:
         """Tenants that have opened sessions."""
-        return f"{self.p}:sessions:tenants"
+        return self.layout.key("sessions:tenants")
 
     def ids(self, session_id: str) -> str:
         """Tenants with a session of this id (the admin's lookup)."""
-        return f"{self.p}:sessions:id:{{{session_id}}}"
+        return self.layout.tagged(f"sid/{session_id}", "tenants")
 
     def held(self, tid: str) -> str:
-        return f"{self.p}:held:{{{tid}}}"
+        return self.layout.tagged(f"held/{tid}", "held")
 
     def held_index(self) -> str:
-        return f"{self.p}:sessions:held"
+        return self.layout.key("sessions:held")
 
     def published(self, tid: str) -> str:
-        return f"{self.p}:published:{{{tid}}}"
+        return self.layout.tagged(f"published/{tid}", "published")
 
     def request(self, rid: str) -> str:
         """The lease of a request_id being run (one run across replicas)."""
-        return f"{self.p}:running:{{{rid}}}"
+        return self.layout.tagged(f"running/{rid}", "running")
 
     def sweep(self) -> str:
-        return f"{self.p}:sessions:sweep"
+        return self.layout.key("sessions:sweep")
 
 
 def _ms(t: float) -> int:
@@ -143,9 +147,10 @@ def _ms(t: float) -> int:
 class RedisSessionStore(SessionStore):
     shared = True
 
-    def __init__(self, client: aioredis.Redis, prefix: str, clock=time.time) -> None:
+    def __init__(self, client: aioredis.Redis, layout: KeyLayout, clock=time.time) -> None:
         self.r = client
-        self.k = RedisKeys(prefix)
+        self.k = RedisKeys(layout)
+        self.cluster = layout.cluster
         self.clock = clock
         self._claim = client.register_script(_CLAIM)
         self._create = client.register_script(_CREATE)
@@ -208,7 +213,16 @@ class RedisSessionStore(SessionStore):
     async def _pipelined(self, calls: list[tuple[object, list, list]], extra=None) -> list:
         """Scripts (by sha) and ``extra`` commands in one pipeline: one round trip (redis-py
         adds a SCRIPT EXISTS round trip to every pipeline that names a Script object); a
-        script Redis lost (restarted) is loaded again and the pipeline sent again."""
+        script Redis lost (restarted) is loaded again and the pipeline sent again. Redis
+        Cluster (redis-py runs no script in a cluster pipeline): each script on its own,
+        then ``extra`` pipelined."""
+        if self.cluster:
+            out = [await script(keys=keys, args=args) for script, keys, args in calls]
+            if extra is not None:
+                async with self.r.pipeline(transaction=False) as p:
+                    extra(p)
+                    out += await p.execute()
+            return out
         for attempt in (0, 1):
             try:
                 async with self.r.pipeline(transaction=False) as p:

@@ -343,5 +343,5 @@ def session_store_for(store: object) -> SessionStore:
     if isinstance(store, RedisStore):
         from rollout_gateway.sessions.redis_store import RedisSessionStore
 
-        return RedisSessionStore(store._r, store.prefix)
+        return RedisSessionStore(store._r, store.layout)
     return MemorySessionStore()
