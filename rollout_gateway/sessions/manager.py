@@ -3,6 +3,11 @@ run by :class:`~rollout_gateway.rollouts.rollout.RolloutService` (admission, the
 policy, failover, swaps, stamping), then appended to its session's branch; a session is
 published when it ends (``end``, idle timeout, a new branch, shutdown).
 
+A session's state lives in the session store (:mod:`rollout_gateway.sessions.store`: in
+memory with the embedded store, in Redis shared by every replica), so any replica serves
+any turn: a call locks its session there, brings this replica's copy up to date (only
+the records it has not seen) and appends its turn when it ends.
+
 Sessions belong to a tenant (:mod:`rollout_gateway.rollouts.tenancy`): a session id names a
 session within its tenant's namespace, and another tenant's calls, ends and rewards find
 nothing there (404; ``owner`` None, the admin, acts on every tenant's). Trajectory ids end
