@@ -41,6 +41,7 @@ from rollout_gateway.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from rollout_gateway.rollouts.models import RolloutRequest, SamplingParams
 from rollout_gateway.rollouts.rollout import RolloutService
@@ -74,6 +75,7 @@ class Session:
     group_id: str | None = None
     owner: str = ""  # the lock this replica holds for a call in flight ("" none)
     fresh: bool = False  # not in the store yet (its first call)
+    unpublished: int = 0  # finished branches still in its outbox (the store failed)
 
     @property
     def key(self) -> Key:
@@ -237,6 +239,7 @@ class SessionManager:
         s.owner = owner
         self.locks[key] = owner
         self._cached(key, s)
+        s.unpublished = await self._flush(key, got.outbox) if got.outbox else 0
         return got, s
 
     async def _unlock(self, s: Session) -> None:
@@ -261,10 +264,11 @@ class SessionManager:
             log.warning("session %s: unlocking failed (%s); its lease lapses", s.session_id,
                         getattr(exc, "message", type(exc).__name__))
 
-    async def _commit(self, s: Session, recs: list[records.Record], reset: bool) -> None:
+    async def _commit(self, s: Session, recs: list[records.Record], reset: bool,
+                      outbox: Trajectory | None = None) -> None:
         owner, s.owner = s.owner, ""
         self.locks.pop(s.key, None)
-        if not await self.store.commit(s.key, owner, s.head(), recs, reset):
+        if not await self.store.commit(s.key, owner, s.head(), recs, reset, outbox):
             self.cache.pop(s.key, None)
             raise Aborted(f"session {s.session_id!r}: its lock expired while the call ran "
                           f"(session_lease_s={self.lease_s:g}) and another call took it; "
@@ -530,27 +534,62 @@ class SessionManager:
                       top_logprobs=pt.out.get(index, {}).get("output_top_logprobs")
                       if pt is not None else None)
         tenant = turn.metadata.get(TENANT_KEY, DEFAULT_TENANT)
-        if old is not None:  # the superseded branch is finished: publish it
-            await self._publish(old, s.session_id, tenant, "branch", None, await_reward=False)
         if s is None:
             await self._publish(branch, branch.trajectory_id, tenant, "single_call", None,
                                 await_reward=False)
             return reply
+        done: Trajectory | None = None
+        if old is not None:  # the superseded branch is finished: published after the commit
+            if old.stale_verdict == "drop":
+                self.counters["session_stale_dropped"] += 1
+            else:
+                done = self._final(old, s.session_id, tenant, "branch", None)
         s.branch = branch
         if extends is None:
             s.branches += 1
             s.n = 0
         s.n += len(recs)
-        await self._commit(s, recs, reset=extends is None)
+        # the new branch and the old one's trajectory (in the session's outbox) at once: a
+        # replica dying before the publish leaves it to the session's next claimer
+        await self._commit(s, recs, reset=extends is None, outbox=done)
+        if done is not None:
+            await self._flush(s.key, [done])
         return reply
 
     # ---- ending and rewards ----
 
-    async def _publish(self, branch: Branch, session_id: str, tenant: str, ended_by: str,
-                       reward: float | None, *, await_reward: bool) -> dict[str, Any]:
+    def _final(self, branch: Branch, session_id: str, tenant: str, ended_by: str,
+               reward: float | None) -> Trajectory:
         traj = branch.trajectory(session_id=session_id, ended_by=ended_by, reward=reward,
                                  template=self.template.name)
         traj.metadata[TENANT_KEY] = tenant  # the gateway's, over anything the caller set
+        return traj
+
+    async def _flush(self, key: Key, outbox: list[Trajectory]) -> int:
+        """Publish a session's outbox (finished branches a new branch replaced); each
+        leaves it once the trajectory store has it (already had it: a replica died after
+        its publish). Returns how many are left (the store failed: retried at the
+        session's next claim)."""
+        left = 0
+        for traj in outbox:
+            try:
+                if await self.publish(traj) is not False:
+                    self.counters["session_trajectories_published"] += 1
+                await self.store.mark_published(traj.trajectory_id,
+                                                traj.metadata.get(TENANT_KEY, DEFAULT_TENANT),
+                                                self.remember_s)
+                await self.store.clear_outbox(key, traj.trajectory_id)
+            except GatewayError as exc:
+                left += 1
+                self.counters["session_publish_failed"] += 1
+                log.warning("session %s: publishing its finished branch %s failed: %s "
+                            "(kept; retried at its next call)", key[1], traj.trajectory_id,
+                            exc.message)
+        return left
+
+    async def _publish(self, branch: Branch, session_id: str, tenant: str, ended_by: str,
+                       reward: float | None, *, await_reward: bool) -> dict[str, Any]:
+        traj = self._final(branch, session_id, tenant, ended_by, reward)
         out = {"trajectory_id": traj.trajectory_id, "num_tokens": traj.num_tokens,
                "turns": len(branch.calls), "branch": branch.index}
         if branch.stale_verdict == "drop":
@@ -639,6 +678,9 @@ class SessionManager:
                                      "call returns", details={"session_id": sid})
         result: dict[str, Any] = {"session_id": sid, "ended_by": how}
         try:
+            if s.unpublished:
+                raise Unavailable(f"session {sid!r}: an earlier branch of it could not be "
+                                  "published yet; end it again", details={"session_id": sid})
             if s.branch is not None:
                 result.update(await self._publish(s.branch, sid, s.tenant, how, reward,
                                                   await_reward=await_reward))

@@ -27,7 +27,7 @@ from rollout_gateway.sessions import records as rec_codec
 from rollout_gateway.sessions.store import Claim, Head, Key, SessionStore
 from rollout_gateway.store.keys import KeyLayout
 
-# KEYS: head, records, ended; ARGV: now_ms, owner, lease_ms, have_epoch, have_n
+# KEYS: head, records, ended, outbox; ARGV: now_ms, owner, lease_ms, have_epoch, have_n
 _CLAIM = """
 local how = redis.call('GET', KEYS[3])
 if how then return {'ended', how} end
@@ -42,7 +42,8 @@ if tonumber(redis.call('HGET', KEYS[1], 'epoch')) == tonumber(ARGV[4]) then
   since = tonumber(ARGV[5])
   if since > redis.call('LLEN', KEYS[2]) then since = 0 end
 end
-return {'ok', head, tostring(since), redis.call('LRANGE', KEYS[2], since, -1)}
+return {'ok', head, tostring(since), redis.call('LRANGE', KEYS[2], since, -1),
+        redis.call('HVALS', KEYS[4])}
 """
 
 # KEYS: head, ended; ARGV: now_ms, owner, lease_ms, head, epoch
@@ -55,11 +56,13 @@ redis.call('HSET', KEYS[1], 'head', ARGV[4], 'epoch', ARGV[5], 'owner', ARGV[2],
 return 'ok'
 """
 
-# KEYS: head, records; ARGV: owner, head, epoch, reset, records...
+# KEYS: head, records, outbox; ARGV: owner, head, epoch, reset, outbox id ('' none),
+# outbox bytes, records...
 _COMMIT = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[6]) end
 if ARGV[4] == '1' then redis.call('DEL', KEYS[2]) end
-for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+for i = 7, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 redis.call('HSET', KEYS[1], 'head', ARGV[2], 'epoch', ARGV[3], 'owner', '', 'until', '0')
 return 1
 """
@@ -110,6 +113,10 @@ class RedisKeys:
         tag = f"session/{key[0]}/{key[1]}"
         return (self.layout.tagged(tag, "h"), self.layout.tagged(tag, "r"),
                 self.layout.tagged(tag, "e"))
+
+    def outbox(self, key: Key) -> str:
+        """Finished branches of one session waiting to be in the trajectory store."""
+        return self.layout.tagged(f"session/{key[0]}/{key[1]}", "o")
 
     def open(self, tenant: str) -> str:
         """Open sessions of a tenant, by last activity (ms)."""
@@ -170,7 +177,7 @@ class RedisSessionStore(SessionStore):
     async def claim(self, key, owner, lease_s, have):
         b, n = have if have is not None else (-1, 0)
         async with self._io("claim"):
-            got = await self._claim(keys=list(self.k.session(key)),
+            got = await self._claim(keys=[*self.k.session(key), self.k.outbox(key)],
                                     args=[_ms(self.clock()), owner, _ms(lease_s), b, n])
         status = got[0].decode()
         if status == "ended":
@@ -180,7 +187,8 @@ class RedisSessionStore(SessionStore):
         if status == "busy":
             return Claim("busy", retry_after=int(got[1]) / 1000)
         since = int(got[2])
-        return Claim("ok", Head.loads(got[1]), [rec_codec.decode(x) for x in got[3]], since)
+        return Claim("ok", Head.loads(got[1]), [rec_codec.decode(x) for x in got[3]], since,
+                     outbox=[trajectory_codec.decode(x) for x in got[4]])
 
     async def create(self, head, owner, lease_s, max_total, max_per_tenant):
         key = (head.tenant, head.session_id)
@@ -238,15 +246,20 @@ class RedisSessionStore(SessionStore):
                     await self.r.script_load(script.script)
         raise AssertionError("unreachable")
 
-    async def commit(self, key, owner, head, records, reset):
+    async def commit(self, key, owner, head, records, reset, outbox=None):
         h, r, _ = self.k.session(key)
         data = [rec_codec.encode(x) for x in records]
+        out = [outbox.trajectory_id, trajectory_codec.encode(outbox)] if outbox else ["", ""]
         async with self._io("commit"):
             ok, _ = await self._pipelined(
-                [(self._commit, [h, r], [owner, head.dumps(), head.branches,
-                                         "1" if reset else "0", *data])],
+                [(self._commit, [h, r, self.k.outbox(key)],
+                  [owner, head.dumps(), head.branches, "1" if reset else "0", *out, *data])],
                 lambda p: p.zadd(self.k.open(key[0]), {key[1]: _ms(head.last_active)}, xx=True))
         return bool(ok)
+
+    async def clear_outbox(self, key, trajectory_id):
+        async with self._io("outbox"):
+            await self.r.hdel(self.k.outbox(key), trajectory_id)
 
     async def release(self, key, owner):
         async with self._io("release"):

@@ -67,6 +67,9 @@ class Claim:
     since: int = 0
     ended_by: str = ""
     retry_after: float = 0.0  # busy: seconds left on the holder's lease
+    #: finished branches committed for publishing but not yet cleared (a replica died
+    #: between its commit and its publish): the claimer publishes them
+    outbox: list[Trajectory] = field(default_factory=list)
 
 
 class SessionStore(abc.ABC):
@@ -90,10 +93,15 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def commit(self, key: Key, owner: str, head: Head, records: list[Record],
-                     reset: bool) -> bool:
+                     reset: bool, outbox: Trajectory | None = None) -> bool:
         """Append ``records`` (after dropping the old branch's when ``reset``), store
-        ``head`` and unlock, all at once. False (nothing written) when ``owner`` no longer
-        holds the lock."""
+        ``head``, put ``outbox`` (the finished branch a new branch replaces) in the
+        session's outbox and unlock, all at once. False (nothing written) when ``owner``
+        no longer holds the lock."""
+
+    @abc.abstractmethod
+    async def clear_outbox(self, key: Key, trajectory_id: str) -> None:
+        """The outbox's ``trajectory_id`` is in the trajectory store."""
 
     @abc.abstractmethod
     async def release(self, key: Key, owner: str) -> None:
@@ -195,6 +203,7 @@ def _lean(rec: Record) -> Record:
 class _Open:
     head: Head
     records: list[Record] = field(default_factory=list)
+    outbox: dict[str, Trajectory] = field(default_factory=dict)
     owner: str = ""
     until: float = 0.0
 
@@ -226,7 +235,8 @@ class MemorySessionStore(SessionStore):
         self._lock(o, owner, lease_s)
         since = have[1] if have is not None and have[0] == o.head.branches \
             and have[1] <= len(o.records) else 0
-        return Claim("ok", replace(o.head), o.records[since:], since)
+        return Claim("ok", replace(o.head), o.records[since:], since,
+                     outbox=list(o.outbox.values()))
 
     async def create(self, head, owner, lease_s, max_total, max_per_tenant):
         key = (head.tenant, head.session_id)
@@ -242,16 +252,23 @@ class MemorySessionStore(SessionStore):
         self._lock(o, owner, lease_s)
         return "ok"
 
-    async def commit(self, key, owner, head, records, reset):
+    async def commit(self, key, owner, head, records, reset, outbox=None):
         o = self.sessions.get(key)
         if o is None or o.owner != owner:
             return False
+        if outbox is not None:
+            o.outbox[outbox.trajectory_id] = outbox
         if reset:
             o.records = []
         o.records.extend(_lean(r) for r in records)
         o.head = replace(head)
         o.owner, o.until = "", 0.0
         return True
+
+    async def clear_outbox(self, key, trajectory_id):
+        o = self.sessions.get(key)
+        if o is not None:
+            o.outbox.pop(trajectory_id, None)
 
     async def release(self, key, owner):
         o = self.sessions.get(key)

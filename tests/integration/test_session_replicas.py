@@ -87,6 +87,18 @@ def test_a_session_continues_on_any_replica_and_survives_a_sigkilled_one(engines
         # another tenant sees nothing of it on any replica
         assert httpx.post(f"{rc.url}/v1/sessions/{sid}/end", json={}, headers=_h(B),
                           timeout=30).status_code == 404
+        # history edited on another replica: a new branch; the replaced one is published
+        forked = f"f-{uuid.uuid4().hex[:6]}"
+        content, first = _reply(_chat(ra, forked, [{"role": "user", "content": "hi"}]))
+        edited = [{"role": "user", "content": "edited"},
+                  {"role": "assistant", "content": content}, {"role": "user", "content": "go"}]
+        _, second = _reply(_chat(rb, forked, edited))
+        assert second["branched"] == "history_edited"
+        assert second["trajectory_id"] != first["trajectory_id"]
+        old = pull_ids(rc, {first["trajectory_id"]}, token=LEARNER)[first["trajectory_id"]]
+        assert old.metadata["session_ended_by"] == "branch"
+        assert np.asarray(old.token_ids)[np.asarray(old.loss_mask) == 1].tolist() == \
+            first["token_ids"]
 
         # replica A dies mid-turn: its client gets no answer, the turn is not recorded
         with httpx.stream("POST", ra.url + "/v1/chat/completions", timeout=120,

@@ -77,6 +77,16 @@ async def test_sessions_on_redis_and_redis_cluster(url):
             rebuilt = apply(rebuilt, r)
         assert rebuilt.sequence().tolist() == branch.sequence().tolist()
         assert not await a.commit(key, "A", head, [], False)  # A no longer holds the lock
+        # a new branch commits with the old one's trajectory in the outbox: a replica dying
+        # before it publishes leaves it to the next claimer
+        old = _turn(2, [8, 9])
+        old.trajectory_id = "s1.b0.x"
+        assert await b.commit(key, "B", head, [], False, outbox=old)
+        got = await a.claim(key, "A", 5, (1, 4))
+        assert [t.tokens.token_ids.tolist() for t in got.outbox] == [[8, 9]]
+        await a.clear_outbox(key, "s1.b0.x")
+        await a.release(key, "A")
+        assert (await b.claim(key, "B", 5, (1, 4))).outbox == []
         await b.release(key, "B")
         # a lock whose holder died lapses after its lease
         assert (await a.claim(key, "A", 5, (1, 4))).status == "ok"

@@ -96,7 +96,13 @@ async def test_memory_session_store_locks_leases_and_bounds():
     now[0] += 6  # a's lease lapsed (its replica died): b takes the session
     assert (await st.claim(key, "b", 5, None)).status == "ok"
     assert not await st.commit(key, "a", Head("t", "s"), [], False)  # a lost it: no write
-    assert await st.commit(key, "b", Head("t", "s", n=0, last_active=now[0]), [], False)
+    old = _turn(2, [8, 9], 1)
+    old.trajectory_id = "s.b0.x"
+    assert await st.commit(key, "b", Head("t", "s", n=0, last_active=now[0]), [], False,
+                           outbox=old)
+    assert [t.trajectory_id for t in (await st.claim(key, "c", 5, None)).outbox] == ["s.b0.x"]
+    await st.clear_outbox(key, "s.b0.x")
+    await st.release(key, "c")
     assert await st.create(Head("t", "s2"), "c", 5, 2, 1) == "tenant_full"
     assert await st.create(Head("u", "s2"), "c", 5, 1, 1) == "full"
     assert await st.idle(now[0] + 1, 10) == [key]
