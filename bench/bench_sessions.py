@@ -10,8 +10,9 @@ build the turn's record, apply it, commit), on the embedded store and on Redis
 by side in one run. Reported: microseconds per turn when the same replica serves every
 turn (warm: nothing to read back), when each turn comes to a replica that has not seen
 the session (cold: the branch is rebuilt from the store), and the bytes a turn writes.
-On a shared 2-core machine the absolute figures move with the load; the ratios are
-measured in the same run.
+The Redis figures are also given in PING round trips measured in the same run. On a
+shared 2-core machine the absolute figures move with the load; the ratios are measured in
+the same run.
 """
 
 from __future__ import annotations
@@ -113,6 +114,13 @@ async def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the embedded figures still stand
         rep.note(f"redis not measured: {exc}")
     try:
+        if client is not None:  # the unit of the Redis figures on this machine, now
+            t0 = time.perf_counter()
+            for _ in range(200):
+                await client.ping()
+            ping = (time.perf_counter() - t0) / 200
+            rep.row("per turn", "redis PING round trip", ping * 1e6, "us")
+            print(f"redis PING round trip: {ping * 1e6:8.1f} us", flush=True)
         for name, store in stores.items():
             for cold in (False, True):
                 per_turn, nb = await _run(store, args, cold=cold, rng=rng)
@@ -133,6 +141,10 @@ async def main() -> None:
         if name in rows:
             rep.row("ratios", f"{name} / embedded, warm", rows[name] / rows["embedded, warm"],
                     "x")
+    for name in ("redis, warm", "redis, cold"):
+        if name in rows:
+            rep.row("ratios", f"{name} / PING round trip",
+                    rows[name] / rows["redis PING round trip"], "x")
     rep.write(args.json)
 
 
