@@ -115,8 +115,9 @@ class EngineProcess:
         why = wait_healthy(self.proc, self.url + "/health", self.startup_timeout)
         if why is None:
             return self
+        tail = self._stderr_tail()  # before kill(), which deletes the log
         self.kill()
-        raise EngineStartError(f"engine {why}:\n{self._stderr_tail()}")
+        raise EngineStartError(f"engine {why}:\n{tail}")
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc and self.proc.poll() is None:
