@@ -30,10 +30,37 @@ def blocking_client(url: str, *, max_connections: int | None = None,
     return aioredis.Redis(connection_pool=pool)
 
 
-#: retries of a cluster command that met a broken connection or a cluster in failover
-#: (jittered backoff, 50 ms doubling up to 1 s: ~8 s in all, past a failover on a cluster
-#: with a node timeout of a few seconds; the client refreshes its slot map between tries)
-CLUSTER_RETRIES = 10
+#: retries of a cluster command that met a broken connection or a cluster in failover (the
+#: client refreshes its slot map between tries, without waiting)
+CLUSTER_RETRIES = 3
+#: how long an idempotent write (publish, ack) keeps trying through a failover: a master's
+#: death is noticed after the cluster's node timeout, then a replica is promoted
+FAILOVER_WAIT_S = 20.0
+
+
+async def through_failover(call, *, wait_s: float = FAILOVER_WAIT_S):
+    """``await call()``, tried again (jittered backoff, 50 ms doubling up to 1 s) while
+    the cluster answers that a node is unreachable or a slot has no master, for up to
+    ``wait_s``. Only for idempotent calls: a try whose reply was lost may have applied."""
+    import asyncio
+    import random
+
+    from redis.exceptions import (ClusterDownError, ConnectionError, SlotNotCoveredError,
+                                  TimeoutError, TryAgainError)
+
+    transient = (ClusterDownError, ConnectionError, SlotNotCoveredError, TimeoutError,
+                 TryAgainError)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except transient:
+            if loop.time() + delay > deadline:
+                raise
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            delay = min(delay * 2, 1.0)
 
 
 def is_cluster(url: str) -> bool:
