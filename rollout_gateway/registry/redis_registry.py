@@ -295,6 +295,14 @@ class _RedisWatch(Watch):
         self.reconnects = 0
 
     async def start(self) -> None:
+        from redis.asyncio.cluster import RedisCluster
+
+        if isinstance(self._client, RedisCluster):
+            try:  # its pub/sub picks the node of the channel's slot from the slot map
+                await self._client.initialize()
+            except RedisError as exc:
+                raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") \
+                    from exc
         ps = self._client.pubsub(ignore_subscribe_messages=True)
         try:
             await ps.subscribe(self._channel)
