@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from rollout_gateway.errors import FailedPrecondition, StoreError
 from rollout_gateway.store.keys import KeyLayout
@@ -155,7 +155,7 @@ class RedisRegistry(VersionRegistry):
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
             return await fn()
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
 
     async def learner_version(self) -> int:
@@ -300,13 +300,13 @@ class _RedisWatch(Watch):
         if isinstance(self._client, RedisCluster):
             try:  # its pub/sub picks the node of the channel's slot from the slot map
                 await self._client.initialize()
-            except RedisError as exc:
+            except (RedisError, RedisClusterException) as exc:
                 raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") \
                     from exc
         ps = self._client.pubsub(ignore_subscribe_messages=True)
         try:
             await ps.subscribe(self._channel)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             with contextlib.suppress(RedisError):
                 await ps.aclose()
             raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") from exc
@@ -329,7 +329,7 @@ class _RedisWatch(Watch):
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - loop.time()))
             try:
                 msg = await self._ps.get_message(timeout=wait)
-            except RedisError as exc:
+            except (RedisError, RedisClusterException) as exc:
                 await self._resubscribe(exc, deadline)
                 continue
             if msg is not None and msg.get("type") == "message":

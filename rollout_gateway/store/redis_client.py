@@ -99,3 +99,29 @@ def sync_cluster_client(url: str, *, socket_timeout: float = 30.0):
         socket_timeout=socket_timeout, socket_connect_timeout=5.0,
         retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
         **t.client_kwargs())
+
+
+class LazySyncCluster:
+    """:func:`sync_cluster_client`, made on first use: its constructor reads the slot map
+    (connects), which must happen neither at start-up (a cluster not up yet) nor on the
+    event loop (it blocks). Attribute access forwards to the client."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self._url = url
+        self._client = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._client is None:
+                self._client = sync_cluster_client(self._url)
+            return self._client
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

@@ -44,7 +44,7 @@ from contextlib import asynccontextmanager
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import trajectory_codec
@@ -69,7 +69,7 @@ from rollout_gateway.store.redis_client import (
     blocking_client,
     cluster_client,
     is_cluster,
-    sync_cluster_client,
+    LazySyncCluster,
     through_failover,
 )
 from rollout_proto.resp import Replies, RespError, Skipped
@@ -236,7 +236,7 @@ class RedisStore(TrajectoryStore):
         if client is not None:
             self._bulk = None
         elif self.cluster:
-            self._bulk = sync_cluster_client(url)
+            self._bulk = LazySyncCluster(url)
         else:
             self._bulk = redis.Redis.from_url(
                 url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0,
@@ -286,7 +286,7 @@ class RedisStore(TrajectoryStore):
             if "NOGROUP" in str(exc):
                 raise NotFound(f"consumer group does not exist ({what}); create it first") from None
             raise StoreError(f"redis {what} failed: {exc}") from exc
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"redis {what} failed: {exc}") from exc
 
     async def _idempotent(self, call):
@@ -509,8 +509,8 @@ class RedisStore(TrajectoryStore):
             return await self._r.xreadgroup(group, consumer, {sh.stream: ">"}, count=count)
         if payload:
             fut = asyncio.get_running_loop().run_in_executor(
-                self._pool, self._bulk_call, self._bulk.xreadgroup, group, consumer,
-                {sh.stream: ">"}, count)
+                self._pool, self._bulk_call, self._bulk_xreadgroup, sh, group, consumer,
+                count)
         else:
             fut = asyncio.get_running_loop().run_in_executor(
                 self._pool, self._bulk_call, self._xreadgroup_sizes, sh, group, consumer,
@@ -521,6 +521,9 @@ class RedisStore(TrajectoryStore):
             # the read goes on in its thread; whatever it leases must not wait out a lease
             fut.add_done_callback(lambda f: self._release_abandoned(f, sh, group))
             raise
+
+    def _bulk_xreadgroup(self, sh: _Shard, group: str, consumer: str, count: int):
+        return self._bulk.xreadgroup(group, consumer, {sh.stream: ">"}, count)
 
     def _bulk_call(self, fn, *args):
         """A call on the blocking client; on a cluster, a node lost or a slot moved makes it
@@ -535,7 +538,7 @@ class RedisStore(TrajectoryStore):
                 raise
             try:
                 self._bulk.nodes_manager.initialize()
-            except RedisError as exc:
+            except (RedisError, RedisClusterException) as exc:
                 log.warning("could not read the cluster's slot map: %s", exc)
             return fn(*args)
 
