@@ -54,7 +54,7 @@ class Gateway:
         self._own_store, self._own_registry = store is None, registry is None
         if store is None:
             store = store_from_url(s.store_url, max_connections=s.redis.max_connections,
-                                   pool_wait_s=s.redis.wait_s)
+                                   pool_wait_s=s.redis.wait_s, shards=s.store_shards)
         if registry is None:
             registry = create_registry(s.registry_url, max_connections=s.redis.max_connections,
                                        pool_wait_s=s.redis.wait_s,

@@ -240,9 +240,19 @@ class GatewaySettings(BaseSettings):
     engines: Annotated[list[EngineSpec], NoDecode] = Field(
         default_factory=list, description="Engines registered at start-up (more via /v1/engines).")
     store_url: str = Field(default="memory://",
-                           description="Trajectory store: memory:// or redis://host:port/db.")
+                           description="Trajectory store: memory://, redis://host:port/db or "
+                           "redis+cluster://host:port[,host:port...] (a Redis Cluster, any "
+                           "node as a seed).")
+    store_shards: int = Field(default=1, ge=1, le=256, description="Trajectory streams of a "
+                              "Redis store (a store URL's ?shards= wins): each in its own "
+                              "cluster slot, spread evenly over the slot space, so a multiple "
+                              "of the cluster's masters puts the same load on each; a "
+                              "trajectory goes to the shard of its id, learners pull from "
+                              "every shard. 1 keeps single-node Redis' key names; each "
+                              "shard holds max_backlog / store_shards per group.")
     registry_url: str = Field(default="memory://",
-                              description="Version registry: memory:// or redis://host:port/db.")
+                              description="Version registry: memory://, redis://host:port/db "
+                              "or redis+cluster://host:port[,...].")
     http_host: str = Field(default="127.0.0.1", description="HTTP API bind address (a "
                            "non-loopback one needs the admin, learner and client keys, or insecure).")
     http_port: int = Field(default=8000, ge=0, le=65535, description="HTTP API port (0 = any).")

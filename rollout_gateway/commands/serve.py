@@ -31,8 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
     p.add_argument("--engine", action="append", default=[], metavar="[ID=]URL",
                    help="an engine to register (repeatable)")
-    p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
-    p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--store", help="trajectory store URL (memory://, redis://... or "
+                   "redis+cluster://host:port[,host:port...])")
+    p.add_argument("--store-shards", type=int, metavar="N",
+                   help="trajectory streams of a Redis store, spread over a cluster's masters "
+                        "(default 1; a URL's ?shards= wins)")
+    p.add_argument("--registry", help="version registry URL (memory://, redis://... or "
+                   "redis+cluster://...)")
     p.add_argument("--old-logits", type=OldLogitsMode, choices=list(OldLogitsMode),
                    help="fill old_logprobs exactly: a dedicated scorer (model) or at swaps "
                         "(interruption); default off")
@@ -57,6 +62,7 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
     over: dict[str, Any] = dict(extra)
     for attr, key in (("host", "http_host"), ("port", "http_port"), ("grpc_host", "grpc_host"),
                       ("grpc_port", "grpc_port"), ("store", "store_url"),
+                      ("store_shards", "store_shards"),
                       ("registry", "registry_url"), ("insecure", "insecure"),
                       ("tls_cert", "tls_cert_file"), ("tls_key", "tls_key_file"),
                       ("grpc_client_ca", "grpc_client_ca_file"),

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from rollout_gateway.errors import FailedPrecondition, StoreError
 from rollout_gateway.store.keys import KeyLayout
@@ -88,6 +88,27 @@ return total
 """
 
 
+# multi-key writes are scripts, not MULTI/EXEC: atomic on one Redis and within one slot of
+# a cluster (redis-py's asyncio cluster client runs a MULTI's commands one by one on a
+# thread of its own, blocking the event loop)
+_RECORD_SWAP = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if extra > 0 then
+  local old = redis.call('ZRANGE', KEYS[2], 0, extra - 1)
+  redis.call('HDEL', KEYS[1], unpack(old))
+  redis.call('ZREM', KEYS[2], unpack(old))
+end
+return 1
+"""
+_REPORT_RUNNING = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return 1
+"""
+
+
 def _event(kind: str, version: int | None, engine_id: str | None = None) -> bytes:
     return orjson.dumps({"kind": kind, "version": version, "engine_id": engine_id,
                          "at": time.time()})
@@ -118,6 +139,8 @@ class RedisRegistry(VersionRegistry):
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._running_sum = client.register_script(_RUNNING_SUM)
+        self._record_swap = client.register_script(_RECORD_SWAP)
+        self._report_running = client.register_script(_REPORT_RUNNING)
 
     @classmethod
     def from_url(cls, url: str, *, max_connections: int | None = None,
@@ -132,7 +155,7 @@ class RedisRegistry(VersionRegistry):
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
             return await fn()
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
 
     async def learner_version(self) -> int:
@@ -189,18 +212,9 @@ class RedisRegistry(VersionRegistry):
         data = orjson.dumps(record.to_dict())
 
         async def write() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(self._k_swaps, record.swap_id, data)
-                pipe.zadd(self._k_order, {record.swap_id: record.started_at})
-                pipe.zcard(self._k_order)
-                *_, count = await pipe.execute()
-            if count > self._max_history:
-                old = await self._r.zrange(self._k_order, 0, count - self._max_history - 1)
-                if old:
-                    async with self._r.pipeline(transaction=True) as pipe:
-                        pipe.hdel(self._k_swaps, *old)
-                        pipe.zrem(self._k_order, *old)
-                        await pipe.execute()
+            await self._record_swap(keys=[self._k_swaps, self._k_order],
+                                    args=[record.swap_id, data, record.started_at,
+                                          self._max_history])
 
         await self._call("record a swap", write)
 
@@ -253,13 +267,9 @@ class RedisRegistry(VersionRegistry):
     async def report_running(self, replica: str, running: int, ttl: float = 15.0) -> None:
         check_running(replica, running, ttl)
 
-        async def write() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(self._k_running, replica, running)
-                pipe.zadd(self._k_running_exp, {replica: time.time() + ttl})
-                await pipe.execute()
-
-        await self._call("report in-flight work", write)
+        await self._call("report in-flight work", lambda: self._report_running(
+            keys=[self._k_running, self._k_running_exp],
+            args=[replica, running, time.time() + ttl]))
 
     async def running_elsewhere(self, replica: str) -> int:
         n = await self._call("read in-flight work", lambda: self._running_sum(
@@ -285,10 +295,18 @@ class _RedisWatch(Watch):
         self.reconnects = 0
 
     async def start(self) -> None:
+        from redis.asyncio.cluster import RedisCluster
+
+        if isinstance(self._client, RedisCluster):
+            try:  # its pub/sub picks the node of the channel's slot from the slot map
+                await self._client.initialize()
+            except (RedisError, RedisClusterException) as exc:
+                raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") \
+                    from exc
         ps = self._client.pubsub(ignore_subscribe_messages=True)
         try:
             await ps.subscribe(self._channel)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             with contextlib.suppress(RedisError):
                 await ps.aclose()
             raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") from exc
@@ -311,7 +329,7 @@ class _RedisWatch(Watch):
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - loop.time()))
             try:
                 msg = await self._ps.get_message(timeout=wait)
-            except RedisError as exc:
+            except (RedisError, RedisClusterException) as exc:
                 await self._resubscribe(exc, deadline)
                 continue
             if msg is not None and msg.get("type") == "message":

@@ -28,9 +28,10 @@ from rollout_proto.redis_url import CLUSTER_SCHEMES, parse_cluster_url
 
 def store_from_url(url: str, config: StoreConfig | None = None, *,
                    max_connections: int | None = None,
-                   pool_wait_s: float | None = None) -> TrajectoryStore:
+                   pool_wait_s: float | None = None, shards: int = 1) -> TrajectoryStore:
     """``max_connections`` / ``pool_wait_s``: the Redis connection pool's bound and how
-    long a call waits for a free connection (Redis URLs only)."""
+    long a call waits for a free connection (Redis URLs only); ``shards``: trajectory
+    streams of a Redis store when the URL has no ``shards`` option."""
     parts = urlsplit(url)
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     known = set(StoreConfig.model_fields)
@@ -52,7 +53,7 @@ def store_from_url(url: str, config: StoreConfig | None = None, *,
         from rollout_gateway.store.redis_streams import RedisStore
 
         prefix = query.pop("prefix", "rollout")
-        shards = _shards(url, query.pop("shards", "1"))
+        shards = _shards(url, query.pop("shards", str(shards)))
         if parts.scheme in CLUSTER_SCHEMES:
             try:
                 parse_cluster_url(url)

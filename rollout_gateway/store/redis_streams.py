@@ -44,7 +44,7 @@ from contextlib import asynccontextmanager
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import trajectory_codec
@@ -69,7 +69,8 @@ from rollout_gateway.store.redis_client import (
     blocking_client,
     cluster_client,
     is_cluster,
-    sync_cluster_client,
+    LazySyncCluster,
+    through_failover,
 )
 from rollout_proto.resp import Replies, RespError, Skipped
 
@@ -145,6 +146,14 @@ end
 return out
 """
 
+#: one shard's groups, acked counts, published count and length, read at one instant (a
+#: script, not MULTI: redis-py's asyncio cluster client runs a MULTI's commands one by one
+#: on a thread of its own, blocking the event loop)
+_BACKLOG_FACTS = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
+        redis.call('HGET', KEYS[3], 'published'), redis.call('XLEN', KEYS[4])}
+"""
+
 _CHUNK = 1000
 _BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
 #: several shards: a read with nothing ready waits on every shard at once, BLOCK this long
@@ -157,6 +166,11 @@ log = logging.getLogger(__name__)
 def _parse_id(eid: str) -> tuple[int, int]:
     ms, seq = entry_numbers(eid, dashed=True)
     return ms, seq
+
+
+def _pairs(flat: list) -> dict:
+    """A flat [k1, v1, k2, v2, ...] (HGETALL inside a script) as a dict."""
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 def _s(v: bytes | str) -> str:
@@ -213,6 +227,7 @@ class RedisStore(TrajectoryStore):
         self._create = self._r.register_script(_CREATE_GROUP)
         self._ack = self._r.register_script(_ACK)
         self._extend = self._r.register_script(_EXTEND)
+        self._backlog_facts = self._r.register_script(_BACKLOG_FACTS)
         self._claim_cursor: dict[tuple[str, int], str] = {}
         self._turn = itertools.count()  # which shard a read starts at
         self._last_trim = 0.0
@@ -221,7 +236,7 @@ class RedisStore(TrajectoryStore):
         if client is not None:
             self._bulk = None
         elif self.cluster:
-            self._bulk = sync_cluster_client(url)
+            self._bulk = LazySyncCluster(url)
         else:
             self._bulk = redis.Redis.from_url(
                 url, decode_responses=False, socket_timeout=30.0, socket_connect_timeout=5.0,
@@ -271,8 +286,13 @@ class RedisStore(TrajectoryStore):
             if "NOGROUP" in str(exc):
                 raise NotFound(f"consumer group does not exist ({what}); create it first") from None
             raise StoreError(f"redis {what} failed: {exc}") from exc
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"redis {what} failed: {exc}") from exc
+
+    async def _idempotent(self, call):
+        """A write that is safe to apply twice (publish: by trajectory id; ack): on a
+        cluster, tried again through a failover (``redis_client.through_failover``)."""
+        return await (through_failover(call) if self.cluster else call())
 
     # ---- producer side ----
 
@@ -286,10 +306,10 @@ class RedisStore(TrajectoryStore):
         data = trajectory_codec.encode(trajectory)
         sh = self._shards[self.layout.shard_of(tid)]
         async with self._io("publish"):
-            res = await self._publish(
+            res = await self._idempotent(lambda: self._publish(
                 keys=[sh.id_key(tid), sh.stream, sh.counters, sh.groups, sh.acked, sh.facts],
                 args=[int(self.config.dedup_seconds * 1000), self._bound(), tid, data,
-                      n, lo, hi, version_tokens(trajectory)])
+                      n, lo, hi, version_tokens(trajectory)]))
         if res == -1:
             raise backlog_full(self.config.max_backlog)
         return res == 1
@@ -321,10 +341,9 @@ class RedisStore(TrajectoryStore):
 
     async def _shard_backlogs(self, sh: _Shard) -> tuple[dict[str, int], int]:
         """(group -> backlog, stored entries) of one shard."""
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hgetall(sh.groups).hgetall(sh.acked).hget(sh.counters, "published")
-        pipe.xlen(sh.stream)
-        groups, acked, published, xlen = await pipe.execute()
+        groups, acked, published, xlen = await self._backlog_facts(
+            keys=[sh.groups, sh.acked, sh.counters, sh.stream])
+        groups, acked = _pairs(groups), _pairs(acked)
         published = int(published or 0)
         return ({g.decode(): published - int(base) - int(acked.get(g, 0))
                  for g, base in groups.items()}, int(xlen))
@@ -490,16 +509,38 @@ class RedisStore(TrajectoryStore):
             return await self._r.xreadgroup(group, consumer, {sh.stream: ">"}, count=count)
         if payload:
             fut = asyncio.get_running_loop().run_in_executor(
-                self._pool, self._bulk.xreadgroup, group, consumer, {sh.stream: ">"}, count)
+                self._pool, self._bulk_call, self._bulk_xreadgroup, sh, group, consumer,
+                count)
         else:
             fut = asyncio.get_running_loop().run_in_executor(
-                self._pool, self._xreadgroup_sizes, sh, group, consumer, count)
+                self._pool, self._bulk_call, self._xreadgroup_sizes, sh, group, consumer,
+                count)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             # the read goes on in its thread; whatever it leases must not wait out a lease
             fut.add_done_callback(lambda f: self._release_abandoned(f, sh, group))
             raise
+
+    def _bulk_xreadgroup(self, sh: _Shard, group: str, consumer: str, count: int):
+        return self._bulk.xreadgroup(group, consumer, {sh.stream: ">"}, count)
+
+    def _bulk_call(self, fn, *args):
+        """A call on the blocking client; on a cluster, a node lost or a slot moved makes it
+        read the slot map again (it would keep asking the dead master) and try once more."""
+        if not self.cluster:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except (redis.ConnectionError, redis.TimeoutError, ResponseError) as exc:
+            # MOVED / CLUSTERDOWN / TRYAGAIN come as ResponseError subclasses
+            if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                raise
+            try:
+                self._bulk.nodes_manager.initialize()
+            except (RedisError, RedisClusterException) as exc:
+                log.warning("could not read the cluster's slot map: %s", exc)
+            return fn(*args)
 
     def _bulk_pool(self, sh: _Shard):
         """The blocking client's connection pool that serves ``sh`` (a cluster: the pool of
@@ -567,8 +608,9 @@ class RedisStore(TrajectoryStore):
             for k, ids in by_shard.items():
                 sh = self._shards[k]
                 for i in range(0, len(ids), _CHUNK):
-                    n += int(await self._ack(keys=[sh.stream, sh.acked],
-                                             args=[group, *ids[i:i + _CHUNK]]))
+                    chunk = ids[i:i + _CHUNK]
+                    n += int(await self._idempotent(lambda: self._ack(
+                        keys=[sh.stream, sh.acked], args=[group, *chunk])))
         await self._maybe_trim()
         return n
 

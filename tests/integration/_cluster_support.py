@@ -81,7 +81,11 @@ class LocalCluster:
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
              "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "", "--appendonly",
+             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+             # a replica takes over however long ago it last heard from its master
+             "--cluster-replica-validity-factor", "0",
+             # the first full sync at once (the default waits 5 s for more replicas)
+             "--repl-diskless-sync-delay", "0", "--save", "", "--appendonly",
              "no", "--dir", d, "--logfile", os.path.join(d, "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -127,15 +131,19 @@ class LocalCluster:
                     return r["port"]
         raise RuntimeError(f"no master serves slot {slot}")
 
-    def wait_ok(self, timeout: float = 30.0) -> None:
-        """Every live node says cluster_state:ok and every slot has a live master."""
+    def wait_ok(self, timeout: float = 30.0, *, replicas: int | None = None) -> None:
+        """Every live node says cluster_state:ok, every slot has a live master and
+        ``replicas`` replicas (default: all started) have synced with their master."""
+        want = self.n_masters * self.replicas if replicas is None else replicas
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             live = [p for p in self.ports if self.procs[p].poll() is None]
             if all("cluster_state:ok" in _cli(p, "cluster", "info") for p in live):
                 served = sum(len(r["slots"]) > 0 for r in self.nodes()
                              if r["master"] and not r["failed"])
-                if served == self.n_masters:
+                synced = sum("master_link_status:up" in _cli(p, "info", "replication")
+                             for p in live)
+                if served == self.n_masters and synced >= want:
                     return
             time.sleep(0.1)
         raise RuntimeError("the Redis Cluster did not become ok")
@@ -154,7 +162,9 @@ class LocalCluster:
             if any(r["port"] == dead and r["failed"] for r in rows):
                 if len([r for r in rows if r["master"] and not r["failed"]
                         and r["slots"]]) == self.n_masters:
-                    self.wait_ok(timeout=max(1.0, deadline - time.monotonic()))
+                    # the promoted replica has none of its own now
+                    self.wait_ok(timeout=max(1.0, deadline - time.monotonic()),
+                                 replicas=self.n_masters * self.replicas - 1)
                     return
             time.sleep(0.1)
         raise RuntimeError(f"no replica took over from master {dead}")
