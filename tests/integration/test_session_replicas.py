@@ -200,3 +200,32 @@ def test_a_request_id_is_one_request_on_every_replica(engines, prefix):
     finally:
         for g in (ra, rb, rc):
             g.stop()
+
+
+def test_a_session_moves_between_replicas_on_a_redis_cluster(engines, redis_cluster):
+    """The same on Redis Cluster (3 masters + 3 replicas): each session's keys on one slot,
+    sessions spread over the masters."""
+    prefix = f"gwtest-replicas-{uuid.uuid4().hex[:8]}"
+    url = f"{redis_cluster.url}/?prefix={prefix}&shards=3"
+    ra, rb = (GatewayProcess(engines, store_url=url, registry_url=url, env=ENV).start()
+              for _ in range(2))
+    try:
+        sid = f"c-{uuid.uuid4().hex[:6]}"
+        m = [{"role": "user", "content": "hello"}]
+        acked = []
+        for gw in (ra, rb, ra):
+            content, ro = _reply(_chat(gw, sid, m))
+            acked.append(ro["token_ids"])
+            m += [{"role": "assistant", "content": content}, {"role": "user", "content": "go"}]
+        assert ro["turn"] == 2
+        e = httpx.post(f"{rb.url}/v1/sessions/{sid}/end", json={"reward": 1.0},
+                       headers=_h(A), timeout=30)
+        assert e.status_code == 200 and e.json()["published"], e.text
+        assert _chat(ra, sid, m).status_code == 409
+        tid = e.json()["trajectory_id"]
+        t = pull_ids(ra, {tid}, token=LEARNER)[tid]
+        assert np.asarray(t.token_ids)[np.asarray(t.loss_mask) == 1].tolist() == \
+            [x for turn in acked for x in turn]
+    finally:
+        for g in (ra, rb):
+            g.stop()
