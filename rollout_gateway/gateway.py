@@ -28,7 +28,7 @@ from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.sessions.manager import SessionManager
-from rollout_gateway.sessions.store import session_store_for
+from rollout_gateway.sessions.factory import session_store_for
 from rollout_gateway.settings import GatewaySettings, OldLogitsMode
 from rollout_gateway.store.base import TrajectoryStore
 from rollout_gateway.store.factory import store_from_url

@@ -12,7 +12,7 @@ session trajectories (clear 409s on every replica), and the lease of the idle sw
 
 Two implementations with the same semantics: :class:`MemorySessionStore` (the embedded
 store: one process, records kept as objects) and
-:class:`~rollout_gateway.sessions.redis_store.RedisSessionStore` (the Redis store: shared
+``rollout_gateway.sessions.redis_store.RedisSessionStore`` (the Redis store: shared
 by the replicas).
 """
 
@@ -351,14 +351,3 @@ class MemorySessionStore(SessionStore):
     async def release_request(self, rid, owner):
         return None
 
-
-def session_store_for(store: object) -> SessionStore:
-    """The session store next to a trajectory store: on its Redis (same client and
-    prefix) for the Redis store, in memory for the embedded one."""
-    from rollout_gateway.store.redis_streams import RedisStore
-
-    if isinstance(store, RedisStore):
-        from rollout_gateway.sessions.redis_store import RedisSessionStore
-
-        return RedisSessionStore(store._r, store.layout)
-    return MemorySessionStore()

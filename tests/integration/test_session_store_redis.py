@@ -14,7 +14,8 @@ from _redis_support import delete_prefix_sync
 
 from rollout_gateway.core.trajectory import FinishReason, Segment, TokenColumns, Trajectory
 from rollout_gateway.sessions.records import BranchStart, apply, turn_record
-from rollout_gateway.sessions.store import Head, session_store_for
+from rollout_gateway.sessions.factory import session_store_for
+from rollout_gateway.sessions.store import Head
 from rollout_gateway.store.factory import store_from_url
 
 pytestmark = pytest.mark.integration
