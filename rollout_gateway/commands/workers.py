@@ -11,7 +11,8 @@ held (bound, not listening) until the workers are gone.
 The parent only supervises: it prints the ready line once every worker serves, forwards
 SIGTERM/SIGINT to all of them (each drains as ``serve`` does: health 503, in-flight rollouts
 get ``drain_grace_s``) and exits when they have. A worker that exits on its own (a crash)
-stops the others and the parent exits 1: a process manager restarts the whole unit.
+stops the others and the parent exits 1: a process manager restarts the whole unit; a
+parent that dies (even by SIGKILL) takes its workers along (Linux: they get SIGTERM).
 Agent sessions stay in the worker that opened them (docs/agents.md), so with several
 workers a session's later calls may land on a worker that does not know it: run sessions
 with ``--workers 1``.
@@ -53,12 +54,24 @@ def reuseport_socket(host: str, port: int, *, listen: bool) -> socket.socket:
     return sock
 
 
-def _worker(settings, index: int, conn: Connection, log_level: str) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGTERM this worker (it drains) when the supervising process dies, even by
+    SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker(settings, index: int, conn: Connection, log_level: str, parent: int) -> None:
     """One worker process: the gateway on SO_REUSEPORT sockets; reports readiness on conn."""
     import asyncio
 
     from rollout_gateway.commands.serve import _fast_io, serve_async
 
+    _die_with_parent(parent)
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -104,7 +117,7 @@ def run_workers(settings, ready: Callable[[int, int], None], log_level: str = "i
     try:
         for i in range(settings.workers):
             r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(settings, i, w, log_level),
+            p = ctx.Process(target=_worker, args=(settings, i, w, log_level, os.getpid()),
                             name=f"rollout-gateway-worker-{i}")
             p.start()
             w.close()
