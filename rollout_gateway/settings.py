@@ -91,12 +91,13 @@ class Timeouts(BaseModel):
                               description="Max wait for a non-streamed /generate answer.")
     first_byte_s: float = Field(
         default=300.0, gt=0, le=86400, description="Streamed /generate: max wait for the "
-        "response head and for the first chunk (queueing + prefill). Waived while the engine "
-        "is paused for a swap.")
+        "response head and for the first bytes of the body (queueing + prefill). Waived "
+        "while the engine is paused for a swap.")
     stream_idle_s: float = Field(
-        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence between "
-        "two chunks; past it the request moves to another engine from its partial output. "
-        "Waived while the engine is paused for a swap.")
+        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence on the "
+        "stream (no byte arriving for this long, within a chunk or between two); past it "
+        "the request moves to another engine from its partial output. Waived while the "
+        "engine is paused for a swap.")
     control_s: float = Field(default=30.0, gt=0, le=3600,
                              description="pause / continue / abort / info calls.")
     weight_load_s: float = Field(default=600.0, gt=0, le=86400,

@@ -82,7 +82,7 @@ class RawResponse:
             try:  # asyncio.timeout: no Task per read, as wait_for would create
                 async with asyncio.timeout(limit):
                     data = await fn(*args)
-                self._first = self._timeout  # silence between chunks from now on
+                self._first = self._timeout  # silence on the stream from now on
                 return data
             except TimeoutError as exc:
                 if self._patience is not None and self._patience():
