@@ -32,8 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import (EXPERTS, LAYERS, TOPK, _cpu_seconds, _free_port,  # noqa: E402
-                           _load, _stop, _wait_http)
+from bench_gateway import EXPERTS, LAYERS, TOPK, _cpu_seconds, _free_port, _load, _stop, _wait_http
 
 
 def tree_cpu_seconds(pid: int) -> float:

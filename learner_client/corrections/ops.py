@@ -244,7 +244,7 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = N
         p_lo, p_hi = kk / size, top / size
         slack = 4.0 * math.sqrt(max(p_lo * (1 - p_lo), 1.0 / s) / s) + 2.0 / s
         i_lo = int((p_lo - slack) * s)
-        i_hi = int(math.ceil((p_hi + slack) * s))
+        i_hi = math.ceil((p_hi + slack) * s)
         if i_lo > 0:
             if i_hi < s:
                 sp = np.partition(sample, [i_lo, i_hi])

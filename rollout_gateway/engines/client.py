@@ -25,7 +25,6 @@ from rollout_gateway.engines.shape import (
     shape_from_hf_config,
     vocab_from_hf_config,
 )
-from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
 from rollout_gateway.errors import EngineError, GatewayError, InvalidArgument
 from rollout_gateway.settings import Timeouts

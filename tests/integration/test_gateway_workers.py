@@ -54,7 +54,7 @@ def test_two_workers_share_the_ports_and_stop_cleanly(make_engine):
         assert set(served[0] + served[1]) <= set(got)
         # the registry is shared: a learner version announced on one worker is every
         # worker's (read back on fresh connections until both have answered)
-        w, (r,) = _on_one_connection(gw.url, ("POST", "/v1/weights", {"version": 7}))
+        _, (r,) = _on_one_connection(gw.url, ("POST", "/v1/weights", {"version": 7}))
         assert r.status_code in (200, 202), r.text
         seen: set[int] = set()
 
