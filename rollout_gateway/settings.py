@@ -91,12 +91,13 @@ class Timeouts(BaseModel):
                               description="Max wait for a non-streamed /generate answer.")
     first_byte_s: float = Field(
         default=300.0, gt=0, le=86400, description="Streamed /generate: max wait for the "
-        "response head and for the first chunk (queueing + prefill). Waived while the engine "
-        "is paused for a swap.")
+        "response head and for the first bytes of the body (queueing + prefill). Waived "
+        "while the engine is paused for a swap.")
     stream_idle_s: float = Field(
-        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence between "
-        "two chunks; past it the request moves to another engine from its partial output. "
-        "Waived while the engine is paused for a swap.")
+        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence on the "
+        "stream (no byte arriving for this long, within a chunk or between two); past it "
+        "the request moves to another engine from its partial output. Waived while the "
+        "engine is paused for a swap.")
     control_s: float = Field(default=30.0, gt=0, le=3600,
                              description="pause / continue / abort / info calls.")
     weight_load_s: float = Field(default=600.0, gt=0, le=86400,
@@ -259,6 +260,11 @@ class GatewaySettings(BaseSettings):
     grpc_host: str = Field(default="127.0.0.1", description="Learner gRPC bind address (as "
                            "http_host).")
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="Learner gRPC port (0 = any).")
+    workers: int = Field(
+        default=1, ge=1, le=64, description="Gateway processes serving this host's HTTP and "
+        "gRPC ports (`serve --workers N`; SO_REUSEPORT: the kernel spreads new connections "
+        "over them). Each worker is a replica (own replica_id, engine probes and agent "
+        "sessions); more than 1 needs a shared store and registry (redis://), never memory://.")
     admin_api_key: SecretStr | None = Field(
         default=None, min_length=16, max_length=4096,
         description="Admin token: /v1/weights, /v1/engines writes and gRPC AnnounceVersion "
@@ -436,6 +442,19 @@ class GatewaySettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _workers(self) -> GatewaySettings:
+        if self.workers > 1:
+            local = [f"{name}={url}" for name, url in (("store_url", self.store_url),
+                                                        ("registry_url", self.registry_url))
+                     if not is_shared_url(url)]
+            if local:
+                raise ValueError(
+                    f"workers={self.workers} needs a store and a registry the workers share "
+                    f"(redis://...); {' and '.join(local)} would give each worker its own "
+                    "(embedded, in memory): use --store/--registry redis://... or --workers 1")
+        return self
+
+    @model_validator(mode="after")
     def _tls(self) -> GatewaySettings:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -511,6 +530,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidArgument(f"config file {p} must hold a mapping at the top level")
     return data
+
+
+def is_shared_url(url: str) -> bool:
+    """A store/registry URL several processes can share (redis://, rediss://, unix://)."""
+    return url.split("://", 1)[0].lower() in ("redis", "rediss", "unix")
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> GatewaySettings:
