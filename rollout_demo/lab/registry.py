@@ -33,6 +33,8 @@ PRESET_MODULES: list[str] = [
     # lab-theory: old logits, theory
 
     # lab-product: through the gateway, routing replay
+    "rollout_demo.lab.product",
+    "rollout_demo.lab.routing",
 
 ]
 

@@ -248,3 +248,109 @@ def run_cell(kind: str, replay: bool, seed: int, ckpt: Path,
                             "routing_disagreement_step0": disagreement},
             "cpu_seconds": time.process_time() - t0}
 
+
+
+# ---------------------------------------------------------------- the preset
+def _values(cells: list[dict], method: str, key: str, seeds: list[int]) -> list[float]:
+    by_seed = {c["seed"]: c for c in cells if c["method"] == method}
+    return [float(by_seed[s][key] if key in by_seed[s] else by_seed[s]["diagnostics"][key])
+            for s in seeds]
+
+
+def run(ctx: RunContext) -> dict:
+    from reference_engine.checkpoint import init_checkpoint
+
+    s = QUICK if ctx.quick else RoutingSettings()
+    ckpt = init_checkpoint(ctx.out / ".ckpt-v0", seed=0)
+    cells = []
+    try:
+        for kind in LEARNERS:
+            for seed in ctx.seeds:
+                for replay in (True, False):
+                    c = run_cell(kind, replay, seed, ckpt, s)
+                    cells.append(c)
+                    ctx.progress(f"routing {c['method']:16s} seed {seed}: held-out "
+                                 f"{c['eval_curve'][0][1]:.3f} -> {c['final_eval']:.3f}, "
+                                 f"|log pi - log mu| {c['diagnostics']['mismatch_mean']:.4f}")
+    finally:
+        shutil.rmtree(ctx.out / ".ckpt-v0", ignore_errors=True)
+    claims = []
+    for kind in LEARNERS:
+        on, off = f"{kind} R3 on", f"{kind} R3 off"
+        claims.append(claim(
+            f"{kind} learner: R3 removes the routing part of the train-inference mismatch",
+            off, on, "mean |log pi - log mu| before each step",
+            _values(cells, off, "mismatch_mean", ctx.seeds),
+            _values(cells, on, "mismatch_mean", ctx.seeds)))
+        claims.append(claim(
+            f"{kind} learner: with R3 the deployed policy learns more in {s.steps} steps",
+            on, off, f"held-out expected reward after {s.steps} steps",
+            _values(cells, on, "final_eval", ctx.seeds),
+            _values(cells, off, "final_eval", ctx.seeds)))
+    return {"settings": asdict(s), "cells": cells, "claims": claims}
+
+
+def _mean_ci(values: list[float]) -> str:
+    d = paired_ci(values, [0.0] * len(values))
+    if not math.isfinite(d.lo):
+        return f"{d.mean:.3f}"
+    return f"{d.mean:.3f} [{d.lo:.3f}, {d.hi:.3f}]"
+
+
+def render(results: dict) -> str:
+    s = results["settings"]
+    cells, seeds = results["cells"], results["seeds"]
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    rows = ["| learner, routing | held-out reward at step 0 | after "
+            f"{s['steps']} steps (mean, 95% CI) | mean abs(log pi - log mu) | collapsed |",
+            "|---|---|---|---|---|"]
+    for m in methods:
+        mc = [c for c in cells if c["method"] == m]
+        rows.append(f"| {m} | {np.mean([c['eval_curve'][0][1] for c in mc]):.3f} | "
+                    f"{_mean_ci(_values(cells, m, 'final_eval', seeds))} | "
+                    f"{_mean_ci(_values(cells, m, 'mismatch_mean', seeds))} | "
+                    f"{sum(c['collapsed'] for c in mc)}/{len(mc)} |")
+    dis = np.mean([c["diagnostics"]["routing_disagreement_step0"] for c in cells])
+    learns = {c["a"].split()[0]: c["verdict"] for c in results["claims"]
+              if c["metric"].startswith("held-out")}
+    verdict = "; ".join(f"{k} learner, R3 on learns more than R3 off: {v}"
+                        for k, v in learns.items())
+    return f"""**Claim** (routing replay, R3): when the inference engine routes tokens to other
+experts than the trainer would, replaying the engine's routing in the trainer removes
+that part of the train-inference mismatch and makes the update the one for the policy
+that generated the tokens.
+
+**Experiment** (`rollout_demo/lab/routing.py`, preset `routing-replay`): the sampler is the
+learner's current weights (lag 0) whose routers select `top_k(logits + b)` with a fixed
+random per-layer expert bias `b ~ N(0, {s['bias_scale']}^2)` (new per seed) and weight the
+chosen experts by the model's own rule; on the first batch the learner's own routing
+picks another expert set on {dis:.0%} of the (token, MoE layer) rows. Loss `{s['loss']}`
+(PPO x truncated IS, pi_old = the learner before the step), Adam lr {s['lr']:g}, {s['steps']}
+steps of {s['groups']} groups x {s['group_size']} samples x {s['max_new']} tokens; R3 on vs
+off with the same seed (same bias, initial weights, prompts), in the PyTorch learner and
+in the Megatron-Core learner (megatron-core 0.16.1 GPTModel on CPU, replay through
+`RouterReplay`). Score: expected reward of the deployed policy (the sampler's routing)
+on {s['eval_prompts']} held-out prompts x {s['eval_samples']} samples.
+
+{chr(10).join(rows)}
+
+{claims_table(results)}
+**Verdict**: {verdict}. With R3 on the learner's log pi equals the sampler's log mu to
+float error (the mismatch column), in both learners; with R3 off the learner computes
+its gradient through routing that did not generate the tokens. The same experiment is
+the fast test `tests/unit/test_routing_replay_matters.py` (one batch: R3 on reproduces
+log mu and the recorded routing in both learners, R3 off gives another update); before
+it the Megatron learner's tests passed with replay off because their samples came from
+the learner's own routing.
+
+**Limits**: the routing disagreement is injected (a selection bias), not measured from
+an engine in bf16; at this scale a routing difference changes the policy by
+{np.mean(_values(cells, methods[1], 'mismatch_mean', seeds)):.2f} nats per token, more
+than a production engine's; only lag 0 (routing alone), one loss, one bias scale.
+{provenance(results)}"""
+
+
+register(Preset(
+    name="routing-replay", paper="routing",
+    summary="R3 on vs off under a biased inference router, torch and Megatron learners",
+    cpu_minutes=3.5, run=run, render=render))
