@@ -265,9 +265,42 @@ def run(ctx: RunContext) -> dict:
     real = [c for c in cells if c["method"] == "real"]
     mean_lag = [_mean_lag(c["lag_histogram"]) for c in real]
     services = sum(c["diagnostics"]["services_cpu_seconds"] for c in real)
-    return {"settings": {**asdict(s), "sim_lags": list(s.sim_lags)}, "cells": cells,
+    results = {"settings": {**asdict(s), "sim_lags": list(s.sim_lags)}, "cells": cells,
             "claims": claims, "real_mean_lag": mean_lag,
             "services_cpu_seconds": services}
+    plot(results, ctx.out)
+    return results
+
+
+def plot(results: dict, out: Path) -> None:
+    """Held-out curves per arm, and the per-token lag histograms side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rollout_demo.lab.routing import plot_curves
+
+    cells = results["cells"]
+    plot_curves(cells, "real (gateway) vs simulated lag", out / "product_curves.png")
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        total: dict[int, int] = {}
+        for c in cells:
+            if c["method"] == m:
+                for k, v in c["lag_histogram"].items():
+                    total[int(k)] = total.get(int(k), 0) + v
+        n = sum(total.values()) or 1
+        ks = sorted(total)
+        ax.bar(np.asarray(ks) + i * width, [total[k] / n for k in ks], width, label=m)
+    ax.set(xlabel="per-token lag (versions)", ylabel="share of trained tokens",
+           title="lag distribution")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "product_lags.png", dpi=90)
+    plt.close(fig)
 
 
 def _vals(cells: list[dict], method: str, seeds: list[int]) -> list[float]:

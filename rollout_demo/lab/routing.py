@@ -287,7 +287,37 @@ def run(ctx: RunContext) -> dict:
             on, off, f"held-out expected reward after {s.steps} steps",
             _values(cells, on, "final_eval", ctx.seeds),
             _values(cells, off, "final_eval", ctx.seeds)))
-    return {"settings": asdict(s), "cells": cells, "claims": claims}
+    results = {"settings": asdict(s), "cells": cells, "claims": claims}
+    plot(results, ctx.out)
+    return results
+
+
+def plot_curves(cells: list[dict], title: str, path: Path) -> None:
+    """Mean held-out curve per method (thin lines: the seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, m in enumerate(dict.fromkeys(c["method"] for c in cells)):
+        color = f"C{i}"
+        curves = [np.asarray(c["eval_curve"], float) for c in cells if c["method"] == m]
+        for cv in curves:
+            ax.plot(cv[:, 0], cv[:, 1], color=color, alpha=0.2, lw=0.8)
+        if len({len(cv) for cv in curves}) == 1:
+            mean = np.mean(curves, axis=0)
+            ax.plot(mean[:, 0], mean[:, 1], color=color, lw=2, label=m)
+    ax.set(xlabel="policy version (optimizer steps)", ylabel="held-out expected reward",
+           ylim=(0, 1.02), title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot(results: dict, out: Path) -> None:
+    plot_curves(results["cells"], "routing replay: R3 on vs off", out / "routing_replay.png")
 
 
 def _mean_ci(values: list[float]) -> str:
