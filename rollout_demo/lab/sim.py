@@ -232,7 +232,7 @@ def run(method: Method, cfg: SimConfig, seed: int) -> dict[str, Any]:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             _mechanism_diagnostics(log, method, loss_cfg, metrics, lp.detach(), mu[rows], h,
-                                   adv[rows])
+                                   inputs.advantages)
         if nonfinite:
             break
         snapshots[k + 1] = copy.deepcopy(model.state_dict())
