@@ -30,7 +30,7 @@ GRPO = sim.Method("grpo", "grpo", {"kl_coef": 0.0}, recompute_old=True)
 def run(ctx: RunContext) -> dict:
     cfgs = [replace(BASE, lag=s, lr=lr) for lr in LRS for s in LAGS]
     if ctx.quick:
-        cfgs = [sim.quick(c) for c in cfgs[-2:]]
+        cfgs = [sim.quick(c) for c in (cfgs[len(LAGS)], cfgs[-1])]
     cells = sim.grid([GRPO], cfgs, ctx.seeds, ctx.progress)
     claims = []
     for lr in LRS:
@@ -51,7 +51,7 @@ def render(res: dict) -> str:
         "comes from policy k - S, and GRPO that recomputes pi_old from its own weights "
         "trains on it as if it were fresh.",
         "",
-        "**Experiment.** " + (__doc__ or "").split("\n\n", 1)[1].replace("\n", " "),
+        "**Experiment.** " + report.prose(__doc__ or ""),
         "",
         report.cells_table(res, by=("method", "lr", "lag"), diag=("abs_log_ratio_mu",)),
         report.claims_table(res),

@@ -31,6 +31,7 @@ PRESET_MODULES: list[str] = [
     # lab-core: regime, SAT, ESTR
     "rollout_demo.lab.regime",
     "rollout_demo.lab.sat",
+    "rollout_demo.lab.estr",
 
     # lab-theory: old logits, theory
 

@@ -114,3 +114,20 @@ def cells_table(results: dict, metric: str = "final_eval", *, by: tuple[str, ...
                                         f"{sum(c['collapsed'] for c in cs)}/{len(cs)}",
                                         *extra]) + " |")
     return "\n".join(rows) + "\n"
+
+
+def prose(doc: str) -> str:
+    """A module docstring's body (after its title paragraph) as markdown: paragraphs
+    re-flowed into one line each, numbered items kept on their own lines."""
+    paras = (doc or "").strip().split("\n\n")[1:]
+    out = []
+    for p in paras:
+        lines: list[str] = []
+        for raw in p.splitlines():
+            s = raw.strip()
+            if lines and not (s[:2].rstrip(".").isdigit() and s[1:2] == "."):
+                lines[-1] += " " + s
+            else:
+                lines.append(s)
+        out.append("\n".join(lines))
+    return "\n\n".join(out)

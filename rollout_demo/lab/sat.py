@@ -75,7 +75,7 @@ def render(res: dict) -> str:
         "high-mismatch tail makes asynchronous training more stable than the same objective "
         "without it (SAT-GSPO > GSPO at lag 8 in the paper).",
         "",
-        "**Experiment.** " + (__doc__ or "").split("\n\n", 1)[1].replace("\n", " "),
+        "**Experiment.** " + report.prose(__doc__ or ""),
         "",
         report.cells_table(res, by=("method", "lag"), diag=DIAG[:3]),
         "Is SAT's mechanism active? (per optimizer step, averaged over steps and seeds; "

@@ -172,8 +172,10 @@ def collapse_flag(curve: list[float], nonfinite: bool) -> bool:
     return final < start - 0.05
 
 
-def run(method: Method, cfg: SimConfig, seed: int) -> dict[str, Any]:
-    """One training run; returns its cell (see results.json in docs/lab.md)."""
+def run(method: Method, cfg: SimConfig, seed: int, keep: dict[int, dict] | None = None
+        ) -> dict[str, Any]:
+    """One training run; returns its cell (see results.json in docs/lab.md). ``keep``: a
+    dict that receives every version's weights (for probes at fixed checkpoints)."""
     task = cfg.task
     torch.manual_seed(seed)
     model = TinyPolicy(task)
@@ -186,6 +188,8 @@ def run(method: Method, cfg: SimConfig, seed: int) -> dict[str, Any]:
     eval_prompts = task.prompts(cfg.eval_prompts, torch.Generator().manual_seed(99))
     eval_good = task.good(eval_prompts)
     snapshots = {0: copy.deepcopy(model.state_dict())}
+    if keep is not None:
+        keep[0] = snapshots[0]
     curve: list[float] = []
     evals_at: list[int] = []
     diag: dict[str, list[float]] = {}
@@ -236,6 +240,8 @@ def run(method: Method, cfg: SimConfig, seed: int) -> dict[str, Any]:
         if nonfinite:
             break
         snapshots[k + 1] = copy.deepcopy(model.state_dict())
+        if keep is not None:
+            keep[k + 1] = snapshots[k + 1]
         snapshots.pop(k + 1 - cfg.lag - 1, None)
         if (k + 1) % cfg.eval_every == 0 or k + 1 == cfg.iterations:
             evaluate(k + 1)
