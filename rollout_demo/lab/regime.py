@@ -53,6 +53,9 @@ def render(res: dict) -> str:
         "",
         "**Experiment.** " + report.prose(__doc__ or ""),
         "",
+        "**The simulator** (`rollout_demo/lab/sim.py`, shared by the regime, SAT and ESTR "
+        "presets). " + report.prose(sim.__doc__ or ""),
+        "",
         report.cells_table(res, by=("method", "lr", "lag"), diag=("abs_log_ratio_mu",)),
         report.claims_table(res),
         "**Limits.** A 20k-parameter policy on an 8-token task; 'hurts' is judged at 60 "
