@@ -14,6 +14,7 @@ from pathlib import Path
 from rollout_demo.lab.registry import PAPERS, Preset
 
 RESULTS = "results.json"
+PLOT = "curves.png"
 
 HEADER = """# The staleness lab
 
@@ -27,6 +28,10 @@ prompts and sampling stream), its mean with a 95% Student-t interval. A claim is
 **reproduced** when the interval excludes zero in the claimed direction, **not reproduced**
 when it excludes zero in the other, and **not distinguishable at this scale** otherwise.
 Scores are held-out evaluations of the current policy, never the (stale) training batch.
+Hand-written sections (measurements that are no preset) live in `{root}/extra/`.
+Each section names the CPU that ran it; only one CPU kind was at hand for these runs, so
+whether the verdicts hold on another CPU kind is not checked (the runs are seeded and
+deterministic on one kind; float results may differ on another).
 """
 
 
@@ -76,13 +81,28 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
         parts.append(f"## {title}\n")
         if not mine:
             parts.append("_No committed results yet for this section._\n")
-            continue
         for r in mine:
             p = presets[r["preset"]]
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
+            plot = root / p.name / PLOT
+            if not plot.exists():  # results committed without their plot: draw it
+                plot_curves(r, plot)
+            if plot.exists():
+                parts.append(f"![held-out reward curves]({root.name}/{p.name}/{PLOT})\n")
+        parts.extend(_extras(root / "extra" / paper))
+    rest = _extras(root / "extra")
+    if rest:
+        parts.append("## Other measurements\n")
+        parts.extend(rest)
     return "\n".join(parts)
+
+
+def _extras(folder: Path) -> list[str]:
+    """Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
+    that paper's section, ``extra/*.md`` at the end (measurements that are no preset)."""
+    return [f.read_text().rstrip() + "\n" for f in sorted(folder.glob("*.md"))]
 
 
 def write_report(root: Path, presets: dict[str, Preset]) -> Path:
@@ -91,3 +111,73 @@ def write_report(root: Path, presets: dict[str, Preset]) -> Path:
     target = root.parent / f"{root.name}.md"
     target.write_text(render_report(root, presets))
     return target
+
+
+def cells_table(results: dict, metric: str = "final_eval", *, by: tuple[str, ...] = ("method",
+                "lag"), diag: tuple[str, ...] = ()) -> str:
+    """Per (method, lag, ...) cell group: mean and sd over seeds of ``metric``, collapsed
+    count, and the mean of each diagnostic in ``diag`` (its per-run mean)."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in results.get("cells", []):
+        groups.setdefault(tuple(c.get(k) for k in by), []).append(c)
+    head = [*by, f"{metric} mean (sd)", "collapsed", *diag]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, cs in groups.items():
+        v = [c[metric] for c in cs]
+        mean = sum(v) / len(v)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in v) / max(len(v) - 1, 1))
+        extra = []
+        for d in diag:
+            xs = [c["diagnostics"][d]["mean"] for c in cs if d in c.get("diagnostics", {})]
+            extra.append(f"{sum(xs) / len(xs):.3f}" if xs else "-")
+        rows.append("| " + " | ".join([*(str(k) for k in key), f"{mean:.3f} ({sd:.3f})",
+                                        f"{sum(c['collapsed'] for c in cs)}/{len(cs)}",
+                                        *extra]) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def prose(doc: str) -> str:
+    """A module docstring's body (after its title paragraph) as markdown: paragraphs
+    re-flowed into one line each, numbered items kept on their own lines."""
+    paras = (doc or "").strip().split("\n\n")[1:]
+    out = []
+    for p in paras:
+        lines: list[str] = []
+        for raw in p.splitlines():
+            s = raw.strip()
+            if lines and not (s[:2].rstrip(".").isdigit() and s[1:2] == "."):
+                lines[-1] += " " + s
+            else:
+                lines.append(s)
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    """Held-out reward against the batch, mean over seeds, one panel per lag."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cells = [c for c in results.get("cells", []) if c.get("eval_steps")]
+    if not cells:
+        return
+    lags = sorted({c["lag"] for c in cells})
+    fig, axes = plt.subplots(1, len(lags), figsize=(4 * len(lags), 3.2), sharey=True,
+                             squeeze=False)
+    for ax, lag in zip(axes[0], lags):
+        keys = dict.fromkeys((c["method"], c.get("lr")) for c in cells if c["lag"] == lag)
+        for method, lr in keys:
+            cs = [c for c in cells if (c["method"], c.get("lr"), c["lag"]) == (method, lr, lag)]
+            n = min(len(c["eval_curve"]) for c in cs)
+            y = np.mean([c["eval_curve"][:n] for c in cs], axis=0)
+            label = method if len({k[1] for k in keys}) == 1 else f"{method} lr {lr:g}"
+            ax.plot(cs[0]["eval_steps"][:n], y, label=label)
+        ax.set(title=f"lag {lag}", xlabel="batch", ylim=(0, 1.02))
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"held-out reward (mean of {len(results.get('seeds', []))} seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
