@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from rollout_demo.lab.registry import Preset, RunContext, register
-from rollout_demo.lab.report import claims_table, provenance
+from rollout_demo.lab.report import claims_table
 from rollout_demo.lab.routing import held_out_prompts, held_out_reward
 from rollout_demo.lab.stats import claim, paired_ci
 
@@ -70,8 +70,8 @@ def _eval_steps(s: ProductSettings) -> list[int]:
 
 
 def _evaluate(ckpt: Path, snapshots: dict[int, dict], s: ProductSettings, seed: int
-              ) -> list[list[float]]:
-    """Held-out expected reward of each snapshot ``{version: state_dict}``."""
+              ) -> tuple[list[int], list[float]]:
+    """(versions, held-out expected reward) of the snapshots ``{version: state_dict}``."""
     import torch
 
     from learner_client.hf import load_model
@@ -82,9 +82,9 @@ def _evaluate(ckpt: Path, snapshots: dict[int, dict], s: ProductSettings, seed: 
     for v in sorted(snapshots):
         model.load_state_dict(snapshots[v])
         gen = torch.Generator().manual_seed(10_000 + 100 * seed + v)
-        curve.append([v, held_out_reward(model, prompts, samples=s.eval_samples,
-                                         max_new=s.max_new, generator=gen)])
-    return curve
+        curve.append(held_out_reward(model, prompts, samples=s.eval_samples,
+                                     max_new=s.max_new, generator=gen))
+    return sorted(snapshots), curve
 
 
 def _snapshot(model: Any) -> dict:
@@ -173,19 +173,27 @@ def run_real(seed: int, s: ProductSettings, work: Path) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the engine and gateway, reaped
     services_cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     ckpt0 = init_checkpoint(work / "eval-v0", seed=seed)
-    curve = _evaluate(ckpt0, obs.snapshots, s, seed)
-    return {"method": "real", "lag": "gateway", "seed": seed, "eval_curve": curve,
-            "final_eval": curve[-1][1], "collapsed": _collapsed(curve, res.loss_curve),
+    steps, curve = _evaluate(ckpt0, obs.snapshots, s, seed)
+    return {"method": "real", "lag": "gateway", "seed": seed, "eval_steps": steps,
+            "eval_curve": curve, "final_eval": curve[-1], "collapsed": _collapsed(curve, res.loss_curve),
             "lag_histogram": {str(k): v for k, v in sorted(obs.lags.items())},
             "diagnostics": {**obs.stamps, "producer_429": res.producer_429,
                             "swap_failures": res.swap_failures,
                             "mean_pause_s": float(np.mean([p["pause_s"]
                                                            for p in res.pause_windows])),
-                            "wall_s": res.wall_s, "services_cpu_seconds": services_cpu}}
+                            "wall_s": res.wall_s, "services_cpu_seconds": services_cpu,
+                            "mismatch_mean": _nanmean(res.mismatch),
+                            "policy_gap_mean": _nanmean(res.policy_gap)}}
 
 
-def _collapsed(curve: list[list[float]], losses: list[float]) -> bool:
-    return bool(not all(math.isfinite(x) for x in losses) or curve[-1][1] < 0.5 * curve[0][1])
+def _nanmean(xs: list[float]) -> float:
+    """Mean of the finite values (nan when there are none)."""
+    vals = [x for x in xs if math.isfinite(x)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _collapsed(curve: list[float], losses: list[float]) -> bool:
+    return bool(not all(math.isfinite(x) for x in losses) or curve[-1] < 0.5 * curve[0])
 
 
 def run_sim(seed: int, lag: int, s: ProductSettings) -> dict:
@@ -210,7 +218,7 @@ def run_sim(seed: int, lag: int, s: ProductSettings) -> dict:
         wanted = set(_eval_steps(s))
         snapshots = {0: history[0]}
         lags: dict[int, int] = {}
-        losses = []
+        losses, mismatch, gap = [], [], []
         for step in range(s.steps):
             v = max(step - lag, 0)
             sampler.load_state_dict(history[v])
@@ -221,19 +229,22 @@ def run_sim(seed: int, lag: int, s: ProductSettings) -> dict:
                                     reward_fn=task.reward, generator=gen)
             out = learner.train_step(samples)
             losses.append(out.loss)
+            mismatch.append(out.mismatch)
+            gap.append(out.policy_gap)
             for x in out.lags.tolist():
                 lags[int(x)] = lags.get(int(x), 0) + 1
             history[learner.version] = _snapshot(learner.model)
             history.pop(learner.version - lag - 1, None)
             if learner.version in wanted:
                 snapshots[learner.version] = history[learner.version]
-        curve = _evaluate(ckpt, snapshots, s, seed)
+        steps, curve = _evaluate(ckpt, snapshots, s, seed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"method": f"sim S={lag}", "lag": lag, "seed": seed, "eval_curve": curve,
-            "final_eval": curve[-1][1], "collapsed": _collapsed(curve, losses),
+    return {"method": f"sim S={lag}", "lag": lag, "seed": seed, "eval_steps": steps,
+            "eval_curve": curve, "final_eval": curve[-1], "collapsed": _collapsed(curve, losses),
             "lag_histogram": {str(k): v for k, v in sorted(lags.items())},
-            "diagnostics": {}}
+            "diagnostics": {"mismatch_mean": _nanmean(mismatch),
+                            "policy_gap_mean": _nanmean(gap)}}
 
 
 def run(ctx: RunContext) -> dict:
@@ -247,7 +258,7 @@ def run(ctx: RunContext) -> dict:
             shutil.rmtree(work, ignore_errors=True)
         cells.append(c)
         d = c["diagnostics"]
-        ctx.progress(f"product real seed {seed}: held-out {c['eval_curve'][0][1]:.3f} -> "
+        ctx.progress(f"product real seed {seed}: held-out {c['eval_curve'][0]:.3f} -> "
                      f"{c['final_eval']:.3f}, lags {c['lag_histogram']}, stamps consumed "
                      f"{d['versions_equal'] and d['alpha_equal']}, mixed sequences "
                      f"{d['mixed_version_sequences']}/{d['sequences']}")
@@ -255,7 +266,7 @@ def run(ctx: RunContext) -> dict:
             c = run_sim(seed, lag, s)
             cells.append(c)
             ctx.progress(f"product sim S={lag} seed {seed}: held-out "
-                         f"{c['eval_curve'][0][1]:.3f} -> {c['final_eval']:.3f}")
+                         f"{c['eval_curve'][0]:.3f} -> {c['final_eval']:.3f}")
     claims = []
     for lag in s.sim_lags:
         claims.append(claim(
@@ -282,7 +293,7 @@ def plot(results: dict, out: Path) -> None:
     from rollout_demo.lab.routing import plot_curves
 
     cells = results["cells"]
-    plot_curves(cells, "real (gateway) vs simulated lag", out / "product_curves.png")
+    plot_curves(cells, "real (gateway) vs simulated lag", out / "arms_curves.png")
     methods = list(dict.fromkeys(c["method"] for c in cells))
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.8 / len(methods)
@@ -328,15 +339,16 @@ def render(results: dict) -> str:
     cells, seeds = results["cells"], results["seeds"]
     methods = list(dict.fromkeys(c["method"] for c in cells))
     rows = ["| arm | per-token lag (share of trained tokens) | held-out reward at step 0 | "
-            f"after {s['steps']} steps (mean, 95% CI) | collapsed |", "|---|---|---|---|---|"]
+            f"after {s['steps']} steps (mean, 95% CI) | collapsed | mean abs(log pi - log mu) "
+            "(all tokens / fresh tokens) |", "|---|---|---|---|---|---|"]
     for m in methods:
         mc = [c for c in cells if c["method"] == m]
         vals = _vals(cells, m, seeds)
         d = paired_ci(vals, [0.0] * len(vals))
         ci = f"{d.mean:.3f}" if not math.isfinite(d.lo) else f"{d.mean:.3f} [{d.lo:.3f}, {d.hi:.3f}]"
         rows.append(f"| {m} | {_hist_share(cells, m)} | "
-                    f"{np.mean([c['eval_curve'][0][1] for c in mc]):.3f} | {ci} | "
-                    f"{sum(c['collapsed'] for c in mc)}/{len(mc)} |")
+                    f"{np.mean([c['eval_curve'][0] for c in mc]):.3f} | {ci} | "
+                    f"{sum(c['collapsed'] for c in mc)}/{len(mc)} | {_gaps(mc)} |")
     real = [c for c in cells if c["method"] == "real"]
     dg = [c["diagnostics"] for c in real]
     ok = all(d["versions_equal"] and d["alpha_equal"] for d in dg)
@@ -387,9 +399,22 @@ staleness; the real arm's prompts come from the producers' stream and its sample
 engine's own sampler, so only the initial weights are paired per seed. One engine, a
 toy model, {s['steps']} steps: the arms can only be said to agree within the CI, not to be
 equal.
-{provenance(results).rstrip()} The engine and gateway processes of the real arm used
-another {results.get('services_cpu_seconds', 0) / 60:.1f} CPU minutes.
+Cost: the engine and gateway processes of the real arm used
+{results.get('services_cpu_seconds', 0) / 60:.1f} CPU minutes besides the lab process's.
+
+![held-out curves per arm](lab/{results['preset']}/arms_curves.png)
+![per-token lag distributions](lab/{results['preset']}/product_lags.png)
 """
+
+
+def _gaps(cells: list[dict]) -> str:
+    """Mean over seeds of the policy gap (all active tokens: staleness + mismatch) and of
+    the mismatch (tokens whose weights and KV were the learner's own), when recorded."""
+    g = [c["diagnostics"].get("policy_gap_mean", math.nan) for c in cells]
+    m = [c["diagnostics"].get("mismatch_mean", math.nan) for c in cells]
+    if not any(math.isfinite(x) for x in g):
+        return "not recorded"
+    return f"{_nanmean(g):.3f} / {_nanmean(m):.4f}"
 
 
 def _eval_steps_from(s: dict) -> list[int]:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from rollout_demo.lab.registry import Preset, RunContext, register
-from rollout_demo.lab.report import claims_table, provenance
+from rollout_demo.lab.report import claims_table
 from rollout_demo.lab.stats import claim, paired_ci
 
 LEARNERS = ("torch", "megatron")
@@ -212,15 +212,16 @@ def run_cell(kind: str, replay: bool, seed: int, ckpt: Path,
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         learner = _make_learner(kind, ckpt, s, replay)
         stack.enter_context(biased_routing(sampler, bias))
-        curve: list[list[float]] = []
+        curve: list[float] = []
+        eval_steps: list[int] = []
         mismatch, clip, mask = [], [], []
         disagreement = float("nan")
         nonfinite = False
         for step in range(s.steps + 1):
             if step % s.eval_every == 0 or step == s.steps:
-                curve.append([step, held_out_reward(sampler, prompts_eval,
-                                                    samples=s.eval_samples,
-                                                    max_new=s.max_new, generator=eval_gen)])
+                eval_steps.append(step)
+                curve.append(held_out_reward(sampler, prompts_eval, samples=s.eval_samples,
+                                             max_new=s.max_new, generator=eval_gen))
             if step == s.steps or nonfinite:
                 break
             prompts = [task.make_prompt(rng)[1] for _ in range(s.groups)]
@@ -236,10 +237,11 @@ def run_cell(kind: str, replay: bool, seed: int, ckpt: Path,
             clip.append(out.clip_rate)
             mask.append(out.mask_rate)
             _sync_sampler(sampler, learner, kind, scratch)
-    final = curve[-1][1]
+    final = curve[-1]
     return {"method": f"{kind} {'R3 on' if replay else 'R3 off'}", "learner": kind,
-            "replay": replay, "lag": 0, "seed": seed, "eval_curve": curve,
-            "final_eval": final, "collapsed": bool(nonfinite or final < 0.5 * curve[0][1]),
+            "replay": replay, "lag": 0, "seed": seed, "eval_steps": eval_steps,
+            "eval_curve": curve, "final_eval": final,
+            "collapsed": bool(nonfinite or final < 0.5 * curve[0]),
             "diagnostics": {"mismatch_mean": float(np.nanmean(mismatch)),
                             "mismatch_step0": mismatch[0] if mismatch else float("nan"),
                             "mismatch_curve": mismatch,
@@ -270,7 +272,7 @@ def run(ctx: RunContext) -> dict:
                     c = run_cell(kind, replay, seed, ckpt, s)
                     cells.append(c)
                     ctx.progress(f"routing {c['method']:16s} seed {seed}: held-out "
-                                 f"{c['eval_curve'][0][1]:.3f} -> {c['final_eval']:.3f}, "
+                                 f"{c['eval_curve'][0]:.3f} -> {c['final_eval']:.3f}, "
                                  f"|log pi - log mu| {c['diagnostics']['mismatch_mean']:.4f}")
     finally:
         shutil.rmtree(ctx.out / ".ckpt-v0", ignore_errors=True)
@@ -302,12 +304,12 @@ def plot_curves(cells: list[dict], title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, m in enumerate(dict.fromkeys(c["method"] for c in cells)):
         color = f"C{i}"
-        curves = [np.asarray(c["eval_curve"], float) for c in cells if c["method"] == m]
-        for cv in curves:
-            ax.plot(cv[:, 0], cv[:, 1], color=color, alpha=0.2, lw=0.8)
-        if len({len(cv) for cv in curves}) == 1:
-            mean = np.mean(curves, axis=0)
-            ax.plot(mean[:, 0], mean[:, 1], color=color, lw=2, label=m)
+        mine = [c for c in cells if c["method"] == m]
+        for c in mine:
+            ax.plot(c["eval_steps"], c["eval_curve"], color=color, alpha=0.2, lw=0.8)
+        if len({tuple(c["eval_steps"]) for c in mine}) == 1:
+            mean = np.mean([c["eval_curve"] for c in mine], axis=0)
+            ax.plot(mine[0]["eval_steps"], mean, color=color, lw=2, label=m)
     ax.set(xlabel="policy version (optimizer steps)", ylabel="held-out expected reward",
            ylim=(0, 1.02), title=title)
     ax.legend(fontsize=8)
@@ -317,7 +319,7 @@ def plot_curves(cells: list[dict], title: str, path: Path) -> None:
 
 
 def plot(results: dict, out: Path) -> None:
-    plot_curves(results["cells"], "routing replay: R3 on vs off", out / "routing_replay.png")
+    plot_curves(results["cells"], "routing replay: R3 on vs off", out / "r3_curves.png")
 
 
 def _mean_ci(values: list[float]) -> str:
@@ -336,7 +338,7 @@ def render(results: dict) -> str:
             "|---|---|---|---|---|"]
     for m in methods:
         mc = [c for c in cells if c["method"] == m]
-        rows.append(f"| {m} | {np.mean([c['eval_curve'][0][1] for c in mc]):.3f} | "
+        rows.append(f"| {m} | {np.mean([c['eval_curve'][0] for c in mc]):.3f} | "
                     f"{_mean_ci(_values(cells, m, 'final_eval', seeds))} | "
                     f"{_mean_ci(_values(cells, m, 'mismatch_mean', seeds))} | "
                     f"{sum(c['collapsed'] for c in mc)}/{len(mc)} |")
@@ -375,9 +377,11 @@ the learner's own routing.
 
 **Limits**: the routing disagreement is injected (a selection bias), not measured from
 an engine in bf16; at this scale a routing difference changes the policy by
-{np.mean(_values(cells, methods[1], 'mismatch_mean', seeds)):.2f} nats per token, more
+{np.mean(_values(cells, 'torch R3 off', 'mismatch_mean', seeds)):.2f} nats per token (R3 off), more
 than a production engine's; only lag 0 (routing alone), one loss, one bias scale.
-{provenance(results)}"""
+
+![held-out curves, R3 on vs off](lab/{results['preset']}/r3_curves.png)
+"""
 
 
 register(Preset(

@@ -27,5 +27,6 @@ def test_the_loss_consumes_the_gateways_stamps(tmp_path):
     assert sum(hist.values()) == d["tokens"] == s.steps * s.groups * s.group_size * s.max_new
     assert min(hist) >= 0 and max(hist) <= s.max_lag
     # held-out evaluation of versions 0..steps, each a probability
-    assert [v for v, _ in cell["eval_curve"]] == list(range(s.steps + 1))
-    assert all(0.0 <= r <= 1.0 for _, r in cell["eval_curve"])
+    assert cell["eval_steps"] == list(range(s.steps + 1))
+    assert all(0.0 <= r <= 1.0 for r in cell["eval_curve"])
+    assert cell["final_eval"] == cell["eval_curve"][-1]
