@@ -281,7 +281,7 @@ def run(ctx: RunContext) -> dict:
         on, off = f"{kind} R3 on", f"{kind} R3 off"
         claims.append(claim(
             f"{kind} learner: R3 removes the routing part of the train-inference mismatch",
-            off, on, "mean |log pi - log mu| before each step",
+            off, on, "mean abs(log pi - log mu) before each step",
             _values(cells, off, "mismatch_mean", ctx.seeds),
             _values(cells, on, "mismatch_mean", ctx.seeds)))
         claims.append(claim(
