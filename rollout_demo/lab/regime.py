@@ -66,4 +66,4 @@ def render(res: dict) -> str:
 
 register(Preset(name="regime", paper="regime",
                 summary="GRPO (no KL) at lags 0/4/16 and two learning rates: where staleness hurts",
-                cpu_minutes=1.5, run=run, render=render))
+                cpu_minutes=1.2, run=run, render=render))

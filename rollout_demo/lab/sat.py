@@ -92,4 +92,4 @@ def render(res: dict) -> str:
 
 register(Preset(name="sat-anchor", paper="sat",
                 summary="SAT vs bypass PPO, SAT-GSPO vs GSPO (anchor mu, eps 0.2, no KL), lag 4/16",
-                cpu_minutes=2.5, run=run, render=render))
+                cpu_minutes=2.0, run=run, render=render))
