@@ -181,3 +181,19 @@ def plot_curves(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def verdict_summary(results: dict, keys: tuple[str, ...] | None = None) -> str:
+    """One sentence per verdict, listing its claims (``keys``: substrings selecting the
+    claims that carry the paper's verdict; default all)."""
+    cs = [c for c in results.get("claims", [])
+          if keys is None or any(k in c["claim"] for k in keys)]
+    out = []
+    for v, word in [("reproduced", "Reproduced (95% CI excludes zero)"),
+                    ("not reproduced", "Not reproduced (CI excludes zero the other way)"),
+                    ("not distinguishable", "Not distinguishable at this scale")]:
+        sel = [f"{c['claim']} ({fmt(c['mean_diff'], 2)} [{fmt(c['ci'][0], 2)}, "
+               f"{fmt(c['ci'][1], 2)}])" for c in cs if c["verdict"] == v]
+        if sel:
+            out.append(f"{word}: " + "; ".join(sel) + ".")
+    return " ".join(out) if out else "No claims."

@@ -84,6 +84,8 @@ def render(res: dict) -> str:
         "\n".join(ev),
         "",
         report.claims_table(res),
+        "**Verdict.** " + report.verdict_summary(res),
+        "",
         "**Limits.** One toy task, one learning rate, no train-inference mismatch (mu is "
         "exactly the stale policy), KL off for every method; a verdict here says what "
         "SAT's contraction does at this scale, not on a 30B MoE.",

@@ -48,6 +48,10 @@ def test_verdicts_and_degenerate_inputs():
     c = claim("a beats b", "a", "b", "final_eval", [1, 2, 3], [0, 0.5, 1.5])
     assert c["verdict"] == "reproduced" and c["n"] == 3 and c["ci"][0] > 0
     json.dumps(c)
+    nd = claim("x beats y", "x", "y", "m", [1, 0, 1], [0, 1, 0.5])
+    text = report.verdict_summary({"claims": [c, nd]})
+    assert text.startswith("Reproduced") and "a beats b (+0.67" in text
+    assert "Not distinguishable at this scale: x beats y" in text
 
 
 def test_parse_seeds():
