@@ -50,7 +50,7 @@ def test_verdicts_and_degenerate_inputs():
     json.dumps(c)
     nd = claim("x beats y", "x", "y", "m", [1, 0, 1], [0, 1, 0.5])
     text = report.verdict_summary({"claims": [c, nd]})
-    assert text.startswith("Reproduced") and "a beats b (+0.67" in text
+    assert text.startswith("Reproduced") and "a beats b (+1.33" in text
     assert "Not distinguishable at this scale: x beats y" in text
 
 
