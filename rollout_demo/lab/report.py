@@ -15,6 +15,8 @@ from rollout_demo.lab.registry import PAPERS, Preset
 
 RESULTS = "results.json"
 PLOT = "curves.png"
+#: ``<preset>/rerun/results.json``: the preset run again on other seeds (verdict check)
+RERUN = "rerun"
 
 HEADER = """# The staleness lab
 
@@ -28,6 +30,8 @@ prompts and sampling stream), its mean with a 95% Student-t interval. A claim is
 **reproduced** when the interval excludes zero in the claimed direction, **not reproduced**
 when it excludes zero in the other, and **not distinguishable at this scale** otherwise.
 Scores are held-out evaluations of the current policy, never the (stale) training batch.
+Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`), its
+claims table shows that run's verdicts beside.
 Hand-written sections (measurements that are no preset) live in `{root}/extra/`.
 Each section names the CPU that ran it; only one CPU kind was at hand for these runs, so
 whether the verdicts hold on another CPU kind is not checked (the runs are seeded and
@@ -40,14 +44,23 @@ def fmt(x: float, digits: int = 3) -> str:
 
 
 def claims_table(results: dict) -> str:
-    """The claims of ``results`` as a markdown table (mean difference, CI, n, verdict)."""
-    rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |",
-            "|---|---|---|---|---|---|---|"]
+    """The claims of ``results`` as a markdown table (mean difference, CI, n, verdict); with
+    a re-run on other seeds attached (``rerun``, see :func:`render_report`), its verdict too."""
+    rerun = results.get("rerun")
+    again = {c["claim"]: c for c in (rerun or {}).get("claims", [])}
+    extra = f" verdict, seeds {_seed_span(rerun['seeds'])} |" if rerun else ""
+    rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |" + extra,
+            "|---|---|---|---|---|---|---|" + ("---|" if rerun else "")]
     for c in results.get("claims", []):
         lo, hi = c["ci"]
-        rows.append(f"| {c['claim']} | {c['a']} - {c['b']} | {c['metric']} | "
-                    f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
-                    f"**{c['verdict']}** |")
+        row = (f"| {c['claim']} | {c['a']} - {c['b']} | {c['metric']} | "
+               f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
+               f"**{c['verdict']}** |")
+        if rerun:
+            o = again.get(c["claim"])
+            row += (f" {o['verdict']} ({fmt(o['mean_diff'], 2)} [{fmt(o['ci'][0], 2)}, "
+                    f"{fmt(o['ci'][1], 2)}]) |" if o else " - |")
+        rows.append(row)
     return "\n".join(rows) + "\n"
 
 
@@ -67,7 +80,7 @@ def _seed_span(seeds: list[int]) -> str:
 
 def collect(root: Path) -> list[dict]:
     """Every ``root/*/results.json``, sorted by preset name."""
-    return [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{RESULTS}"))]
+    return [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{RESULTS}"))]  # not rerun/
 
 
 def render_report(root: Path, presets: dict[str, Preset]) -> str:
@@ -83,6 +96,9 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
             parts.append("_No committed results yet for this section._\n")
         for r in mine:
             p = presets[r["preset"]]
+            rerun = root / p.name / RERUN / RESULTS
+            if rerun.exists():  # the same preset on other seeds: its verdicts beside
+                r = {**r, "rerun": json.loads(rerun.read_text())}
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
@@ -100,7 +116,9 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
 
 
 def _extras(folder: Path) -> list[str]:
-    """Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
+    """Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`), its
+claims table shows that run's verdicts beside.
+Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
     that paper's section, ``extra/*.md`` at the end (measurements that are no preset)."""
     return [f.read_text().rstrip() + "\n" for f in sorted(folder.glob("*.md"))]
 

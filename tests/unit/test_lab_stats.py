@@ -75,6 +75,8 @@ def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch)
                "cells": [], "claims": [claim(f"{name} claim", "x", "y", "m", [1, 2, 3],
                                              [0, 1, 2.5])]}
         (d / "results.json").write_text(json.dumps(res))
+        (d / "rerun").mkdir()
+        (d / "rerun" / "results.json").write_text(json.dumps({**res, "seeds": [6, 7, 8]}))
     (tmp_path / "lab" / "extra" / "sat").mkdir(parents=True)
     (tmp_path / "lab" / "extra" / "sat" / "bench.md").write_text("### SAT bench by hand\n")
     (tmp_path / "lab" / "extra" / "old.md").write_text("### Old grid\n")
@@ -85,6 +87,7 @@ def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch)
         < text.index("b-theory claim")
     assert text.index("a-sat claim") < text.index("SAT bench by hand") < text.index("## ESTR")
     assert text.index("## Other measurements") < text.index("### Old grid")
+    assert "verdict, seeds 6-8 |" in text and "| reproduced (+0.83 [" in text
     assert "TestCPU" in text and "seeds 0-2" in text
     assert "_No committed results yet" in text  # the ESTR section, for one
     with pytest.raises(ValueError):
