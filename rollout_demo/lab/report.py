@@ -39,6 +39,11 @@ deterministic on one kind; float results may differ on another).
 """
 
 
+def cell(text: str) -> str:
+    """Text safe inside a markdown table cell (a claim may say |delta|)."""
+    return str(text).replace("|", "\\|")
+
+
 def fmt(x: float, digits: int = 3) -> str:
     return "nan" if x is None or not math.isfinite(x) else f"{x:+.{digits}f}"
 
@@ -53,7 +58,7 @@ def claims_table(results: dict) -> str:
             "|---|---|---|---|---|---|---|" + ("---|" if rerun else "")]
     for c in results.get("claims", []):
         lo, hi = c["ci"]
-        row = (f"| {c['claim']} | {c['a']} - {c['b']} | {c['metric']} | "
+        row = (f"| {cell(c['claim'])} | {cell(c['a'])} - {cell(c['b'])} | {cell(c['metric'])} | "
                f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
                f"**{c['verdict']}** |")
         if rerun:
