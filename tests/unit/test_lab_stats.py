@@ -1,0 +1,84 @@
+"""The lab's paired statistics, seed parsing, registry and report assembly (pure code)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rollout_demo.lab import registry, report
+from rollout_demo.lab.stats import PairedDiff, claim, paired_ci, parse_seeds, t_quantile, verdict
+
+
+def test_t_quantiles_match_the_tables():
+    # two-sided 95% critical values of Student's t (any statistics table)
+    for df, want in [(1, 12.7062), (2, 4.3027), (5, 2.5706), (10, 2.2281), (30, 2.0423)]:
+        assert t_quantile(0.975, df) == pytest.approx(want, abs=1e-4)
+    assert t_quantile(0.95, 5) == pytest.approx(2.0150, abs=1e-4)
+
+
+def test_paired_ci_is_a_t_interval_over_the_per_seed_differences():
+    a = [0.9, 0.8, 0.7, 0.85, 0.75, 0.95]
+    b = [0.5, 0.6, 0.4, 0.55, 0.45, 0.5]
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / 6
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 5)
+    r = paired_ci(a, b)
+    assert r.n == 6 and r.mean == pytest.approx(mean)
+    assert r.hi - r.mean == pytest.approx(2.5706 * sd / math.sqrt(6), rel=1e-4)
+    assert r.mean - r.lo == pytest.approx(r.hi - r.mean)
+    assert verdict(r) == "reproduced" and verdict(r, expect="less") == "not reproduced"
+    # pairing matters: a shift common to both methods per seed cancels
+    base = [0.1, 0.9, 0.3, 0.7, 0.2, 0.8]
+    tight = paired_ci([x + 0.05 for x in base], base)
+    assert tight.lo == pytest.approx(0.05) and tight.hi == pytest.approx(0.05)
+
+
+def test_verdicts_and_degenerate_inputs():
+    assert verdict(paired_ci([0.1, 0.5, 0.2], [0.3, 0.1, 0.25])) == "not distinguishable"
+    assert verdict(PairedDiff(-0.2, -0.3, -0.1, 6)) == "not reproduced"
+    assert verdict(PairedDiff(-0.2, -0.3, -0.1, 6), expect="less") == "reproduced"
+    one = paired_ci([1.0], [0.0])
+    assert one.n == 1 and math.isnan(one.lo) and verdict(one) == "not distinguishable"
+    with pytest.raises(ValueError):
+        paired_ci([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        paired_ci([float("nan"), 1.0], [0.0, 0.0])
+    c = claim("a beats b", "a", "b", "final_eval", [1, 2, 3], [0, 0.5, 1.5])
+    assert c["verdict"] == "reproduced" and c["n"] == 3 and c["ci"][0] > 0
+    json.dumps(c)
+
+
+def test_parse_seeds():
+    assert parse_seeds("0-5") == [0, 1, 2, 3, 4, 5]
+    assert parse_seeds("0,2,7-8") == [0, 2, 7, 8]
+    for bad in ["", "3-1", "1,1"]:
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+
+
+def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "PRESETS", {})
+    for name, paper in [("b-theory", "theory"), ("a-sat", "sat")]:
+        registry.register(registry.Preset(
+            name=name, paper=paper, summary=f"{name} summary", cpu_minutes=1.0,
+            run=lambda ctx: {}, render=lambda r: report.claims_table(r)))
+        d = tmp_path / "lab" / name
+        d.mkdir(parents=True)
+        res = {"preset": name, "paper": paper, "commit": "abc", "seeds": [0, 1, 2],
+               "cpu_seconds": 60, "machine": {"cpu": "TestCPU", "torch": "x", "threads": 1},
+               "cells": [], "claims": [claim(f"{name} claim", "x", "y", "m", [1, 2, 3],
+                                             [0, 1, 2.5])]}
+        (d / "results.json").write_text(json.dumps(res))
+    out = report.write_report(tmp_path / "lab", registry.PRESETS)
+    text = out.read_text()
+    assert out == tmp_path / "lab.md"
+    assert text.index("## SAT") < text.index("a-sat claim") < text.index("## Theory") \
+        < text.index("b-theory claim")
+    assert "TestCPU" in text and "seeds 0-2" in text
+    assert "_No committed results yet" in text  # the ESTR section, for one
+    with pytest.raises(ValueError):
+        registry.register(registry.Preset("a-sat", "sat", "again", 1, lambda c: {}, str))
+    with pytest.raises(ValueError):
+        registry.register(registry.Preset("z", "nopaper", "", 1, lambda c: {}, str))
