@@ -23,7 +23,8 @@ R_batch and R_crit, so their ratio (where the regimes switch) is measured, not f
 * kappa, c: a token of lag L was sampled D_T - D_{T-L} of cumulative drift ago (D = sum
   eta_k ||u_k||); each step pairs x_t = that drift averaged over the active tokens with
   y_t = mean |log pi - log mu| over them (``log_ratio``) and fits y = c + kappa x (least
-  squares with an intercept: c is the train-inference mismatch at zero drift).
+  squares with an intercept in [0, min y]: c is the train-inference mismatch at zero
+  drift; it is identified by batches of different drift, e.g. the first steps of a run).
 * R_batch = (log(1 + clip_eps) - c) / kappa (0 when c already exceeds the band): the
   drift at which the typical token of a batch leaves the clip band [1 - eps, 1 + eps].
 * kappa_ref, c_ref: each step pairs the cumulative drift D_T with the mean
@@ -111,12 +112,14 @@ def batch_lags(versions: Tensor, learner_version: int, mask: Tensor | None = Non
 
 
 class LineFit:
-    """Running least squares y = c + k x (with an intercept); k, c None until two
-    distinct x were seen."""
+    """Running least squares y = c + k x with the intercept constrained to [0, min y]
+    (y is a mean absolute log-ratio: the floor cannot be negative, nor above a value
+    observed at some drift); None until two distinct x were seen."""
 
     def __init__(self) -> None:
         self.n = 0
         self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.y_min = math.inf
 
     def add(self, x: float, y: float) -> None:
         self.n += 1
@@ -124,6 +127,7 @@ class LineFit:
         self.sy += y
         self.sxx += x * x
         self.sxy += x * y
+        self.y_min = min(self.y_min, y)
 
     def fit(self) -> tuple[float, float] | None:
         """(slope k, intercept c), or None without two distinct x."""
@@ -131,7 +135,11 @@ class LineFit:
         if self.n < 2 or den <= 1e-12 * max(self.n * self.sxx, 1e-300):
             return None
         k = (self.n * self.sxy - self.sx * self.sy) / den
-        return k, (self.sy - k * self.sx) / self.n
+        c = (self.sy - k * self.sx) / self.n
+        if not 0.0 <= c <= self.y_min:  # the constrained optimum sits on the bound
+            c = min(max(c, 0.0), self.y_min)
+            k = (self.sxy - c * self.sx) / self.sxx
+        return k, c
 
 
 def _radius(threshold: float, fit: tuple[float, float] | None) -> float | None:

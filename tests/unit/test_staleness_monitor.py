@@ -76,6 +76,24 @@ def test_kappa_is_fitted_with_the_mismatch_floor_as_intercept():
     assert rep2.r_batch == 0.0 and rep2.eta_bound == 0.0 and rep2.lr_over_bound == math.inf
 
 
+def test_the_fitted_floor_stays_between_zero_and_the_smallest_observation():
+    """A saturating relation pulls an unconstrained intercept above every observation
+    (or below 0): the floor is clamped and the slope refitted through it."""
+    from learner_client.staleness_monitor import LineFit
+
+    f = LineFit()
+    for x, y in [(0.0, 0.02), (1.0, 0.8), (2.0, 0.9), (3.0, 0.95)]:
+        f.add(x, y)
+    k, c = f.fit()
+    assert c == pytest.approx(0.02)
+    assert k == pytest.approx((0.8 + 1.8 + 2.85 - 0.02 * 6) / 14)
+    g = LineFit()
+    for x, y in [(1.0, 0.1), (2.0, 0.5), (3.0, 0.9)]:  # unconstrained c = -0.3
+        g.add(x, y)
+    k, c = g.fit()
+    assert c == 0.0 and k == pytest.approx((0.1 + 1.0 + 2.7) / 14)
+
+
 def test_r_crit_comes_from_its_own_observable_so_the_switch_moves():
     """R_batch and R_crit no longer share kappa: two runs with the same lag relation but a
     different drift from the starting policy switch regimes at different T / S."""
