@@ -31,6 +31,7 @@ PRESET_MODULES: list[str] = [
     # lab-core: regime, SAT, ESTR
 
     # lab-theory: old logits, theory
+    "rollout_demo.lab.oldlogit",
     "rollout_demo.lab.theory",
 
     # lab-product: through the gateway, routing replay

@@ -111,17 +111,21 @@ def surrogate_grad(learner: Learner, samples: list[Sample]) -> torch.Tensor:
 
 
 def train_step(learner: Learner, samples: list[Sample], *, ref_model: Any = None,
-               old_logprobs: torch.Tensor | None = None) -> StepView:
+               old_logprobs: torch.Tensor | None = None, loss_fn: Any = None) -> StepView:
     """One optimizer step like ``Learner.train_step`` (gradient clipping included),
     returning what the loss saw and the update's norm. ``old_logprobs`` [N]: pi_old for
-    the losses that use it (default: the learner's own detached log pi)."""
+    the losses that use it (default: the learner's own detached log pi). ``loss_fn``:
+    ``inputs -> (loss, metrics)`` instead of the learner's registered loss."""
     batch, lp, inputs = _inputs(learner, samples, old_logprobs)
     ref = None
     if ref_model is not None:
         with torch.no_grad():
             ref, _ = packed_logprobs(ref_model, batch, temperature=learner.temperature,
                                      replay=learner.replay)
-    loss, metrics = learner.spec.fn(inputs, learner.loss_config)
+    if loss_fn is None:
+        loss, metrics = learner.spec.fn(inputs, learner.loss_config)
+    else:
+        loss, metrics = loss_fn(inputs)
     before = [p.detach().clone() for p in learner.model.parameters()]
     learner.opt.zero_grad(set_to_none=True)
     loss.backward()
