@@ -57,6 +57,7 @@ def run_preset(name: str, seeds: list[int] | None, out: Path, quick: bool) -> di
     p = presets[name]
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
+    head = commit()  # the code that runs (read before it runs: later edits do not count)
     t0, c0 = time.monotonic(), time.process_time()
 
     def progress(line: str) -> None:
@@ -64,7 +65,7 @@ def run_preset(name: str, seeds: list[int] | None, out: Path, quick: bool) -> di
 
     use = seeds if seeds is not None else list(p.default_seeds)
     body = p.run(RunContext(seeds=use, out=out, quick=quick, progress=progress))
-    results = {"preset": p.name, "paper": p.paper, "commit": commit(), "machine": machine(),
+    results = {"preset": p.name, "paper": p.paper, "commit": head, "machine": machine(),
                "seeds": use, "quick": quick, "cpu_seconds": time.process_time() - c0,
                "wall_seconds": time.monotonic() - t0, **body}
     results.setdefault("cells", [])

@@ -29,6 +29,9 @@ PAPERS: dict[str, str] = {
 #: a module listed here must import: there are no silently optional presets.
 PRESET_MODULES: list[str] = [
     # lab-core: regime, SAT, ESTR
+    "rollout_demo.lab.regime",
+    "rollout_demo.lab.sat",
+    "rollout_demo.lab.estr",
 
     # lab-theory: old logits, theory
     "rollout_demo.lab.oldlogit",

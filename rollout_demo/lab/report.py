@@ -91,3 +91,43 @@ def write_report(root: Path, presets: dict[str, Preset]) -> Path:
     target = root.parent / f"{root.name}.md"
     target.write_text(render_report(root, presets))
     return target
+
+
+def cells_table(results: dict, metric: str = "final_eval", *, by: tuple[str, ...] = ("method",
+                "lag"), diag: tuple[str, ...] = ()) -> str:
+    """Per (method, lag, ...) cell group: mean and sd over seeds of ``metric``, collapsed
+    count, and the mean of each diagnostic in ``diag`` (its per-run mean)."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in results.get("cells", []):
+        groups.setdefault(tuple(c.get(k) for k in by), []).append(c)
+    head = [*by, f"{metric} mean (sd)", "collapsed", *diag]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, cs in groups.items():
+        v = [c[metric] for c in cs]
+        mean = sum(v) / len(v)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in v) / max(len(v) - 1, 1))
+        extra = []
+        for d in diag:
+            xs = [c["diagnostics"][d]["mean"] for c in cs if d in c.get("diagnostics", {})]
+            extra.append(f"{sum(xs) / len(xs):.3f}" if xs else "-")
+        rows.append("| " + " | ".join([*(str(k) for k in key), f"{mean:.3f} ({sd:.3f})",
+                                        f"{sum(c['collapsed'] for c in cs)}/{len(cs)}",
+                                        *extra]) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def prose(doc: str) -> str:
+    """A module docstring's body (after its title paragraph) as markdown: paragraphs
+    re-flowed into one line each, numbered items kept on their own lines."""
+    paras = (doc or "").strip().split("\n\n")[1:]
+    out = []
+    for p in paras:
+        lines: list[str] = []
+        for raw in p.splitlines():
+            s = raw.strip()
+            if lines and not (s[:2].rstrip(".").isdigit() and s[1:2] == "."):
+                lines[-1] += " " + s
+            else:
+                lines.append(s)
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
