@@ -254,6 +254,24 @@ def run_preset(ctx: RunContext) -> dict:
                          "schedule": "token j by version k - S + floor(j S / max_new)"}}
 
 
+def verdict_text(res: dict) -> str:
+    """One sentence per claim from its own CI, then the EWMA reset count."""
+    out = []
+    for c in res["claims"]:
+        out.append(f"{c['claim']}: {c['mean_diff']:+.3f} [{c['ci'][0]:+.3f}, "
+                   f"{c['ci'][1]:+.3f}], **{c['verdict']}**")
+    resets = [c["diagnostics"]["resets"] for c in res["cells"] if c["method"] == "ewma"]
+    steps = res["settings"]["steps"]
+    txt = "; ".join(out) + "."
+    if resets:
+        txt += (f" The EWMA reset rule fired on {np.mean(resets):.1f} of {steps} steps on "
+                "average: " + ("after a reset theta_prox is the current weights, so where "
+                              "it fires nearly every step EWMA degenerates to `current`."
+                              if np.mean(resets) > 0.5 * steps else
+                              "the EWMA weights mostly persist between resets."))
+    return txt
+
+
 def render(res: dict) -> str:
     from rollout_demo.lab.report import claims_table, provenance
 
@@ -294,9 +312,7 @@ def render(res: dict) -> str:
                 f"{np.mean([x['resets'] for x in d]):.1f} | "
                 f"{np.mean([x['extra_forward_per_step'] for x in d]):.1f} |")
     lines += ["", claims_table(res), "",
-              "**Verdict.** Per claim above (a CI excluding zero in the claimed direction: "
-              "reproduced; containing zero: not distinguishable at this scale).",
-              "",
+              "**Verdict.** " + verdict_text(res), "",
               "**Limits.** One-layer toy MoE, 8-token responses, one lag; the version "
               "schedule is synthetic (the product's real in-flight swaps are lab-product's "
               "preset); exact pi_old is recomputed in float32 while mu is bfloat16, so "
