@@ -207,7 +207,7 @@ def run_preset(ctx: RunContext) -> dict:
 
     quick = ctx.quick
     lags = [2] if quick else [4]
-    steps = 4 if quick else 16
+    steps = 3 if quick else 16
     eval_every = 2 if quick else 4
     lr = 4e-3
     ckpt = init_checkpoint(ctx.out / ".ckpt-v0", ModelConfig(num_hidden_layers=LAYERS), seed=0)

@@ -369,11 +369,11 @@ def etamax_claims(cells: list[dict], seeds: list[int], lags: list[int], horizons
 
 def run_etamax(ctx: RunContext) -> dict:
     quick = ctx.quick
-    lags = [1, 4] if quick else [1, 4, 8]
-    steps = 6 if quick else 24
-    horizons = [3, 6] if quick else [12, 24]
-    grid = lr_grid(5.66e-3, 3 if quick else 8)  # 5.66e-3 ... 6.4e-2 in sqrt(2) steps
-    eval_every = 3 if quick else 4
+    lags = [1, 2] if quick else [1, 4, 8]
+    steps = 4 if quick else 24
+    horizons = [2, 4] if quick else [12, 24]
+    grid = lr_grid(5.66e-3, 2 if quick else 8)  # 5.66e-3 ... 6.4e-2 in sqrt(2) steps
+    eval_every = 2 if quick else 4
     ckpt = _checkpoint(ctx.out)
     cells: list[dict] = []
     for seed in ctx.seeds:
