@@ -273,7 +273,7 @@ def verdict_text(res: dict) -> str:
 
 
 def render(res: dict) -> str:
-    from rollout_demo.lab.report import claims_table, provenance
+    from rollout_demo.lab.report import claims_table
 
     st = res["settings"]
     lines = [
@@ -317,7 +317,7 @@ def render(res: dict) -> str:
               "schedule is synthetic (the product's real in-flight swaps are lab-product's "
               "preset); exact pi_old is recomputed in float32 while mu is bfloat16, so "
               "r_d carries the dtype mismatch only.",
-              "", provenance(res)]
+              ""]
     return "\n".join(lines)
 
 
