@@ -36,8 +36,7 @@ from learner_client.old_logits import RevisedPPOEWMA, WeightSnapshotStore
 from rollout_demo import task
 from rollout_demo.lab import stats
 from rollout_demo.lab.registry import Preset, RunContext, register
-from rollout_demo.lab.stepview import (GROUP_SIZE, GROUPS, MAX_NEW, held_out, set_lr,
-                                       train_step)
+from rollout_demo.lab.stepview import GROUP_SIZE, GROUPS, MAX_NEW, held_out, train_step
 from rollout_demo.learner import Learner, Sample, pack_batch
 
 PAPER_ID = "arXiv 2605.12070"
@@ -277,21 +276,21 @@ def render(res: dict) -> str:
 
     st = res["settings"]
     lines = [
-        f"**Claim ({PAPER_ID}).** With stale, mixed-version rollouts the ratio splits into "
+        (f"**Claim ({PAPER_ID}).** With stale, mixed-version rollouts the ratio splits into "
         "r_d = pi_old/mu (train-inference discrepancy) and r_s = pi/pi_old (staleness); pi_old "
         "is needed exactly (snapshot recompute) or approximated (revised PPO-EWMA with "
         "resets; AReaL's log-linear interpolation); using the current weights or mu instead "
-        "mixes the two terms.",
+        "mixes the two terms."),
         "",
-        f"**Experiment.** Toy MoE ({st['layers']} layer), lr {st['lr']:g}, {st['steps']} "
+        (f"**Experiment.** Toy MoE ({st['layers']} layer), lr {st['lr']:g}, {st['steps']} "
         f"steps, lags {st['lags']}: every response switches version mid-rollout "
         f"({st['schedule']}; bfloat16 samplers). One loss (decoupled: r_d kept in "
         "[1/2, 2], PPO clip 0.2 on r_s), five sources of pi_prox. Per method: the error "
         "of log pi_prox against the exact per-version log pi_old by token lag, the spread "
-        "of log r_d, EWMA resets, extra forward passes per step, the held-out eval.",
+        "of log r_d, EWMA resets, extra forward passes per step, the held-out eval."),
         "",
-        "| S | method | final held-out eval | prox error (all lags) | error by lag | "
-        "std log r_d | resets | extra fwd / step |",
+        ("| S | method | final held-out eval | prox error (all lags) | error by lag | "
+        "std log r_d | resets | extra fwd / step |"),
         "|---|---|---|---|---|---|---|---|"]
     for lag in st["lags"]:
         for m in st["methods"]:
@@ -313,10 +312,10 @@ def render(res: dict) -> str:
                 f"{np.mean([x['extra_forward_per_step'] for x in d]):.1f} |")
     lines += ["", claims_table(res), "",
               "**Verdict.** " + verdict_text(res), "",
-              "**Limits.** One-layer toy MoE, 8-token responses, one lag; the version "
+              ("**Limits.** One-layer toy MoE, 8-token responses, one lag; the version "
               "schedule is synthetic (the product's real in-flight swaps are lab-product's "
               "preset); exact pi_old is recomputed in float32 while mu is bfloat16, so "
-              "r_d carries the dtype mismatch only.",
+              "r_d carries the dtype mismatch only."),
               ""]
     return "\n".join(lines)
 

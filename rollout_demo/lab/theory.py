@@ -31,7 +31,15 @@ import torch
 from learner_client.staleness_monitor import StalenessMonitor
 from rollout_demo.lab import stats
 from rollout_demo.lab.registry import Preset, RunContext, register
-from rollout_demo.lab.stepview import EVAL_PROMPTS, EVAL_SAMPLES, held_out, sample_batch, set_lr, surrogate_grad, train_step
+from rollout_demo.lab.stepview import (
+    EVAL_PROMPTS,
+    EVAL_SAMPLES,
+    held_out,
+    sample_batch,
+    set_lr,
+    surrogate_grad,
+    train_step,
+)
 
 LOSS, LOSS_CONFIG = "decoupled_ppo", {"ratio_mode": "bypass"}
 PAPER_ID = "arXiv 2607.01083"
@@ -150,7 +158,7 @@ def run_bias(ctx: RunContext) -> dict:
     # one curve: equal S*eta, S and eta traded (S x ratio at the small eta against S at the
     # large eta); a curve in S*eta alone predicts a difference of 0
     for s_small in lags:
-        s_big = int(round(s_small * ratio))
+        s_big = round(s_small * ratio)
         if (s_big, lo_eta) not in configs or (s_small, hi_eta) not in configs:
             continue
         claims.append(stats.claim(
@@ -210,10 +218,10 @@ def render_bias(res: dict) -> str:
 
     st = res["settings"]
     lines = [
-        f"**Claim ({PAPER_ID}).** Stale rollouts add a per-step surrogate-gradient bias of "
-        "order O(S * eta): the bias depends on lag and learning rate through S * eta.",
+        (f"**Claim ({PAPER_ID}).** Stale rollouts add a per-step surrogate-gradient bias of "
+        "order O(S * eta): the bias depends on lag and learning rate through S * eta."),
         "",
-        f"**Experiment.** Per seed, {st['warmup_steps']} warm-up steps (lr "
+        (f"**Experiment.** Per seed, {st['warmup_steps']} warm-up steps (lr "
         f"{st['warmup_lr']:g}) give a checkpoint theta_c; from it S steps of lr eta (Adam, "
         "fresh batches) give theta_{c+S}. At theta_{c+S} the surrogate gradient (GRPO's clip "
         "on pi/mu, no KL) is averaged over "
@@ -221,7 +229,7 @@ def render_bias(res: dict) -> str:
         f"{st['batches_per_arm']} sampled from theta_{{c+S}} (fresh); ||bias||^2 = "
         "||mean g_stale - mean g_fresh||^2 minus each mean's sampling variance. "
         f"(S, eta) in {[tuple(c) for c in st['configs']]}; samplers in float32 (no train-inference "
-        "mismatch, so the bias is staleness only).",
+        "mismatch, so the bias is staleness only)."),
         "",
         "| S | eta | S*eta | bias norm (mean over seeds) | norm of E g fresh | parameter drift |",
         "|---|---|---|---|---|---|"]
@@ -242,10 +250,10 @@ def render_bias(res: dict) -> str:
         lines.append("")
     lines += ["**Verdict.** " + bias_verdict(res["claims"], res.get("slope")), ""]
     lines += [
-        "**Limits.** A one-layer toy MoE (8 experts, top-2) on an 8-token task; Adam makes the step size "
+        ("**Limits.** A one-layer toy MoE (8 experts, top-2) on an 8-token task; Adam makes the step size "
         "nearly independent of the gradient, so S*eta is a drift proxy in parameter space "
         "only through Adam's normalized steps; the bias is measured at one checkpoint "
-        "per seed.",
+        "per seed."),
         ""]
     return "\n".join(lines)
 
@@ -375,6 +383,29 @@ def etamax_claims(cells: list[dict], seeds: list[int], lags: list[int], horizons
     return claims
 
 
+def scan_eta_max(ckpt: Path, seed: int, lag: int, grid: list[float], steps: int,
+                 eval_every: int, horizons: list[int], progress
+                 ) -> tuple[dict[int, dict], dict[int, int]]:
+    """Bisection on the lr grid for every horizon, sharing runs (one run answers every
+    horizon). Returns (grid index -> run, horizon -> largest stable grid index)."""
+    runs: dict[int, dict] = {}
+
+    def run(i: int) -> dict:
+        if i not in runs:
+            runs[i] = stability_run(ckpt, seed, lag, grid[i], steps, eval_every, horizons)
+            progress(f"eta_max seed {seed} S={lag} lr {grid[i]:.3g}: collapsed "
+                     f"{runs[i]['collapsed']} final eval {runs[i]['curve'][-1][1]:.2f}")
+        return runs[i]
+
+    best = {}
+    for h in sorted(horizons, reverse=True):
+        def stable(i: int, h: int = h) -> bool:
+            return not run(i)["collapsed"][str(h)]
+
+        best[h] = bisect_eta_max(stable, len(grid))[0]
+    return runs, best
+
+
 def run_etamax(ctx: RunContext) -> dict:
     quick = ctx.quick
     lags = [1, 2] if quick else [1, 4, 8]
@@ -386,22 +417,8 @@ def run_etamax(ctx: RunContext) -> dict:
     cells: list[dict] = []
     for seed in ctx.seeds:
         for lag in lags:
-            runs: dict[int, dict] = {}
-
-            def run(i: int) -> dict:
-                if i not in runs:
-                    runs[i] = stability_run(ckpt, seed, lag, grid[i], steps, eval_every,
-                                            horizons)
-                    ctx.progress(f"eta_max seed {seed} S={lag} lr {grid[i]:.3g}: "
-                                 f"collapsed {runs[i]['collapsed']} final eval "
-                                 f"{runs[i]['curve'][-1][1]:.2f}")
-                return runs[i]
-
-            best = {}
-            for h in sorted(horizons, reverse=True):  # the long horizon first: its runs
-                # answer the short one wherever they were stable through T2
-                idx, _ = bisect_eta_max(lambda i: not run(i)["collapsed"][str(h)], len(grid))
-                best[h] = idx
+            runs, best = scan_eta_max(ckpt, seed, lag, grid, steps, eval_every, horizons,
+                                      ctx.progress)
             for h in horizons:
                 idx = best[h]
                 r = runs[idx] if idx >= 0 else None
@@ -463,11 +480,11 @@ def render_etamax(res: dict) -> str:
     st = res["settings"]
     grid = st["lr_grid"]
     lines = [
-        f"**Claim ({PAPER_ID}).** Stability needs eta << min{{R_batch/(S G_upd), "
+        (f"**Claim ({PAPER_ID}).** Stability needs eta << min{{R_batch/(S G_upd), "
         "R_crit/(T G_upd)}}: the max stable eta scales like 1/S where the stale term binds "
-        "and is nearly independent of S where the horizon term does.",
+        "and is nearly independent of S where the horizon term does."),
         "",
-        f"**Experiment.** Bypass GRPO (clip on pi/mu, no KL), lag S in {st['lags']} (batch k "
+        (f"**Experiment.** Bypass GRPO (clip on pi/mu, no KL), lag S in {st['lags']} (batch k "
         f"from the bfloat16 copy of version k - S), {st['steps']} steps. eta_max = the "
         f"largest lr of the sqrt(2) grid {grid[0]:.3g} ... {grid[-1]:.3g} whose run did not "
         f"collapse by horizon T in {st['horizons']} (held-out eval of the current policy "
@@ -476,10 +493,10 @@ def render_etamax(res: dict) -> str:
         f"(entropy below {ENTROPY_FLOOR} nats with reward below {DEAD_REWARD}), or a "
         "non-finite loss), found by bisection. The StalenessMonitor "
         "(update norms, |log pi - log mu|, |log pi - log pi_0|) runs along; its bound is "
-        "read at the eta_max run at each horizon.",
+        "read at the eta_max run at each horizon."),
         "",
-        "| S | T | eta_max (median, [min, max] over seeds) | monitor bound (median) | "
-        "eta_max / bound | binding term |",
+        ("| S | T | eta_max (median, [min, max] over seeds) | monitor bound (median) | "
+        "eta_max / bound | binding term |"),
         "|---|---|---|---|---|---|"]
     for lag in st["lags"]:
         for h in st["horizons"]:
@@ -498,8 +515,8 @@ def render_etamax(res: dict) -> str:
             lines[-1] += (f"{np.median(ratio):.2f} | " if ratio else "- | ")
             lines[-1] += ", ".join(f"{b}: {bind.count(b)}" for b in dict.fromkeys(bind)) + " |"
     lines += ["", claims_table(res), "", "**Verdict.** " + etamax_verdict(res), "",
-              "**Limits.** Toy model and task; eta_max is resolved only to the sqrt(2) grid; "
-              "bisection assumes stability is monotone in eta; the collapse rule is ours.",
+              ("**Limits.** Toy model and task; eta_max is resolved only to the sqrt(2) grid; "
+              "bisection assumes stability is monotone in eta; the collapse rule is ours."),
               ""]
     return "\n".join(lines)
 

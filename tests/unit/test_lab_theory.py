@@ -32,9 +32,14 @@ def test_bias_squared_removes_the_sampling_noise():
 
 def test_bisection_finds_the_largest_stable_grid_point_in_log_calls():
     for true in range(-1, 9):
-        calls = []
-        idx, seen = bisect_eta_max(lambda i: calls.append(i) or i <= true, 9)
-        assert idx == true
+        calls: list[int] = []
+
+        def stable(i: int, calls: list[int] = calls, true: int = true) -> bool:
+            calls.append(i)
+            return i <= true
+
+        idx, seen = bisect_eta_max(stable, 9)
+        assert idx == true and set(seen) == set(calls)
         assert len(calls) == len(set(calls)) <= 4  # ceil(log2(10))
     grid = lr_grid(4e-3, 3)
     assert grid[2] == pytest.approx(8e-3) and grid[1] == pytest.approx(4e-3 * math.sqrt(2))
