@@ -302,8 +302,8 @@ def render(res: dict) -> str:
         "of log r_d, EWMA resets, extra forward passes per step, the held-out eval."),
         "",
         ("| S | method | final held-out eval | prox error (all lags) | error by lag | "
-        "std log r_d | resets | extra fwd / step |"),
-        "|---|---|---|---|---|---|---|---|"]
+        "std log r_d | clip rate on r_s | resets | extra fwd / step |"),
+        "|---|---|---|---|---|---|---|---|---|"]
     for lag in st["lags"]:
         for m in st["methods"]:
             cs = [c for c in res["cells"] if c["method"] == m and c["lag"] == lag]
