@@ -187,7 +187,8 @@ def plot_curves(results: dict, path: Path) -> None:
     cells = [c for c in results.get("cells", []) if c.get("eval_steps")]
     if not cells:
         return
-    lags = sorted({c["lag"] for c in cells})
+    # numeric lags in order; a named lag (e.g. "gateway": the product's) after them
+    lags = sorted({c["lag"] for c in cells}, key=lambda x: (isinstance(x, str), x))
     fig, axes = plt.subplots(1, len(lags), figsize=(4 * len(lags), 3.2), sharey=True,
                              squeeze=False)
     for ax, lag in zip(axes[0], lags):
