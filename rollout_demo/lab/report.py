@@ -30,8 +30,9 @@ prompts and sampling stream), its mean with a 95% Student-t interval. A claim is
 **reproduced** when the interval excludes zero in the claimed direction, **not reproduced**
 when it excludes zero in the other, and **not distinguishable at this scale** otherwise.
 Scores are held-out evaluations of the current policy, never the (stale) training batch.
-Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`), its
-claims table shows that run's verdicts beside.
+Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`, or a
+directory `{root}/<preset>-...` holding the same preset's results), its claims table shows
+that run's verdicts beside.
 Hand-written sections (measurements that are no preset) live in `{root}/extra/`.
 Each section names the CPU that ran it; only one CPU kind was at hand for these runs, so
 whether the verdicts hold on another CPU kind is not checked (the runs are seeded and
@@ -84,8 +85,9 @@ def _seed_span(seeds: list[int]) -> str:
 
 
 def collect(root: Path) -> list[dict]:
-    """Every ``root/*/results.json``, sorted by preset name."""
-    return [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{RESULTS}"))]  # not rerun/
+    """Every ``root/*/results.json``, sorted by directory, each with its ``_dir`` name."""
+    return [{**json.loads(p.read_text()), "_dir": p.parent.name}
+            for p in sorted(root.glob(f"*/{RESULTS}"))]  # not <preset>/rerun/
 
 
 def render_report(root: Path, presets: dict[str, Preset]) -> str:
@@ -93,6 +95,11 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
     unknown = sorted({r["preset"] for r in found} - set(presets))
     if unknown:
         raise SystemExit(f"results for unregistered presets {unknown} under {root}")
+    # a preset's results in a directory not named after it (e.g. ``theory-bias-seeds-6-11``)
+    # is a re-run of it when its own directory exists: shown beside, not as a section
+    primary = {r["preset"] for r in found if r["_dir"] == r["preset"]}
+    reruns = {r["preset"]: r for r in found if r["_dir"] != r["preset"] and r["preset"] in primary}
+    found = [r for r in found if r["_dir"] == r["preset"] or r["preset"] not in primary]
     parts = [HEADER.format(root=root.as_posix())]
     for paper, title in PAPERS.items():
         mine = [r for r in found if presets[r["preset"]].paper == paper]
@@ -104,14 +111,16 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
             rerun = root / p.name / RERUN / RESULTS
             if rerun.exists():  # the same preset on other seeds: its verdicts beside
                 r = {**r, "rerun": json.loads(rerun.read_text())}
+            elif p.name in reruns:
+                r = {**r, "rerun": reruns[p.name]}
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
-            plot = root / p.name / PLOT
+            plot = root / r["_dir"] / PLOT
             if not plot.exists():  # results committed without their plot: draw it
                 plot_curves(r, plot)
             if plot.exists():
-                parts.append(f"![held-out reward curves]({root.name}/{p.name}/{PLOT})\n")
+                parts.append(f"![held-out reward curves]({root.name}/{r['_dir']}/{PLOT})\n")
         parts.extend(_extras(root / "extra" / paper))
     rest = _extras(root / "extra")
     if rest:
@@ -121,8 +130,9 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
 
 
 def _extras(folder: Path) -> list[str]:
-    """Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`), its
-claims table shows that run's verdicts beside.
+    """Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`, or a
+directory `{root}/<preset>-...` holding the same preset's results), its claims table shows
+that run's verdicts beside.
 Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
     that paper's section, ``extra/*.md`` at the end (measurements that are no preset)."""
     return [f.read_text().rstrip() + "\n" for f in sorted(folder.glob("*.md"))]

@@ -94,3 +94,16 @@ def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch)
         registry.register(registry.Preset("a-sat", "sat", "again", 1, lambda c: {}, str))
     with pytest.raises(ValueError):
         registry.register(registry.Preset("z", "nopaper", "", 1, lambda c: {}, str))
+
+
+def test_a_results_directory_not_named_after_its_preset_is_a_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "PRESETS", {})
+    registry.register(registry.Preset("p", "sat", "s", 1.0, lambda c: {}, report.claims_table))
+    for d, seeds, b in [("p", [0, 1, 2], [0, 1, 2.5]), ("p-seeds-6-8", [6, 7, 8], [2, 2, 2])]:
+        (tmp_path / "lab" / d).mkdir(parents=True)
+        (tmp_path / "lab" / d / "results.json").write_text(json.dumps(
+            {"preset": "p", "paper": "sat", "seeds": seeds, "cells": [],
+             "claims": [claim("p claim", "x", "y", "m", [1, 2, 3], b)]}))
+    text = report.render_report(tmp_path / "lab", registry.PRESETS)
+    assert text.count("### `p`") == 1 and "verdict, seeds 6-8 |" in text
+    assert "not distinguishable (+0.00 [" in text
