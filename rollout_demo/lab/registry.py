@@ -34,6 +34,8 @@ PRESET_MODULES: list[str] = [
     "rollout_demo.lab.estr",
 
     # lab-theory: old logits, theory
+    "rollout_demo.lab.oldlogit",
+    "rollout_demo.lab.theory",
 
     # lab-product: through the gateway, routing replay
     "rollout_demo.lab.product",

@@ -15,6 +15,8 @@ from rollout_demo.lab.registry import PAPERS, Preset
 
 RESULTS = "results.json"
 PLOT = "curves.png"
+#: ``<preset>/rerun/results.json``: the preset run again on other seeds (verdict check)
+RERUN = "rerun"
 
 HEADER = """# The staleness lab
 
@@ -28,6 +30,9 @@ prompts and sampling stream), its mean with a 95% Student-t interval. A claim is
 **reproduced** when the interval excludes zero in the claimed direction, **not reproduced**
 when it excludes zero in the other, and **not distinguishable at this scale** otherwise.
 Scores are held-out evaluations of the current policy, never the (stale) training batch.
+Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`, or a
+directory `{root}/<preset>-...` holding the same preset's results), its claims table shows
+that run's verdicts beside.
 Hand-written sections (measurements that are no preset) live in `{root}/extra/`.
 Each section names the CPU that ran it; only one CPU kind was at hand for these runs, so
 whether the verdicts hold on another CPU kind is not checked (the runs are seeded and
@@ -35,19 +40,33 @@ deterministic on one kind; float results may differ on another).
 """
 
 
+def cell(text: str) -> str:
+    """Text safe inside a markdown table cell (a claim may say |delta|)."""
+    return str(text).replace("|", "\\|")
+
+
 def fmt(x: float, digits: int = 3) -> str:
     return "nan" if x is None or not math.isfinite(x) else f"{x:+.{digits}f}"
 
 
 def claims_table(results: dict) -> str:
-    """The claims of ``results`` as a markdown table (mean difference, CI, n, verdict)."""
-    rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |",
-            "|---|---|---|---|---|---|---|"]
+    """The claims of ``results`` as a markdown table (mean difference, CI, n, verdict); with
+    a re-run on other seeds attached (``rerun``, see :func:`render_report`), its verdict too."""
+    rerun = results.get("rerun")
+    again = {c["claim"]: c for c in (rerun or {}).get("claims", [])}
+    extra = f" verdict, seeds {_seed_span(rerun['seeds'])} |" if rerun else ""
+    rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |" + extra,
+            "|---|---|---|---|---|---|---|" + ("---|" if rerun else "")]
     for c in results.get("claims", []):
         lo, hi = c["ci"]
-        rows.append(f"| {c['claim']} | {c['a']} - {c['b']} | {c['metric']} | "
-                    f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
-                    f"**{c['verdict']}** |")
+        row = (f"| {cell(c['claim'])} | {cell(c['a'])} - {cell(c['b'])} | {cell(c['metric'])} | "
+               f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
+               f"**{c['verdict']}** |")
+        if rerun:
+            o = again.get(c["claim"])
+            row += (f" {o['verdict']} ({fmt(o['mean_diff'], 2)} [{fmt(o['ci'][0], 2)}, "
+                    f"{fmt(o['ci'][1], 2)}]) |" if o else " - |")
+        rows.append(row)
     return "\n".join(rows) + "\n"
 
 
@@ -66,8 +85,9 @@ def _seed_span(seeds: list[int]) -> str:
 
 
 def collect(root: Path) -> list[dict]:
-    """Every ``root/*/results.json``, sorted by preset name."""
-    return [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{RESULTS}"))]
+    """Every ``root/*/results.json``, sorted by directory, each with its ``_dir`` name."""
+    return [{**json.loads(p.read_text()), "_dir": p.parent.name}
+            for p in sorted(root.glob(f"*/{RESULTS}"))]  # not <preset>/rerun/
 
 
 def render_report(root: Path, presets: dict[str, Preset]) -> str:
@@ -75,6 +95,11 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
     unknown = sorted({r["preset"] for r in found} - set(presets))
     if unknown:
         raise SystemExit(f"results for unregistered presets {unknown} under {root}")
+    # a preset's results in a directory not named after it (e.g. ``theory-bias-seeds-6-11``)
+    # is a re-run of it when its own directory exists: shown beside, not as a section
+    primary = {r["preset"] for r in found if r["_dir"] == r["preset"]}
+    reruns = {r["preset"]: r for r in found if r["_dir"] != r["preset"] and r["preset"] in primary}
+    found = [r for r in found if r["_dir"] == r["preset"] or r["preset"] not in primary]
     parts = [HEADER.format(root=root.as_posix())]
     for paper, title in PAPERS.items():
         mine = [r for r in found if presets[r["preset"]].paper == paper]
@@ -83,14 +108,19 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
             parts.append("_No committed results yet for this section._\n")
         for r in mine:
             p = presets[r["preset"]]
+            rerun = root / p.name / RERUN / RESULTS
+            if rerun.exists():  # the same preset on other seeds: its verdicts beside
+                r = {**r, "rerun": json.loads(rerun.read_text())}
+            elif p.name in reruns:
+                r = {**r, "rerun": reruns[p.name]}
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
-            plot = root / p.name / PLOT
+            plot = root / r["_dir"] / PLOT
             if not plot.exists():  # results committed without their plot: draw it
                 plot_curves(r, plot)
             if plot.exists():
-                parts.append(f"![held-out reward curves]({root.name}/{p.name}/{PLOT})\n")
+                parts.append(f"![held-out reward curves]({root.name}/{r['_dir']}/{PLOT})\n")
         parts.extend(_extras(root / "extra" / paper))
     rest = _extras(root / "extra")
     if rest:
@@ -100,7 +130,10 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
 
 
 def _extras(folder: Path) -> list[str]:
-    """Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
+    """Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`, or a
+directory `{root}/<preset>-...` holding the same preset's results), its claims table shows
+that run's verdicts beside.
+Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
     that paper's section, ``extra/*.md`` at the end (measurements that are no preset)."""
     return [f.read_text().rstrip() + "\n" for f in sorted(folder.glob("*.md"))]
 
@@ -182,3 +215,19 @@ def plot_curves(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def verdict_summary(results: dict, keys: tuple[str, ...] | None = None) -> str:
+    """One sentence per verdict, listing its claims (``keys``: substrings selecting the
+    claims that carry the paper's verdict; default all)."""
+    cs = [c for c in results.get("claims", [])
+          if keys is None or any(k in c["claim"] for k in keys)]
+    out = []
+    for v, word in [("reproduced", "Reproduced (95% CI excludes zero)"),
+                    ("not reproduced", "Not reproduced (CI excludes zero the other way)"),
+                    ("not distinguishable", "Not distinguishable at this scale")]:
+        sel = [f"{c['claim']} ({fmt(c['mean_diff'], 2)} [{fmt(c['ci'][0], 2)}, "
+               f"{fmt(c['ci'][1], 2)}])" for c in cs if c["verdict"] == v]
+        if sel:
+            out.append(f"{word}: " + "; ".join(sel) + ".")
+    return " ".join(out) if out else "No claims."

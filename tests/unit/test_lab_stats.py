@@ -48,6 +48,10 @@ def test_verdicts_and_degenerate_inputs():
     c = claim("a beats b", "a", "b", "final_eval", [1, 2, 3], [0, 0.5, 1.5])
     assert c["verdict"] == "reproduced" and c["n"] == 3 and c["ci"][0] > 0
     json.dumps(c)
+    nd = claim("x beats y", "x", "y", "m", [1, 0, 1], [0, 1, 0.5])
+    text = report.verdict_summary({"claims": [c, nd]})
+    assert text.startswith("Reproduced") and "a beats b (+1.33" in text
+    assert "Not distinguishable at this scale: x beats y" in text
 
 
 def test_parse_seeds():
@@ -71,6 +75,8 @@ def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch)
                "cells": [], "claims": [claim(f"{name} claim", "x", "y", "m", [1, 2, 3],
                                              [0, 1, 2.5])]}
         (d / "results.json").write_text(json.dumps(res))
+        (d / "rerun").mkdir()
+        (d / "rerun" / "results.json").write_text(json.dumps({**res, "seeds": [6, 7, 8]}))
     (tmp_path / "lab" / "extra" / "sat").mkdir(parents=True)
     (tmp_path / "lab" / "extra" / "sat" / "bench.md").write_text("### SAT bench by hand\n")
     (tmp_path / "lab" / "extra" / "old.md").write_text("### Old grid\n")
@@ -81,9 +87,23 @@ def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch)
         < text.index("b-theory claim")
     assert text.index("a-sat claim") < text.index("SAT bench by hand") < text.index("## ESTR")
     assert text.index("## Other measurements") < text.index("### Old grid")
+    assert "verdict, seeds 6-8 |" in text and "| reproduced (+0.83 [" in text
     assert "TestCPU" in text and "seeds 0-2" in text
     assert "_No committed results yet" in text  # the ESTR section, for one
     with pytest.raises(ValueError):
         registry.register(registry.Preset("a-sat", "sat", "again", 1, lambda c: {}, str))
     with pytest.raises(ValueError):
         registry.register(registry.Preset("z", "nopaper", "", 1, lambda c: {}, str))
+
+
+def test_a_results_directory_not_named_after_its_preset_is_a_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "PRESETS", {})
+    registry.register(registry.Preset("p", "sat", "s", 1.0, lambda c: {}, report.claims_table))
+    for d, seeds, b in [("p", [0, 1, 2], [0, 1, 2.5]), ("p-seeds-6-8", [6, 7, 8], [2, 2, 2])]:
+        (tmp_path / "lab" / d).mkdir(parents=True)
+        (tmp_path / "lab" / d / "results.json").write_text(json.dumps(
+            {"preset": "p", "paper": "sat", "seeds": seeds, "cells": [],
+             "claims": [claim("p claim", "x", "y", "m", [1, 2, 3], b)]}))
+    text = report.render_report(tmp_path / "lab", registry.PRESETS)
+    assert text.count("### `p`") == 1 and "verdict, seeds 6-8 |" in text
+    assert "not distinguishable (+0.00 [" in text
