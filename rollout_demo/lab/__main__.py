@@ -71,6 +71,9 @@ def run_preset(name: str, seeds: list[int] | None, out: Path, quick: bool) -> di
     results.setdefault("cells", [])
     results.setdefault("claims", [])
     (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
+    from rollout_demo.lab.report import PLOT, plot_curves
+
+    plot_curves(results, out / PLOT)
     print(p.render(results))
     return results
 

@@ -151,6 +151,8 @@ def render(res: dict) -> str:
                            diag=("mask_rate", "masked_entropy_median", "masked_entropy_max",
                                  "all_entropy_median")),
         report.claims_table(res),
+        "**Verdict.** " + report.verdict_summary(res),
+        "",
         "**Limits.** The injected noise sits on the stamped mu only (the engine samples "
         "from the true behaviour policy), the task has 8 tokens, and one mask rate, lr and "
         "noise level are tried; the paper's setting (multi-turn agents, real engines) is not "

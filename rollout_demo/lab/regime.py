@@ -53,8 +53,13 @@ def render(res: dict) -> str:
         "",
         "**Experiment.** " + report.prose(__doc__ or ""),
         "",
+        "**The simulator** (`rollout_demo/lab/sim.py`, shared by the regime, SAT and ESTR "
+        "presets). " + report.prose(sim.__doc__ or ""),
+        "",
         report.cells_table(res, by=("method", "lr", "lag"), diag=("abs_log_ratio_mu",)),
         report.claims_table(res),
+        "**Verdict.** " + report.verdict_summary(res),
+        "",
         "**Limits.** A 20k-parameter policy on an 8-token task; 'hurts' is judged at 60 "
         "batches. The regime depends on the learning rate: at the lower rate the lags are "
         "compared too (the numbers above say whether staleness matters there).",
@@ -63,4 +68,4 @@ def render(res: dict) -> str:
 
 register(Preset(name="regime", paper="regime",
                 summary="GRPO (no KL) at lags 0/4/16 and two learning rates: where staleness hurts",
-                cpu_minutes=1.5, run=run, render=render))
+                cpu_minutes=1.2, run=run, render=render))

@@ -38,6 +38,8 @@ PRESET_MODULES: list[str] = [
     "rollout_demo.lab.theory",
 
     # lab-product: through the gateway, routing replay
+    "rollout_demo.lab.product",
+    "rollout_demo.lab.routing",
 
 ]
 

@@ -14,6 +14,9 @@ from pathlib import Path
 from rollout_demo.lab.registry import PAPERS, Preset
 
 RESULTS = "results.json"
+PLOT = "curves.png"
+#: ``<preset>/rerun/results.json``: the preset run again on other seeds (verdict check)
+RERUN = "rerun"
 
 HEADER = """# The staleness lab
 
@@ -27,7 +30,18 @@ prompts and sampling stream), its mean with a 95% Student-t interval. A claim is
 **reproduced** when the interval excludes zero in the claimed direction, **not reproduced**
 when it excludes zero in the other, and **not distinguishable at this scale** otherwise.
 Scores are held-out evaluations of the current policy, never the (stale) training batch.
+Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`), its
+claims table shows that run's verdicts beside.
+Hand-written sections (measurements that are no preset) live in `{root}/extra/`.
+Each section names the CPU that ran it; only one CPU kind was at hand for these runs, so
+whether the verdicts hold on another CPU kind is not checked (the runs are seeded and
+deterministic on one kind; float results may differ on another).
 """
+
+
+def cell(text: str) -> str:
+    """Text safe inside a markdown table cell (a claim may say |delta|)."""
+    return str(text).replace("|", "\\|")
 
 
 def fmt(x: float, digits: int = 3) -> str:
@@ -35,14 +49,23 @@ def fmt(x: float, digits: int = 3) -> str:
 
 
 def claims_table(results: dict) -> str:
-    """The claims of ``results`` as a markdown table (mean difference, CI, n, verdict)."""
-    rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |",
-            "|---|---|---|---|---|---|---|"]
+    """The claims of ``results`` as a markdown table (mean difference, CI, n, verdict); with
+    a re-run on other seeds attached (``rerun``, see :func:`render_report`), its verdict too."""
+    rerun = results.get("rerun")
+    again = {c["claim"]: c for c in (rerun or {}).get("claims", [])}
+    extra = f" verdict, seeds {_seed_span(rerun['seeds'])} |" if rerun else ""
+    rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |" + extra,
+            "|---|---|---|---|---|---|---|" + ("---|" if rerun else "")]
     for c in results.get("claims", []):
         lo, hi = c["ci"]
-        rows.append(f"| {c['claim']} | {c['a']} - {c['b']} | {c['metric']} | "
-                    f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
-                    f"**{c['verdict']}** |")
+        row = (f"| {cell(c['claim'])} | {cell(c['a'])} - {cell(c['b'])} | {cell(c['metric'])} | "
+               f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
+               f"**{c['verdict']}** |")
+        if rerun:
+            o = again.get(c["claim"])
+            row += (f" {o['verdict']} ({fmt(o['mean_diff'], 2)} [{fmt(o['ci'][0], 2)}, "
+                    f"{fmt(o['ci'][1], 2)}]) |" if o else " - |")
+        rows.append(row)
     return "\n".join(rows) + "\n"
 
 
@@ -62,7 +85,7 @@ def _seed_span(seeds: list[int]) -> str:
 
 def collect(root: Path) -> list[dict]:
     """Every ``root/*/results.json``, sorted by preset name."""
-    return [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{RESULTS}"))]
+    return [json.loads(p.read_text()) for p in sorted(root.glob(f"*/{RESULTS}"))]  # not rerun/
 
 
 def render_report(root: Path, presets: dict[str, Preset]) -> str:
@@ -76,13 +99,33 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
         parts.append(f"## {title}\n")
         if not mine:
             parts.append("_No committed results yet for this section._\n")
-            continue
         for r in mine:
             p = presets[r["preset"]]
+            rerun = root / p.name / RERUN / RESULTS
+            if rerun.exists():  # the same preset on other seeds: its verdicts beside
+                r = {**r, "rerun": json.loads(rerun.read_text())}
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
+            plot = root / p.name / PLOT
+            if not plot.exists():  # results committed without their plot: draw it
+                plot_curves(r, plot)
+            if plot.exists():
+                parts.append(f"![held-out reward curves]({root.name}/{p.name}/{PLOT})\n")
+        parts.extend(_extras(root / "extra" / paper))
+    rest = _extras(root / "extra")
+    if rest:
+        parts.append("## Other measurements\n")
+        parts.extend(rest)
     return "\n".join(parts)
+
+
+def _extras(folder: Path) -> list[str]:
+    """Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`), its
+claims table shows that run's verdicts beside.
+Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
+    that paper's section, ``extra/*.md`` at the end (measurements that are no preset)."""
+    return [f.read_text().rstrip() + "\n" for f in sorted(folder.glob("*.md"))]
 
 
 def write_report(root: Path, presets: dict[str, Preset]) -> Path:
@@ -131,3 +174,50 @@ def prose(doc: str) -> str:
                 lines.append(s)
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    """Held-out reward against the batch, mean over seeds, one panel per lag."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cells = [c for c in results.get("cells", []) if c.get("eval_steps")]
+    if not cells:
+        return
+    # numeric lags in order; a named lag (e.g. "gateway": the product's) after them
+    lags = sorted({c["lag"] for c in cells}, key=lambda x: (isinstance(x, str), x))
+    fig, axes = plt.subplots(1, len(lags), figsize=(4 * len(lags), 3.2), sharey=True,
+                             squeeze=False)
+    for ax, lag in zip(axes[0], lags):
+        keys = dict.fromkeys((c["method"], c.get("lr")) for c in cells if c["lag"] == lag)
+        for method, lr in keys:
+            cs = [c for c in cells if (c["method"], c.get("lr"), c["lag"]) == (method, lr, lag)]
+            n = min(len(c["eval_curve"]) for c in cs)
+            y = np.mean([c["eval_curve"][:n] for c in cs], axis=0)
+            label = method if len({k[1] for k in keys}) == 1 else f"{method} lr {lr:g}"
+            ax.plot(cs[0]["eval_steps"][:n], y, label=label)
+        ax.set(title=f"lag {lag}", xlabel="batch", ylim=(0, 1.02))
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"held-out reward (mean of {len(results.get('seeds', []))} seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def verdict_summary(results: dict, keys: tuple[str, ...] | None = None) -> str:
+    """One sentence per verdict, listing its claims (``keys``: substrings selecting the
+    claims that carry the paper's verdict; default all)."""
+    cs = [c for c in results.get("claims", [])
+          if keys is None or any(k in c["claim"] for k in keys)]
+    out = []
+    for v, word in [("reproduced", "Reproduced (95% CI excludes zero)"),
+                    ("not reproduced", "Not reproduced (CI excludes zero the other way)"),
+                    ("not distinguishable", "Not distinguishable at this scale")]:
+        sel = [f"{c['claim']} ({fmt(c['mean_diff'], 2)} [{fmt(c['ci'][0], 2)}, "
+               f"{fmt(c['ci'][1], 2)}])" for c in cs if c["verdict"] == v]
+        if sel:
+            out.append(f"{word}: " + "; ".join(sel) + ".")
+    return " ".join(out) if out else "No claims."

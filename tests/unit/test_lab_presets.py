@@ -12,7 +12,7 @@ from rollout_demo.lab import sim
 from rollout_demo.lab.__main__ import main
 from rollout_demo.lab.registry import RunContext, load_presets
 
-CORE = ("regime", "sat-anchor", "estr-entropy")
+CORE = ("regime", "sat-anchor", "sat-small-lag", "estr-entropy")
 
 
 @pytest.fixture(autouse=True)

@@ -48,6 +48,10 @@ def test_verdicts_and_degenerate_inputs():
     c = claim("a beats b", "a", "b", "final_eval", [1, 2, 3], [0, 0.5, 1.5])
     assert c["verdict"] == "reproduced" and c["n"] == 3 and c["ci"][0] > 0
     json.dumps(c)
+    nd = claim("x beats y", "x", "y", "m", [1, 0, 1], [0, 1, 0.5])
+    text = report.verdict_summary({"claims": [c, nd]})
+    assert text.startswith("Reproduced") and "a beats b (+1.33" in text
+    assert "Not distinguishable at this scale: x beats y" in text
 
 
 def test_parse_seeds():
@@ -71,11 +75,19 @@ def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch)
                "cells": [], "claims": [claim(f"{name} claim", "x", "y", "m", [1, 2, 3],
                                              [0, 1, 2.5])]}
         (d / "results.json").write_text(json.dumps(res))
+        (d / "rerun").mkdir()
+        (d / "rerun" / "results.json").write_text(json.dumps({**res, "seeds": [6, 7, 8]}))
+    (tmp_path / "lab" / "extra" / "sat").mkdir(parents=True)
+    (tmp_path / "lab" / "extra" / "sat" / "bench.md").write_text("### SAT bench by hand\n")
+    (tmp_path / "lab" / "extra" / "old.md").write_text("### Old grid\n")
     out = report.write_report(tmp_path / "lab", registry.PRESETS)
     text = out.read_text()
     assert out == tmp_path / "lab.md"
     assert text.index("## SAT") < text.index("a-sat claim") < text.index("## Theory") \
         < text.index("b-theory claim")
+    assert text.index("a-sat claim") < text.index("SAT bench by hand") < text.index("## ESTR")
+    assert text.index("## Other measurements") < text.index("### Old grid")
+    assert "verdict, seeds 6-8 |" in text and "| reproduced (+0.83 [" in text
     assert "TestCPU" in text and "seeds 0-2" in text
     assert "_No committed results yet" in text  # the ESTR section, for one
     with pytest.raises(ValueError):
