@@ -337,4 +337,4 @@ register(Preset(
     name="old-logits", paper="old_logits",
     summary="exact pi_old vs RevisedPPOEWMA vs log-linear vs current vs bypass, "
             "mixed-version rollouts",
-    cpu_minutes=3.0, run=run_preset, render=render))
+    cpu_minutes=1.5, run=run_preset, render=render))

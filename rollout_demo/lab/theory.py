@@ -545,8 +545,8 @@ def render_etamax(res: dict) -> str:
 register(Preset(
     name="theory-bias", paper="theory",
     summary="||E g(stale) - E g(fresh)|| against S*eta at fixed checkpoints (one curve?)",
-    cpu_minutes=1.5, run=run_bias, render=render_bias))
+    cpu_minutes=1.0, run=run_bias, render=render_bias))
 register(Preset(
     name="theory-etamax", paper="theory",
     summary="eta_max(S) on a sqrt(2) grid at two horizons, against the monitor's bound",
-    cpu_minutes=6.0, run=run_etamax, render=render_etamax, default_seeds=(0, 1, 2, 3)))
+    cpu_minutes=3.0, run=run_etamax, render=render_etamax, default_seeds=(0, 1, 2, 3)))
