@@ -231,12 +231,16 @@ class SwapOrchestrator:
 
     async def swapped_elsewhere(self, eng: Engine, now: EngineIdentity) -> bool:
         """Whether the shared swap history holds a swap of ``eng`` to the version it now
-        reports (led by another replica): its new label is then no change behind the
-        gateway's back."""
+        reports (led by another replica), from the checkpoint it now reports loading (a
+        disk refit): its new label is then no change behind the gateway's back."""
         if now.weight_version is None:  # (this replica may have learnt the version already)
             return False
         records = await read_swaps(self.registry, 50, "engine identity")
-        return any(r.version == now.weight_version and eng.id in r.engines for r in records)
+        # a disk refit moves model_path to its checkpoint: other weights under the label
+        # of a refit (someone loaded another path) are a change behind the gateway's back
+        return any(r.version == now.weight_version and eng.id in r.engines and (
+            now.model_path is None or r.checkpoint is None or r.checkpoint == now.model_path)
+            for r in records)
 
     def _targets(self, req: SwapRequest) -> list[Engine]:
         if req.engines is not None:

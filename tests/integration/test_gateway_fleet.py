@@ -70,7 +70,7 @@ def test_drop_stale_publishes_or_requeues_stale_samples_during_the_pause(make_en
         body = refit(gw, ckpts[1], 1)
         assert {r["stale_dropped"] for r in body["results"].values()} == {0}
         # samples that start at v1
-        new = [st.start([6 + i, 4, 5], n=2, max_new_tokens=200) for i in range(3)]
+        new = [st.start([6 + i, 4, 5], n=2, max_new_tokens=80) for i in range(3)]
         st.wait_tokens(4)
         # drop what started below v1 during the pause, published as it is
         body = refit(gw, ckpts[2], 2, mode="retract",
@@ -83,13 +83,13 @@ def test_drop_stale_publishes_or_requeues_stale_samples_during_the_pause(make_en
             assert set(t["policy_version"]) <= {0, 1}, t
             assert t["segments"][-1]["ended"] == "aborted"
         for t in trajs(new):  # started at v1: not stale, resumed and ran to their length
-            assert t["finish_reason"]["type"] == "length" and t["num_tokens"] == 200, t
+            assert t["finish_reason"]["type"] == "length" and t["num_tokens"] == 80, t
             assert min(t["policy_version"]) == 1
         # a buffered sample that starts at v2 is requeued by a refit dropping below v3: it
         # starts again from the prompt, every token of its answer is v3
         fut = ex.submit(httpx.post, gw.url + "/v1/rollouts", timeout=120, json={
             "input_ids": [9, 9, 4], "n": 1, "sampling_params": {
-                "max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}})
+                "max_new_tokens": 100, "temperature": 1.0, "ignore_eos": True}})
         wait_for(lambda: httpx.get(gw.url + "/v1/lag").json()["in_flight"]["tokens"] >= 3,
                  60, "the buffered sample's first tokens")
         body = refit(gw, ckpts[3], 3, mode="in_place",
@@ -98,7 +98,7 @@ def test_drop_stale_publishes_or_requeues_stale_samples_during_the_pause(make_en
         r = fut.result()
         assert r.status_code == 200, r.text
         (t,) = r.json()["trajectories"]
-        assert t["num_tokens"] == 150 and set(t["policy_version"]) == {3}, t
+        assert t["num_tokens"] == 100 and set(t["policy_version"]) == {3}, t
         assert t["segments"][0]["began"] == "start" and t["finish_reason"]["type"] == "length"
         c = counters(gw)
         assert c["rollout_gateway_refit_stale_published_total"] == 6
@@ -119,7 +119,7 @@ def test_in_place_never_serves_kv_older_than_the_policy_admits(make_engine, ckpt
     engines = {k: make_engine(checkpoint=ckpts[1], weight_version="0", step_delay_ms=10,
                               incremental_streaming_output=True) for k in "abc"}
     with GatewayProcess({k: e.url for k, e in engines.items()}) as gw, Streams(gw.url) as st:
-        futs = {p: st.start([5, 6, 7 + i], n=2, max_new_tokens=600, version_policy=p)
+        futs = {p: st.start([5, 6, 7 + i], n=2, max_new_tokens=240, version_policy=p)
                 for i, p in enumerate(("any", "max_staleness:1", "latest"))}
         st.wait_tokens(2)
         one = refit(gw, ckpts[1], 1, mode="in_place")
@@ -133,7 +133,7 @@ def test_in_place_never_serves_kv_older_than_the_policy_admits(make_engine, ckpt
         out = {p: f.result()["trajectories"] for p, f in futs.items()}
         for p, ts in out.items():
             for t in ts:
-                assert t["num_tokens"] == 600 and set(t["policy_version"]) == {0, 1, 2}, t
+                assert t["num_tokens"] == 240 and set(t["policy_version"]) == {0, 1, 2}, t
                 lv = t["policy_version"]
                 # lag of the KV each token attended to, against the version that sampled it
                 worst = max(pv - kv for pv, kv in zip(lv, t["kv_version"], strict=True))
