@@ -201,8 +201,8 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
     assert Path(CHROMIUM).exists(), "Debian chromium is missing: run scripts/ensure-chromium.sh"
     gw = ops["gw"]
     # keep a rollout in flight while the page polls, so the in-flight charts have data
+    # (started once the page polls: Chromium's start under load must not outlast it)
     bg = threading.Thread(target=lambda: _post_rollout(gw.url, [9, 9, 9], 1, 160, "bg"))
-    bg.start()
     OUT.mkdir(parents=True, exist_ok=True)
     shot = OUT / "dashboard.png"
     try:
@@ -223,6 +223,7 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
                 page.goto(gw.url + "/dashboard")
                 page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1",
                                        timeout=30_000)
+                bg.start()
                 page.wait_for_function(
                     "Number(document.getElementById('chart-inflight').dataset.marks) > 0 && "
                     "Number(document.getElementById('chart-inflight-requests').dataset.marks) > 0",
@@ -267,5 +268,6 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
             finally:
                 ctx.close()
     finally:
-        bg.join(180)
+        if bg.is_alive():
+            bg.join(180)
     assert shot.stat().st_size > 10_000
