@@ -260,18 +260,24 @@ def run(args: argparse.Namespace) -> int:
             ready(http_port, grpc_port)
             print(f"gateway: {settings.workers} workers", flush=True)
 
-        return run_workers(settings, ready_all, args.log_level)
+        return run_workers(settings, ready_all, run_gateway, args.log_level)
     try:
-        if _fast_io(settings):
-            import uvloop
-
-            uvloop.run(serve_async(settings, ready=ready))
-        else:
-            asyncio.run(serve_async(settings, ready=ready))
+        run_gateway(settings, ready)
     except GatewayError as exc:  # e.g. a chat template that cannot be loaded
         print(f"rollout-gateway serve: {exc.message}")
         return 2
     return 0
+
+
+def run_gateway(settings, ready, sockets=None, worker: int | None = None) -> None:
+    """One gateway in this process, run to its end (uvloop when ``fast_io``)."""
+    coro = serve_async(settings, ready=ready, sockets=sockets, worker=worker)
+    if _fast_io(settings):
+        import uvloop
+
+        uvloop.run(coro)
+    else:
+        asyncio.run(coro)
 
 
 def _fast_io(settings) -> bool:

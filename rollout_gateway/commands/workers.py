@@ -31,6 +31,9 @@ from multiprocessing.connection import Connection, wait
 
 log = logging.getLogger("rollout_gateway.serve")
 
+#: ``(settings, ready, sockets, worker_index) -> None``: one gateway, run to its end
+RunGateway = Callable[..., None]
+
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -64,12 +67,9 @@ def _die_with_parent(parent: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker(settings, index: int, conn: Connection, log_level: str, parent: int) -> None:
+def _worker(run_gateway: RunGateway, settings, index: int, conn: Connection, log_level: str,
+            parent: int) -> None:
     """One worker process: the gateway on SO_REUSEPORT sockets; reports readiness on conn."""
-    import asyncio
-
-    from rollout_gateway.commands.serve import _fast_io, serve_async
-
     _die_with_parent(parent)
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s")
@@ -79,20 +79,17 @@ def _worker(settings, index: int, conn: Connection, log_level: str, parent: int)
     def ready(http_port: int, grpc_port: int) -> None:
         conn.send((index, os.getpid(), http_port, grpc_port))
 
-    coro = serve_async(settings, ready=ready, sockets=[sock], worker=index)
     try:
-        if _fast_io(settings):
-            import uvloop
-
-            uvloop.run(coro)
-        else:
-            asyncio.run(coro)
+        run_gateway(settings, ready, [sock], index)
     finally:
         sock.close()
 
 
-def run_workers(settings, ready: Callable[[int, int], None], log_level: str = "info") -> int:
-    """Start ``settings.workers`` workers, supervise them until SIGTERM/SIGINT; exit code."""
+def run_workers(settings, ready: Callable[[int, int], None], run_gateway: RunGateway,
+                log_level: str = "info") -> int:
+    """Start ``settings.workers`` workers, supervise them until SIGTERM/SIGINT; exit code.
+    ``run_gateway(settings, ready, sockets, worker)`` runs one gateway to its end in a worker
+    (``serve.run_gateway``: passed in, so this module does not import ``serve``)."""
     held = []  # port-0 reservations, held until the workers are gone
     if settings.http_port == 0:
         held.append(reuseport_socket(settings.http_host, 0, listen=False))
@@ -116,7 +113,8 @@ def run_workers(settings, ready: Callable[[int, int], None], log_level: str = "i
     try:
         for i in range(settings.workers):
             r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(settings, i, w, log_level, os.getpid()),
+            p = ctx.Process(target=_worker,
+                           args=(run_gateway, settings, i, w, log_level, os.getpid()),
                             name=f"rollout-gateway-worker-{i}")
             p.start()
             w.close()
