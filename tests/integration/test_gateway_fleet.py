@@ -64,26 +64,26 @@ def test_drop_stale_publishes_or_requeues_stale_samples_during_the_pause(make_en
     with GatewayProcess({k: e.url for k, e in engines.items()}) as gw, Streams(gw.url) as st, \
             ThreadPoolExecutor(1) as ex:
         # samples that start at v0, long enough to outlive two refits
-        old = [st.start([3 + i, 4, 5], n=2, max_new_tokens=3000) for i in range(3)]
+        old = [st.start([3 + i, 4, 5], n=1, max_new_tokens=3000) for i in range(3)]
         st.wait_tokens(2)
         # a default refit (abort_resume): every sample resumes on v1, none is lost
         body = refit(gw, ckpts[1], 1)
         assert {r["stale_dropped"] for r in body["results"].values()} == {0}
         # samples that start at v1
-        new = [st.start([6 + i, 4, 5], n=2, max_new_tokens=80) for i in range(3)]
+        new = [st.start([6 + i, 4, 5], n=1, max_new_tokens=60) for i in range(3)]
         st.wait_tokens(4)
         # drop what started below v1 during the pause, published as it is
         body = refit(gw, ckpts[2], 2, mode="retract",
                      drop_stale={"below_version": 1, "then": "publish"})
         dropped = sum(r["stale_dropped"] for r in body["results"].values())
-        assert dropped == 6, body
+        assert dropped == 3, body
         for t in trajs(old):
             assert t["finish_reason"] == {"type": "abort", "message": STALE_DROPPED}, t
             assert 0 < t["num_tokens"] < 3000 and t["policy_version"][0] == 0, t
             assert set(t["policy_version"]) <= {0, 1}, t
             assert t["segments"][-1]["ended"] == "aborted"
         for t in trajs(new):  # started at v1: not stale, resumed and ran to their length
-            assert t["finish_reason"]["type"] == "length" and t["num_tokens"] == 80, t
+            assert t["finish_reason"]["type"] == "length" and t["num_tokens"] == 60, t
             assert min(t["policy_version"]) == 1
         # a buffered sample that starts at v2 is requeued by a refit dropping below v3: it
         # starts again from the prompt, every token of its answer is v3
@@ -101,17 +101,17 @@ def test_drop_stale_publishes_or_requeues_stale_samples_during_the_pause(make_en
         assert t["num_tokens"] == 100 and set(t["policy_version"]) == {3}, t
         assert t["segments"][0]["began"] == "start" and t["finish_reason"]["type"] == "length"
         c = counters(gw)
-        assert c["rollout_gateway_refit_stale_published_total"] == 6
+        assert c["rollout_gateway_refit_stale_published_total"] == 3
         assert c["rollout_gateway_refit_stale_requeued_total"] == 1
-        assert c["rollout_gateway_refit_requests_broken_off_stale_total"] == 7
+        assert c["rollout_gateway_refit_requests_broken_off_stale_total"] == 4
         assert c['rollout_gateway_refits_total{"kind": "refit", "status": "succeeded"}'] == 3
         for k in "abc":
             assert c['rollout_gateway_refit_engine_results_total{"engine": "%s", '
                      '"result": "verified"}' % k] == 3
         fleet = httpx.get(gw.url + "/v1/lag").json()["fleet"]
-        assert (fleet["stale_published"], fleet["stale_requeued"]) == (6, 1)
+        assert (fleet["stale_published"], fleet["stale_requeued"]) == (3, 1)
         assert [(x["version"], x["stale_dropped"]) for x in fleet["refits"]] == [
-            (3, 1), (2, 6), (1, 0)]
+            (3, 1), (2, 3), (1, 0)]
         assert fleet["refits"][0]["results"] == {k: "verified v3" for k in "abc"}
 
 
@@ -119,7 +119,7 @@ def test_in_place_never_serves_kv_older_than_the_policy_admits(make_engine, ckpt
     engines = {k: make_engine(checkpoint=ckpts[1], weight_version="0", step_delay_ms=10,
                               incremental_streaming_output=True) for k in "abc"}
     with GatewayProcess({k: e.url for k, e in engines.items()}) as gw, Streams(gw.url) as st:
-        futs = {p: st.start([5, 6, 7 + i], n=2, max_new_tokens=240, version_policy=p)
+        futs = {p: st.start([5, 6, 7 + i], n=1, max_new_tokens=160, version_policy=p)
                 for i, p in enumerate(("any", "max_staleness:1", "latest"))}
         st.wait_tokens(2)
         one = refit(gw, ckpts[1], 1, mode="in_place")
@@ -129,11 +129,11 @@ def test_in_place_never_serves_kv_older_than_the_policy_admits(make_engine, ckpt
         refused = [sum(r["kv_refused"] for r in b["results"].values()) for b in (one, two)]
         # refit 1: latest refuses KV one version old; refit 2: latest again (its re-prefill
         # was v1) and max_staleness:1 (its KV, v0, is now two behind)
-        assert refused == [2, 4], (one, two)
+        assert refused == [1, 2], (one, two)
         out = {p: f.result()["trajectories"] for p, f in futs.items()}
         for p, ts in out.items():
             for t in ts:
-                assert t["num_tokens"] == 240 and set(t["policy_version"]) == {0, 1, 2}, t
+                assert t["num_tokens"] == 160 and set(t["policy_version"]) == {0, 1, 2}, t
                 lv = t["policy_version"]
                 # lag of the KV each token attended to, against the version that sampled it
                 worst = max(pv - kv for pv, kv in zip(lv, t["kv_version"], strict=True))
@@ -145,9 +145,9 @@ def test_in_place_never_serves_kv_older_than_the_policy_admits(make_engine, ckpt
                 else:  # latest: never a token on KV of another version
                     assert worst == 0 and began.count("abort_resume") == 2, t["segments"]
         c = counters(gw)
-        assert c["rollout_gateway_version_policy_kv_reprefills_total"] == 6
-        assert c["rollout_gateway_refit_requests_broken_off_kv_policy_total"] == 6
-        assert httpx.get(gw.url + "/v1/lag").json()["fleet"]["kv_policy_reprefills"] == 6
+        assert c["rollout_gateway_version_policy_kv_reprefills_total"] == 3
+        assert c["rollout_gateway_refit_requests_broken_off_kv_policy_total"] == 3
+        assert httpx.get(gw.url + "/v1/lag").json()["fleet"]["kv_policy_reprefills"] == 3
 
 
 def test_weights_changed_behind_the_gateway_are_reverified_and_loaded_again(make_engine,
