@@ -96,7 +96,7 @@ class Gateway:
                                 engines=self.pool.list, running=self.rollouts.runner.active.values,
                                 rollouts=self.rollouts, gatekeeper=self.gatekeeper,
                                 sessions=self.sessions, old_logits=self.old_logits,
-                                tracker=self.tracker)
+                                tracker=self.tracker, refits=self.swaps.tally)
         self.history = HistorySampler(self.view, s.lag_history_interval_s)
         # ---- hooks: what each component reports, and to whom ----
         self.pool.on_recovered = self.swaps.catch_up  # back from UNHEALTHY: its weights

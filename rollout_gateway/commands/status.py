@@ -46,7 +46,19 @@ def render(rep: dict[str, Any]) -> str:
         f"v{'?' if c['version'] is None else c['version']} (lag "
         f"{'?' if c['lag'] is None else c['lag']}): " + ", ".join(
             e if e in c["routable"] else f"{e} (out)" for e in c["engines"])
-        for c in rep.get("version_cut", [])) or "version cut: no engines", ""]
+        for c in rep.get("version_cut", [])) or "version cut: no engines"]
+    fl = rep.get("fleet")
+    if fl is not None:
+        last = fl["refits"][0] if fl["refits"] else None
+        lines += ["last refit: " + (
+            f"{last['swap_id']} v{last['version']} {last['mode']} {last['status']}: " + ", ".join(
+                f"{k} {v}" for k, v in last["results"].items())
+            if last else "none"),
+            f"version policy: {fl['policy_filtered']} filtered, {fl['policy_unroutable']} "
+            f"unroutable, {fl['kv_policy_reprefills']} re-prefilled (kept KV refused); "
+            f"stale dropped by refits: {fl['stale_published']} published, "
+            f"{fl['stale_requeued']} requeued"]
+    lines += [""]
     lines += _table(["engine", "state", "version", "lag", "requests"],
                     [[e["id"], e["state"] + (" (fenced)" if e["fenced"] else ""), e["version"],
                       e["lag"], e["outstanding_requests"]] for e in rep["engines"]])

@@ -82,6 +82,9 @@ class Engine:
     #: registration epoch: bumped each time the engine is registered again because it
     #: changed behind the gateway's back (a new process, other model_path or label)
     epoch: int = 0
+    #: the version a refit or catch-up verified this engine runs, in this epoch (None: not
+    #: verified since it joined or was registered again): a catch-up re-verifies it
+    verified_version: int | None = None
     #: who it was at (re-)registration or after the last swap; None: not read yet (the
     #: next probe records it)
     identity: EngineIdentity | None = None
@@ -136,6 +139,14 @@ class Engine:
         return not self.gate.is_set() or self.state is EngineState.PAUSED
 
 
+#: a refit broke the request off: its sample is stale, ends with its output so far
+BREAK_STALE_PUBLISH = "stale_publish"
+#: ... its sample is stale, starts again from the prompt under the new weights
+BREAK_STALE_REQUEUE = "stale_requeue"
+#: ... its version policy refuses the KV an in_place swap would keep: it resumes re-prefilled
+BREAK_KV_POLICY = "kv_policy"
+
+
 @dataclass(eq=False)
 class Lease:
     """One outstanding request on an engine. ``started()`` once its first token arrived:
@@ -145,6 +156,16 @@ class Lease:
     tokens: int
     rid: str = ""  # the engine request's rid
     routed: bool = False  # it asked for routed experts
+    #: the sample's version policy (a refit breaks off a request whose kept KV it refuses)
+    policy: VersionPolicy = ANY
+    #: the version whose weights computed this request's KV (the engine's when it was sent:
+    #: each engine request prefills afresh in its version's cache namespace); an in_place
+    #: swap keeps it, so it can fall behind the version the request samples with
+    kv_version: int | None = None
+    #: the version of the sample's first token (of its engine's version when it has none)
+    start_version: int | None = None
+    #: why a refit broke the request off on purpose (``BREAK_*``), None otherwise
+    broken_off: str | None = None
     is_started: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -326,6 +347,7 @@ class EnginePool:
         diff = eng.identity.changes(info.identity) if eng.identity is not None else []
         if changed is not None or diff:
             eng.epoch += 1
+            eng.verified_version = None
             eng.installed_by.clear()
             eng.kv_kept.clear()
             log.warning("engine %s registered again as epoch %d (%s)", eng.id, eng.epoch,
@@ -514,16 +536,21 @@ class EnginePool:
                                            timeout=min(limit - waited, 0.25))
 
     @contextlib.asynccontextmanager
-    async def lease(self, eng: Engine, tokens: int, rid: str = "",
-                    routed: bool = False) -> AsyncIterator[Lease]:
+    async def lease(self, eng: Engine, tokens: int, rid: str = "", routed: bool = False, *,
+                    policy: VersionPolicy = ANY,
+                    start_version: int | None = None) -> AsyncIterator[Lease]:
         """Count one outstanding request of ``tokens`` expected tokens on ``eng`` (engine rid
-        ``rid``; ``routed``: it asks for routed experts)."""
+        ``rid``; ``routed``: it asks for routed experts; ``policy``: its sample's version
+        policy; ``start_version``: the version of its sample's first token, None for the
+        engine's)."""
         eng.outstanding_requests += 1
         eng.outstanding_tokens += tokens
         eng.idle.clear()
         eng.unstarted += 1
         eng.all_started.clear()
-        lease = Lease(eng, tokens, rid, routed)
+        lease = Lease(eng, tokens, rid, routed, policy, kv_version=eng.version,
+                      start_version=start_version if start_version is not None
+                      else eng.version)
         eng.leases.add(lease)
         try:
             yield lease

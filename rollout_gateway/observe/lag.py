@@ -132,6 +132,38 @@ class StaleHandling(BaseModel):
     dead_lettered: int
 
 
+class Refit(BaseModel):
+    """One refit transaction (a swap or a joining engine's catch-up), as the dashboard lists
+    it."""
+
+    swap_id: str
+    version: int
+    mode: SwapMode
+    status: str = Field(description="running | succeeded | partial | failed")
+    message: str
+    results: dict[str, str] = Field(description="engine id -> verified | kept_version | "
+                                    "failed, with the version it serves (e.g. 'kept_version "
+                                    "v0')")
+    stale_dropped: int = Field(description="requests drop_stale broke off during its pause")
+    kv_refused: int = Field(description="requests broken off before an in_place pause: their "
+                            "version policy refuses the KV they would keep")
+
+
+class Fleet(BaseModel):
+    """Version policy and refit figures of this replica (counters since it started)."""
+
+    policy_filtered: int = Field(description="engine requests whose version policy kept them "
+                                 "from an engine in rotation")
+    policy_unroutable: int = Field(description="requests and samples answered 503: no engine "
+                                   "runs a version their policy admits")
+    kv_policy_reprefills: int = Field(description="engine requests re-prefilled because their "
+                                      "policy refused the KV an in_place swap keeps")
+    stale_published: int = Field(description="samples drop_stale ended with their output so "
+                                 "far")
+    stale_requeued: int = Field(description="samples drop_stale started again from the prompt")
+    refits: list[Refit] = Field(description="the most recent refit transactions, newest first")
+
+
 class GroupLag(BaseModel):
     group: str
     backlog: int = Field(description="not acknowledged (pending + never delivered)")
@@ -158,6 +190,7 @@ class LagReport(BaseModel):
     pause_windows: list[PauseWindow] = Field(description="of the most recent swaps, newest "
                                              "first")
     staleness: StaleHandling
+    fleet: Fleet
     store_backlog: int
     groups: list[GroupLag]
     history: list[dict] = Field(default_factory=list, description="dashboard time series: "
@@ -188,13 +221,23 @@ async def lag_report(view: GatewayView, *, recent_swaps: int = 10, history: bool
     delivered = Delivered.from_counts(tr.delivered, trajectories=tr.delivered_trajectories)
     f = tr.finished
     windows = []
+    refits = []
     for rec in await view.registry.swaps(recent_swaps):
+        refits.append(Refit(
+            swap_id=rec.swap_id, version=rec.version, mode=rec.mode, status=rec.status.value,
+            message=rec.message,
+            results={k: r["result"] + (f" v{r['serving_version']}"
+                                       if r["serving_version"] is not None else "")
+                     for k, r in rec.results().items()},
+            stale_dropped=sum(o.stale_dropped for o in rec.engines.values()),
+            kv_refused=sum(o.kv_refused for o in rec.engines.values())))
         for eng, a, b in rec.pause_windows():
             windows.append(PauseWindow(swap_id=rec.swap_id, version=rec.version, mode=rec.mode,
                                        engine=eng, paused_at=a, resumed_at=b,
                                        seconds=(b - a) if b is not None else None))
     st = await view.store.stats()
     adm = view.gatekeeper.counters()
+    c = view.rollouts.counters
     known = [lag(lv, e.version) for e in engines if e.version is not None]
     return LagReport(
         at=time.time(), replica=view.gatekeeper.replica_id, learner_version=lv,
@@ -215,6 +258,11 @@ async def lag_report(view: GatewayView, *, recent_swaps: int = 10, history: bool
             at_finish_masked=adm["stale_masked"], at_finish_recycled=adm["stale_recycled"],
             at_delivery_dropped=st.stale_dropped, at_delivery_masked=st.stale_masked,
             at_delivery_recycled=st.stale_recycled, dead_lettered=st.dead_lettered),
+        fleet=Fleet(policy_filtered=c["policy_filtered"],
+                    policy_unroutable=c["policy_unroutable"],
+                    kv_policy_reprefills=c["kv_policy_reprefills"],
+                    stale_published=c["stale_published"], stale_requeued=c["stale_requeued"],
+                    refits=refits),
         store_backlog=st.backlog,
         groups=[GroupLag(group=g.group, backlog=g.backlog, pending=g.pending,
                          redelivered=g.redelivered) for g in await view.store.group_stats()],

@@ -60,6 +60,14 @@ ROLLOUT_COUNTERS = {
     "policy_unroutable": ("rollout_gateway_version_policy_unroutable", "Requests and samples "
                           "answered 503 because no engine runs a version their policy "
                           "admits"),
+    "stale_published": ("rollout_gateway_refit_stale_published", "Samples a refit's "
+                        "drop_stale broke off and published with their output so far"),
+    "stale_requeued": ("rollout_gateway_refit_stale_requeued", "Samples a refit's drop_stale "
+                       "broke off and started again from the prompt"),
+    "kv_policy_reprefills": ("rollout_gateway_version_policy_kv_reprefills", "Engine "
+                             "requests broken off before an in_place swap because their "
+                             "version policy refuses the KV they would keep (re-prefilled "
+                             "under the new weights)"),
     "cut_short": ("rollout_gateway_cut_short", "Samples cut short by shutdown past "
                   "drain_grace_s (published with their output so far)"),
 }
@@ -149,6 +157,25 @@ class _Live:
             for e in engines:
                 g.add_metric([e.id], fn(e))
             yield g
+        refits = CounterMetricFamily(PREFIX + "refits", "Refit transactions this replica "
+                                     "led, by kind (refit, catch_up) and status "
+                                     "(succeeded, partial, failed)", labels=["kind", "status"])
+        for (kind, status), n in sorted(view.refits.transactions.items()):
+            refits.add_metric([kind, status], n)
+        yield refits
+        per = CounterMetricFamily(PREFIX + "refit_engine_results", "Per-engine outcomes of "
+                                  "the refits this replica led (verified, kept_version, "
+                                  "failed)", labels=["engine", "result"])
+        for (eid, result), n in sorted(view.refits.engine_results.items()):
+            per.add_metric([eid, result], n)
+        yield per
+        for name, help_, v in (
+                ("refit_requests_broken_off_stale", "Requests a refit's drop_stale broke off "
+                 "during its pause", view.refits.stale_dropped),
+                ("refit_requests_broken_off_kv_policy", "Requests an in_place refit broke "
+                 "off because their version policy refuses the KV they would keep",
+                 view.refits.kv_refused)):
+            yield CounterMetricFamily(PREFIX + name, help_, value=v)
         g = GaugeMetricFamily("rollout_gateway_engine_up", "1 when the engine is in rotation",
                               labels=["engine", "state"])
         for e in engines:

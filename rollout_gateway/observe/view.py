@@ -51,6 +51,15 @@ class SessionFigures(Protocol):
     open_by_tenant: dict[str, int]  # how many of them each tenant has
 
 
+class RefitFigures(Protocol):
+    """What the refits this replica led came to (``swap.orchestrator.RefitTally``)."""
+
+    transactions: dict[tuple[str, str], int]  # (kind, status) -> refits
+    engine_results: dict[tuple[str, str], int]  # (engine id, result) -> outcomes
+    stale_dropped: int
+    kv_refused: int
+
+
 class OldLogitFigures(Protocol):
     mode: str
 
@@ -70,3 +79,5 @@ class GatewayView:
     old_logits: OldLogitFigures | None
     #: this replica's accumulators (delivered and finished tokens, the dashboard history)
     tracker: LagTracker
+    #: the refit transactions this replica led
+    refits: RefitFigures

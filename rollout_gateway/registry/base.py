@@ -58,6 +58,11 @@ class EngineSwapOutcome:
     #: how the new weights were verified: "version and N sampled tensors" or "version only:
     #: <why>" (no manifest beside the checkpoint, the engine cannot read parameters back)
     verification: str = ""
+    #: requests broken off during its pause because their sample was stale (``drop_stale``)
+    stale_dropped: int = 0
+    #: requests broken off before an in_place pause because their version policy does not
+    #: admit the KV they would keep (re-prefilled under the new weights instead)
+    kv_refused: int = 0
 
 
 @dataclass(slots=True)
@@ -116,7 +121,8 @@ class SwapRecord:
                     else "failed",
                     "serving_version": o.version_after if o.ok or o.kept_version
                     else None,
-                    "why": o.error, "verification": o.verification or None}
+                    "why": o.error, "verification": o.verification or None,
+                    "stale_dropped": o.stale_dropped, "kv_refused": o.kv_refused}
                 for k, o in self.engines.items()}
 
     def to_dict(self) -> dict[str, Any]:

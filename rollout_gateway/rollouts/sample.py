@@ -39,7 +39,14 @@ from rollout_gateway.engines.client import refusal
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_one
 from rollout_gateway.engines.decode_stream import StreamDecoder
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows, cut_top
-from rollout_gateway.engines.pool import Engine, EnginePool, Lease
+from rollout_gateway.engines.pool import (
+    BREAK_KV_POLICY,
+    BREAK_STALE_PUBLISH,
+    BREAK_STALE_REQUEUE,
+    Engine,
+    EnginePool,
+    Lease,
+)
 from rollout_gateway.engines.shape import resolve_spec, routing_problem
 from rollout_gateway.errors import (
     EngineChanged,
@@ -147,6 +154,18 @@ class Piece:
     cached_tokens: int = 0  # input tokens the engine served from its prefix cache
 
 
+#: the finish message of a sample a refit dropped as stale (``drop_stale``, then publish)
+STALE_DROPPED = "dropped as stale by a refit (drop_stale)"
+
+
+def start_version(state: SampleState) -> int | None:
+    """The version of the sample's first token (None before it has one)."""
+    for p in state.pieces:
+        if len(p.cols):
+            return int(p.cols.policy_version[0])
+    return None
+
+
 #: the finish message of a sample cut short by shutdown (past ``drain_grace_s``)
 CUT_SHORT = "cut short by gateway shutdown (drain_grace_s)"
 
@@ -208,7 +227,8 @@ class SampleRunner:
         #: engine requests whose version policy barred an engine in rotation
         #: (policy_filtered), and requests no engine's version could serve (policy_unroutable)
         self.counters = counters if counters is not None else {}
-        self.counters.update(policy_filtered=0, policy_unroutable=0)
+        self.counters.update(policy_filtered=0, policy_unroutable=0, stale_published=0,
+                             stale_requeued=0, kv_policy_reprefills=0)
         self.registry = registry
         self.oldlogits = oldlogits  # oldlogits.OldLogitService (interruption sync) or None
         #: samples running now, by trajectory id (dashboards: lag of tokens in flight)
@@ -456,7 +476,8 @@ class SampleRunner:
                 await ol.busy(trajectory_id, eng.id)
             try:
                 routed = bool(payload.get("return_routed_experts"))
-                async with self.pool.lease(eng, remaining, rid, routed) as lease:
+                async with self.pool.lease(eng, remaining, rid, routed, policy=policy,
+                                           start_version=start_version(state)) as lease:
                     opts = decode_options(eng, self.settings, routing=routed,
                                           passthrough=passthrough.keys() if passthrough else
                                           frozenset())
@@ -494,6 +515,20 @@ class SampleRunner:
             if self.cutting:
                 attempts -= 1
                 continue
+            broken = lease.broken_off if lease is not None else None
+            if broken in (BREAK_STALE_PUBLISH, BREAK_STALE_REQUEUE) and state.pieces:
+                # a refit's drop_stale: the output so far was sampled by weights the
+                # learner would judge stale; a stream has sent it already (never taken back)
+                if broken == BREAK_STALE_PUBLISH or on_chunk is not None:
+                    finish = {"type": "abort", "message": STALE_DROPPED}
+                    self.counters["stale_published"] += 1
+                    break
+                state.pieces.clear()  # requeued: starts again from the prompt
+                self.counters["stale_requeued"] += 1
+                began, prefer = Transition.START, None
+                continue
+            if broken == BREAK_KV_POLICY:
+                self.counters["kv_policy_reprefills"] += 1
             if eng.routable:
                 began, prefer = Transition.ABORT_RESUME, eng.id
             else:

@@ -42,6 +42,23 @@ class DistributedSource(BaseModel):
         return self
 
 
+class StaleDrop(BaseModel):
+    """A refit option: requests in flight whose sample started below a version are broken
+    off during the pause, on purpose, instead of resuming on the new weights and being
+    thrown away later (by ``admission.max_staleness`` or a learner's ``max_lag``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    below_version: int = Field(
+        ge=0, le=2**31 - 1, description="A sample whose first token was sampled under a "
+        "version below this (or, with no token yet, whose request went to an engine below "
+        "it) is stale: its engine request is aborted while the engine is paused.")
+    then: Literal["publish", "requeue"] = Field(
+        default="publish", description="publish: the sample ends with its output so far "
+        "(finish_reason abort, message 'dropped as stale by a refit'; judged and published "
+        "like any sample); requeue: its output is discarded and it starts again from the "
+        "prompt under the new weights. A stale sample with no output yet is requeued.")
+
+
 class SwapRequest(BaseModel):
     """``POST /v1/weights``: the learner announces ``version`` with a weight source."""
 
@@ -54,6 +71,9 @@ class SwapRequest(BaseModel):
     rolling: bool = Field(default=False,
                           description="Update engines one at a time while the rest keep serving.")
     engines: list[str] | None = Field(default=None, description="Subset of engines (default all).")
+    drop_stale: StaleDrop | None = Field(
+        default=None, description="Break off stale requests during the pause (default: none; "
+        "every request resumes).")
 
     @model_validator(mode="after")
     def _rolling_needs_per_engine_source(self) -> SwapRequest:

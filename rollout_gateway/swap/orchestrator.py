@@ -25,9 +25,12 @@ Guarantees:
 * the learner version advances only when at least one engine took the new version (or
   the announce has no source); a swap no engine took changes nothing and can be retried;
 * kv stamping learns how each version was installed (``Engine.installed_by``);
-* a retract swap first breaks off the requests in flight that asked for routed experts
-  (they resume as after ``abort_resume``): SGLang would re-prefill them under the new
-  weights and return the re-prefill's routing for the tokens sampled before the swap;
+* before the pause, requests are broken off on purpose only (``_to_break_off``): a retract
+  swap's requests that asked for routed experts (they resume as after ``abort_resume``:
+  SGLang would re-prefill them under the new weights and return the re-prefill's routing
+  for the tokens sampled before the swap), with ``drop_stale`` the samples that started
+  below its version (published as they are, or requeued), and under in_place the requests
+  whose version policy refuses the KV they would keep (re-prefilled instead);
 * an engine that swapped the weights but refused the cache flush asked for (SGLang answers
   HTTP 400 ``success: false`` yet serves the new weights, ``/model_info`` keeps the old
   label) has its label repaired with ``/update_weight_version`` (``abort_all_requests:
@@ -43,12 +46,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.engines.client import WeightLoad
 from rollout_gateway.engines.identity import EngineIdentity
-from rollout_gateway.engines.pool import Engine, EnginePool, EngineState
+from rollout_gateway.core.version_policy import ANY
+from rollout_gateway.engines.pool import (
+    BREAK_KV_POLICY,
+    BREAK_STALE_PUBLISH,
+    BREAK_STALE_REQUEUE,
+    Engine,
+    EnginePool,
+    EngineState,
+    Lease,
+)
 from rollout_gateway.errors import (
     FailedPrecondition,
     GatewayError,
@@ -94,6 +107,27 @@ def effective_mode(e: Engine, mode: SwapMode) -> SwapMode:
     return mode
 
 
+@dataclass(slots=True)
+class RefitTally:
+    """What the refits one replica led came to (``/metrics``, ``/v1/lag``)."""
+
+    #: (kind: refit | catch_up, status: succeeded | partial | failed) -> transactions
+    transactions: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (engine id, result: verified | kept_version | failed) -> outcomes
+    engine_results: dict[tuple[str, str], int] = field(default_factory=dict)
+    stale_dropped: int = 0  # requests broken off by drop_stale
+    kv_refused: int = 0  # requests broken off before in_place: their policy refuses the KV
+
+    def count(self, kind: str, rec: SwapRecord) -> None:
+        key = (kind, rec.status.value)
+        self.transactions[key] = self.transactions.get(key, 0) + 1
+        for eid, res in rec.results().items():
+            k = (eid, res["result"])
+            self.engine_results[k] = self.engine_results.get(k, 0) + 1
+        self.stale_dropped += sum(o.stale_dropped for o in rec.engines.values())
+        self.kv_refused += sum(o.kv_refused for o in rec.engines.values())
+
+
 class SwapOrchestrator:
     """One swap at a time per replica; across replicas, the registry's lease decides."""
 
@@ -108,6 +142,7 @@ class SwapOrchestrator:
         self.in_progress: SwapRequest | None = None
         #: called with (engine id, seconds paused) after each engine resumes (metrics)
         self.on_pause_window = None
+        self.tally = RefitTally()
 
     async def current_version(self) -> int:
         return await self.registry.learner_version()
@@ -128,8 +163,12 @@ class SwapOrchestrator:
 
     async def catch_up(self, eng: Engine) -> SwapRecord | None:
         """Bring an engine that (re)joined behind the pool up to the newest version a swap
-        delivered from disk, before it serves (its gate stays closed meanwhile). Returns the
-        record, or None when there is nothing to do (or nothing on disk to load from)."""
+        delivered from disk, before it serves (its gate stays closed meanwhile). One that
+        already reports that version (or a newer one a refit delivered) but whose weights
+        the gateway has not verified in its current epoch (it joined, restarted, or changed
+        behind the gateway's back) is re-verified against that checkpoint's manifest, and
+        the checkpoint is loaded again when its sampled tensors differ. Returns the record,
+        or None when there is nothing to do (or nothing on disk to load from)."""
         self.pool.close_gate(eng)
         try:
             records = await self.registry.swaps(50)
@@ -137,8 +176,16 @@ class SwapOrchestrator:
             if not done:
                 return None
             target = max(done, key=lambda r: r.version)
+            why = f"catch-up of {eng.id}"
             if eng.version is not None and eng.version >= target.version:
-                return None
+                mine = next((r for r in done if r.version == eng.version), None)
+                if mine is None or eng.verified_version == eng.version:
+                    return None
+                differs = await self._reverify(eng, mine.checkpoint)
+                if differs is None:
+                    return None
+                target, why = mine, f"re-verification of {eng.id} failed ({differs}): " \
+                                    f"checkpoint loaded again"
             req = SwapRequest(version=target.version, source=DiskSource(path=target.checkpoint),
                               mode=SwapMode.ABORT_RESUME, engines=[eng.id])
             async with self._lock:
@@ -147,7 +194,7 @@ class SwapOrchestrator:
                     async with self.registry.swap_lease(self.holder):
                         rec = SwapRecord(version=target.version, mode=req.mode,
                                          source=target.source, leader=self.holder,
-                                         message=f"catch-up of {eng.id}")
+                                         message=why)
                         rec.engines[eng.id] = EngineSwapOutcome(
                             engine_id=eng.id, version_before=eng.version,
                             version_after=eng.version)
@@ -155,6 +202,7 @@ class SwapOrchestrator:
                         ok = rec.engines[eng.id].ok
                         rec.status = SwapStatus.SUCCEEDED if ok else SwapStatus.FAILED
                         rec.finished_at = time.time()
+                        self.tally.count("catch_up", rec)
                         await self.registry.record_swap(rec)
                         return rec
                 finally:
@@ -162,14 +210,37 @@ class SwapOrchestrator:
         finally:
             await self.pool.open_gate(eng)
 
+    async def _reverify(self, eng: Engine, checkpoint: str) -> str | None:
+        """Read ``eng``'s sampled tensors back against ``checkpoint``'s manifest: None when
+        they match (or nothing can be checked: no manifest, an engine that cannot read
+        parameters back), else what differs."""
+        try:
+            manifest = read_manifest(checkpoint)
+        except InvalidArgument:
+            manifest = None
+        if manifest is None:
+            return None
+        r = EngineSwapOutcome(engine_id=eng.id)
+        await self._verify_tensors(eng, r, manifest)
+        if r.error:
+            log.warning("engine %s at version %s does not match its checkpoint: %s", eng.id,
+                        eng.version, r.error)
+            return r.error.removeprefix("verify: ")
+        eng.verified_version = eng.version
+        return None
+
     async def swapped_elsewhere(self, eng: Engine, now: EngineIdentity) -> bool:
         """Whether the shared swap history holds a swap of ``eng`` to the version it now
-        reports (led by another replica): its new label is then no change behind the
-        gateway's back."""
+        reports (led by another replica), from the checkpoint it now reports loading (a
+        disk refit): its new label is then no change behind the gateway's back."""
         if now.weight_version is None:  # (this replica may have learnt the version already)
             return False
         records = await read_swaps(self.registry, 50, "engine identity")
-        return any(r.version == now.weight_version and eng.id in r.engines for r in records)
+        # a disk refit moves model_path to its checkpoint: other weights under the label
+        # of a refit (someone loaded another path) are a change behind the gateway's back
+        return any(r.version == now.weight_version and eng.id in r.engines and (
+            now.model_path is None or r.checkpoint is None or r.checkpoint == now.model_path)
+            for r in records)
 
     def _targets(self, req: SwapRequest) -> list[Engine]:
         if req.engines is not None:
@@ -255,6 +326,7 @@ class SwapOrchestrator:
                        + ("" if any(oks) or req.source is None else
                           f"; learner version stays {current}"))
         rec.finished_at = time.time()
+        self.tally.count("refit", rec)
         await self.registry.record_swap(rec)
         return rec
 
@@ -294,6 +366,7 @@ class SwapOrchestrator:
     async def _fence(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
         try:
             if req.mode is SwapMode.DRAIN:
+                await self._break_off(e, self._to_break_off(e, req, SwapMode.DRAIN, r))
                 try:
                     await asyncio.wait_for(e.idle.wait(), self.settings.timeouts.drain_s)
                 except asyncio.TimeoutError as exc:
@@ -305,8 +378,7 @@ class SwapOrchestrator:
             mode = effective_mode(e, req.mode)
             if mode is SwapMode.IN_PLACE:
                 await self._quiesce(e)
-            elif mode is SwapMode.RETRACT:
-                await self._break_off_routed(e)
+            await self._break_off(e, self._to_break_off(e, req, mode, r))
             e.installed_by[req.version] = mode.transition
             await e.client.pause(_PAUSE_MODE[mode])
             r.paused_at = time.time()
@@ -327,20 +399,52 @@ class SwapOrchestrator:
                           f"now could not tell which weights computed them; "
                           f"ROLLOUT_GATEWAY_TIMEOUTS__QUIESCE_S)") from exc
 
-    async def _break_off_routed(self, e: Engine) -> None:
-        """Before a retract pause, abort (by rid) the requests in flight to ``e`` that asked
-        for routed experts, and wait until each has ended. SGLang keeps a request's routed
-        rows by KV slot and sends them once, with its last chunk: a retracted request is
-        re-prefilled (prompt + output) under the new weights and its rows of the tokens
-        sampled before the swap become the re-prefill's, not the routing that sampled them.
-        Aborted while still running, each ends with its own rows (as under ``abort_resume``)
-        and the sample resumes from its output once the gate opens. The abort is repeated
-        until the request ends: one sent before SGLang registered the rid is a no-op."""
-        leases = [x for x in e.leases if x.routed and x.rid]
+    @staticmethod
+    def _to_break_off(e: Engine, req: SwapRequest, mode: SwapMode,
+                      r: EngineSwapOutcome) -> list[Lease]:
+        """The requests in flight to ``e`` this refit breaks off before the pause, each
+        marked with why (``Lease.broken_off``; None: it simply resumes), counted in ``r``:
+
+        * ``drop_stale``: a sample that started below ``below_version`` ends (publish) or
+          starts again (requeue) instead of resuming on weights it will be judged stale by;
+        * retract: a request that asked for routed experts resumes (SGLang would re-prefill
+          it under the new weights and return the re-prefill's routing for the tokens
+          sampled before the swap);
+        * in_place: a request whose version policy does not admit the KV it would keep
+          (computed by ``Lease.kv_version``, judged against the version this refit
+          publishes) resumes re-prefilled under the new weights instead of being served
+          from the old KV: in_place is refused for that request."""
+        out: list[Lease] = []
+        stale = req.drop_stale
+        for x in e.leases:
+            if not x.rid:
+                continue
+            if stale is not None and x.start_version is not None \
+                    and x.start_version < stale.below_version:
+                x.broken_off = BREAK_STALE_PUBLISH if stale.then == "publish" \
+                    else BREAK_STALE_REQUEUE
+                r.stale_dropped += 1
+            elif mode is SwapMode.RETRACT and x.routed:
+                pass
+            elif mode is SwapMode.IN_PLACE and x.policy != ANY \
+                    and not x.policy.admits(x.kv_version, req.version):
+                x.broken_off = BREAK_KV_POLICY
+                r.kv_refused += 1
+            else:
+                continue
+            out.append(x)
+        return out
+
+    async def _break_off(self, e: Engine, leases: list[Lease]) -> None:
+        """Before the pause, abort (by rid) ``leases`` and wait until each has ended; their
+        samples resume once the gate opens (or end, as ``Lease.broken_off`` says). The abort
+        is repeated until the request ends: one sent before SGLang registered the rid is a
+        no-op."""
         if not leases:
             return
-        log.info("engine %s: retract swap breaks off %d request(s) asking for routed experts",
-                 e.id, len(leases))
+        log.info("engine %s: the refit breaks off %d request(s) before its pause (%s)", e.id,
+                 len(leases), ", ".join(sorted({x.broken_off or "routed experts"
+                                                 for x in leases})))
         limit = self.settings.timeouts.quiesce_s
         deadline = time.monotonic() + limit
         while True:
@@ -348,9 +452,9 @@ class SwapOrchestrator:
             if not left:
                 return
             if time.monotonic() >= deadline:
-                raise Timeout(f"engine {e.id}: {len(left)} request(s) asking for routed experts "
-                              f"did not end within {limit}s of their abort (a retract now "
-                              f"would replace their routing; ROLLOUT_GATEWAY_TIMEOUTS__QUIESCE_S)")
+                raise Timeout(f"engine {e.id}: {len(left)} request(s) broken off by the refit "
+                              f"did not end within {limit}s of their abort "
+                              f"(ROLLOUT_GATEWAY_TIMEOUTS__QUIESCE_S)")
             await asyncio.gather(*(e.client.abort(x.rid) for x in left))
             waits = [asyncio.ensure_future(x.ended.wait()) for x in left]
             try:
@@ -486,6 +590,7 @@ class SwapOrchestrator:
             # requests sent from now on use the new version's prefix-cache namespace
             # (stamping.kv_namespace): no hit can serve KV the old weights left behind
             e.version = req.version
+            e.verified_version = req.version
             with contextlib.suppress(GatewayError):
                 await self.registry.set_engine_version(e.id, req.version)
         elif r.kept_version:

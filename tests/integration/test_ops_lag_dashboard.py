@@ -163,6 +163,12 @@ def test_metrics_parse_and_carry_histograms(ops):
     assert hist_count("rollout_gateway_delivered_token_lag") == delivered
     assert hist_count("rollout_gateway_unconsumed_token_lag", shared="true") > 0
     samples = {s.name: s for f in fams.values() for s in f.samples}
+    refits = {(s.labels["kind"], s.labels["status"]): s.value
+              for s in fams["rollout_gateway_refits"].samples}
+    assert refits == {("refit", "succeeded"): 1}
+    assert {(s.labels["engine"], s.labels["result"]): s.value
+            for s in fams["rollout_gateway_refit_engine_results"].samples} == {
+                ("e0", "verified"): 1, ("e1", "verified"): 1}
     assert samples["rollout_gateway_samples_total"].value == 6
     assert samples["rollout_gateway_learner_version"].value == 1
     assert samples["rollout_gateway_learner_version"].labels == {"shared": "true"}
@@ -195,8 +201,8 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
     assert Path(CHROMIUM).exists(), "Debian chromium is missing: run scripts/ensure-chromium.sh"
     gw = ops["gw"]
     # keep a rollout in flight while the page polls, so the in-flight charts have data
+    # (started once the page polls: Chromium's start under load must not outlast it)
     bg = threading.Thread(target=lambda: _post_rollout(gw.url, [9, 9, 9], 1, 160, "bg"))
-    bg.start()
     OUT.mkdir(parents=True, exist_ok=True)
     shot = OUT / "dashboard.png"
     try:
@@ -217,6 +223,7 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
                 page.goto(gw.url + "/dashboard")
                 page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1",
                                        timeout=30_000)
+                bg.start()
                 page.wait_for_function(
                     "Number(document.getElementById('chart-inflight').dataset.marks) > 0 && "
                     "Number(document.getElementById('chart-inflight-requests').dataset.marks) > 0",
@@ -237,6 +244,20 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
                     "#engines tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.innerText))")
                 assert sorted((r[0], r[2], r[3]) for r in rows) == sorted(
                     (e["id"], str(e["version"]), str(e["lag"])) for e in rep["engines"])
+                # the fleet: the refit transaction with each engine's result, policy facts
+                refits = page.eval_on_selector_all(
+                    "#refits tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.innerText))")
+                assert refits == [[x["swap_id"], f"v{x['version']} {x['mode']}", x["status"],
+                                   ", ".join(f"{k}: {v}" for k, v in x["results"].items()),
+                                   f"{x['stale_dropped']} / {x['kv_refused']}"]
+                                  for x in rep["fleet"]["refits"]]
+                assert refits[0][1:4] == ["v1 in_place", "succeeded",
+                                          "e0: verified v1, e1: verified v1"]
+                fleet = page.eval_on_selector_all(
+                    "#fleet dt, #fleet dd", "es => es.map(e => e.innerText)")
+                assert dict(zip(fleet[::2], fleet[1::2], strict=True))[
+                    "trajectories spanning versions"] == str(
+                        rep["intra_trajectory"]["spanning_versions"])
                 # the delivered chart draws exactly the API's buckets
                 bars = page.eval_on_selector_all(
                     "#chart-delivered rect", "rs => rs.map(r => Number(r.dataset.value))")
@@ -247,5 +268,6 @@ def test_dashboard_renders_in_chromium(ops, tmp_path):
             finally:
                 ctx.close()
     finally:
-        bg.join(180)
+        if bg.is_alive():
+            bg.join(180)
     assert shot.stat().st_size > 10_000

@@ -63,9 +63,11 @@ def test_status_table_renders_a_report():
     from rollout_gateway.observe.lag import (
         Delivered,
         EngineLag,
+        Fleet,
         InFlight,
         IntraTrajectory,
         LagReport,
+        Refit,
         StaleHandling,
         Unconsumed,
         version_cut,
@@ -89,8 +91,17 @@ def test_status_table_renders_a_report():
         pause_windows=[], staleness=StaleHandling(
             tokens_reprefilled=0, at_finish_dropped=0, at_finish_masked=0, at_finish_recycled=0,
             at_delivery_dropped=1, at_delivery_masked=0, at_delivery_recycled=0,
-            dead_lettered=0), store_backlog=2, groups=[])
+            dead_lettered=0),
+        fleet=Fleet(policy_filtered=4, policy_unroutable=1, kv_policy_reprefills=2,
+                    stale_published=3, stale_requeued=0, refits=[Refit(
+                        swap_id="ab12", version=3, mode="retract", status="partial",
+                        message="", results={"e1": "verified v3", "e0": "kept_version v2"},
+                        stale_dropped=3, kv_refused=0)]),
+        store_backlog=2, groups=[])
     out = render(rep.model_dump())
+    assert "last refit: ab12 v3 retract partial: e1 verified v3, e0 kept_version v2" in out
+    assert ("version policy: 4 filtered, 1 unroutable, 2 re-prefilled (kept KV refused); "
+            "stale dropped by refits: 3 published, 0 requeued") in out
     assert "learner version 3" in out
     assert ["e0", "healthy", "2", "1", "0"] in [ln.split() for ln in out.splitlines()]
     assert "10 tokens, mean lag 0.30, max 1  [lag:tokens 0:7 1:3]" in out
@@ -102,6 +113,7 @@ async def test_get_status_reports_lag_or_says_why_not():
     from rollout_gateway.errors import StoreError
     from rollout_gateway.observe.lag import (
         Delivered,
+        Fleet,
         InFlight,
         IntraTrajectory,
         LagReport,
@@ -129,7 +141,10 @@ async def test_get_status_reports_lag_or_says_why_not():
             pause_windows=[], staleness=StaleHandling(
                 tokens_reprefilled=5, at_finish_dropped=0, at_finish_masked=0,
                 at_finish_recycled=0, at_delivery_dropped=0, at_delivery_masked=0,
-                at_delivery_recycled=0, dead_lettered=0), store_backlog=1, groups=[])
+                at_delivery_recycled=0, dead_lettered=0),
+            fleet=Fleet(policy_filtered=0, policy_unroutable=0, kv_policy_reprefills=0,
+                        stale_published=0, stale_requeued=0, refits=[]),
+            store_backlog=1, groups=[])
 
     svc.lag_report = report
     st = await svc.GetStatus(spb.StatusRequest(), None)

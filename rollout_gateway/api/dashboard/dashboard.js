@@ -244,6 +244,19 @@ function render(rep) {
     ["trajectories finished", it.trajectories], ["spanning versions", it.spanning_versions],
     ["max intra-trajectory lag", it.max_intra_lag], ["tokens after a switch", it.tokens_after_switch],
     ["tokens on stale KV", it.tokens_on_stale_kv]]);
+  // the fleet: refit transactions with each engine's outcome, version-policy counters
+  rows(document.querySelector("#refits tbody"), rep.fleet.refits.map(r => [
+    r.swap_id, `v${r.version} ${r.mode}`, { text: r.status, cls: "refit-" + r.status },
+    Object.entries(r.results).map(([id, res]) => `${id}: ${res}`).join(", ") || "–",
+    `${r.stale_dropped} / ${r.kv_refused}`]));
+  const fl = rep.fleet;
+  facts(document.getElementById("fleet"), [
+    ["requests filtered by policy", fl.policy_filtered],
+    ["unroutable by policy (503)", fl.policy_unroutable],
+    ["trajectories spanning versions", it.spanning_versions],
+    ["re-prefilled: policy refused kept KV", fl.kv_policy_reprefills],
+    ["stale dropped by refits (published / requeued)",
+      `${fl.stale_published} / ${fl.stale_requeued}`]]);
   const s = rep.staleness;
   facts(document.getElementById("handling"), [
     ["tokens re-prefilled", s.tokens_reprefilled],
