@@ -39,8 +39,9 @@ from rollout_proto.resp import Replies, RespError
 
 #: the gateway's own store URL options (rollout_gateway.store.factory: prefix, shards and
 #: the StoreConfig fields); redis-py would refuse them
-_GATEWAY_OPTIONS = frozenset({"prefix", "shards", "max_backlog", "lease_seconds",
-                              "max_deliveries", "retention_seconds", "dedup_seconds"})
+_GATEWAY_OPTIONS = frozenset({"prefix", "shards", "replica_acks", "replica_wait_ms",
+                              "max_backlog", "lease_seconds", "max_deliveries",
+                              "retention_seconds", "dedup_seconds"})
 #: error replies after which a cluster's slot map is read again (a failover, a resharding)
 _MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
 _CLUSTER_TRIES = 5

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-mode", type=SwapMode, choices=list(SwapMode), default=d.swap_mode,
                    help="how engines take each new version mid-generation (default in_place)")
     p.add_argument("--engines", type=int, default=d.engines, help="reference engines (default 1)")
-    p.add_argument("--redis-url", help="use Redis (store + registry) instead of the embedded store")
+    p.add_argument("--redis-url", help="use Redis (store + registry) instead of the embedded "
+                   "store: redis://host:port/db or redis+cluster://host:port[,...]/?shards=N")
     p.add_argument("--by-reference", action="store_true",
                    help="the learner reads trajectory bytes from Redis itself (gRPC carries "
                         "references, credit and acks); needs --redis-url")

@@ -95,7 +95,8 @@ class RunResult:
 def _prefix(url: str) -> str | None:
     from urllib.parse import parse_qs, urlsplit
 
-    if not url.startswith(("redis://", "rediss://", "unix://")):
+    if not url.startswith(("redis://", "rediss://", "unix://", "redis+cluster://",
+                           "rediss+cluster://")):
         return None
     return parse_qs(urlsplit(url).query).get("prefix", [None])[0]
 
@@ -270,11 +271,20 @@ def delete_redis_prefix(url: str) -> int:
     prefix = parse_qs(parts.query).get("prefix", [""])[0]
     if not prefix.startswith("demo-"):
         return 0  # a prefix the user chose: leave it alone
-    r = redis.Redis.from_url(parts._replace(query="").geturl())
+    if parts.scheme.endswith("+cluster"):  # a Redis Cluster: every master's keys
+        from redis.cluster import ClusterNode, RedisCluster
+
+        from rollout_proto.redis_url import parse_cluster_url
+
+        t = parse_cluster_url(url)
+        r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
+                         **t.client_kwargs())
+    else:
+        r = redis.Redis.from_url(parts._replace(query="").geturl())
     try:
         keys = list(r.scan_iter(f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        for k in keys:  # one by one: on a cluster they live in different slots
+            r.delete(k)
         return len(keys)
     finally:
         r.close()

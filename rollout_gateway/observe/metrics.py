@@ -264,7 +264,9 @@ class _Live:
                      st.dead_lettered),
                     ("store_redelivered", "Redeliveries (lease expiry or nack)", st.redelivered),
                     ("store_overflow_dropped", "Entries full consumer groups lost "
-                     "(max_backlog per group: oldest dropped)", st.overflow_dropped)):
+                     "(max_backlog per group: oldest dropped)", st.overflow_dropped),
+                    ("store_unreplicated", "Publishes fewer Redis replicas acknowledged in "
+                     "time than replica_acks", st.unreplicated)):
                 yield _counter(PREFIX + name, help_, v, shared)
             gb = GaugeMetricFamily("rollout_gateway_group_backlog",
                                    "Entries a consumer group has not acknowledged",

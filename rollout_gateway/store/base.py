@@ -38,6 +38,7 @@ class StoreStats:
     dead_lettered: int = 0  # entries nacked max_deliveries times (acked, kept for audit)
     redelivered: int = 0  # deliveries with delivery_count > 1 (lease expiry or nack)
     overflow_dropped: int = 0  # entries a full consumer group lost (max_backlog per group)
+    unreplicated: int = 0  # Redis replica_acks: publishes fewer replicas acknowledged in time
 
     @classmethod
     def of(cls, counters: Mapping[str, int], backlog: int, max_backlog: int) -> StoreStats:
@@ -45,7 +46,7 @@ class StoreStats:
         c = {k: counters.get(k, 0) for k in ("published", "duplicates", "stale_dropped",
                                               "stale_masked", "stale_recycled",
                                               "dead_lettered", "redelivered",
-                                              "overflow_dropped")}
+                                              "overflow_dropped", "unreplicated")}
         return cls(backlog=backlog, max_backlog=max_backlog, **c)
 
 

@@ -9,6 +9,9 @@
 
 ``shards`` (Redis URLs, 1-256, default 1; see ``RedisStore``): trajectory streams, each in
 its own cluster slot, spread over the masters; set it to a multiple of the masters.
+``replica_acks`` (0-5, default 0) and ``replica_wait_ms`` (1-60000, default 100): publish
+waits until that many replicas of the master have the entry (``WAIT``), so a master's
+death cannot lose an acknowledged trajectory.
 
 Any URL may add StoreConfig fields as query parameters, e.g.
 ``?max_backlog=1000&lease_seconds=30&max_deliveries=5&retention_seconds=600``.
@@ -54,6 +57,9 @@ def store_from_url(url: str, config: StoreConfig | None = None, *,
 
         prefix = query.pop("prefix", "rollout")
         shards = _shards(url, query.pop("shards", str(shards)))
+        acks = _bounded(url, "replica_acks", query.pop("replica_acks", "0"), 0, 5)
+        wait_ms = _bounded(url, "replica_wait_ms", query.pop("replica_wait_ms", "100"), 1,
+                           60_000)
         if parts.scheme in CLUSTER_SCHEMES:
             try:
                 parse_cluster_url(url)
@@ -63,6 +69,7 @@ def store_from_url(url: str, config: StoreConfig | None = None, *,
         rest = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
         try:
             return RedisStore(rest, prefix=prefix, config=cfg, shards=shards,
+                              replica_acks=acks, replica_wait_ms=wait_ms,
                               max_connections=max_connections, pool_wait_s=pool_wait_s)
         except ValueError as exc:  # a prefix with braces
             raise InvalidArgument(f"bad store URL {url!r}: {exc}") from None
@@ -71,8 +78,12 @@ def store_from_url(url: str, config: StoreConfig | None = None, *,
 
 
 def _shards(url: str, value: str) -> int:
-    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_SHARDS:
-        raise InvalidArgument(f"bad store option in {url!r}: shards must be 1..{MAX_SHARDS}, "
+    return _bounded(url, "shards", value, 1, MAX_SHARDS)
+
+
+def _bounded(url: str, name: str, value: str, lo: int, hi: int) -> int:
+    if not value.isascii() or not value.isdigit() or not lo <= int(value) <= hi:
+        raise InvalidArgument(f"bad store option in {url!r}: {name} must be {lo}..{hi}, "
                               f"got {value!r}")
     return int(value)
 

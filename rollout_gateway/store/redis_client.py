@@ -87,7 +87,11 @@ def cluster_client(url: str, *, max_connections: int | None = None):
 
 
 def sync_cluster_client(url: str, *, socket_timeout: float = 30.0):
-    """The blocking counterpart (bulk reads on a thread pool)."""
+    """The blocking counterpart (bulk reads on a thread pool). It does not retry by itself
+    (a call fails fast; the store reads the slot map again and tries once more): retrying
+    with backoff inside the pool's few threads through a failover queued every read behind
+    them, and a learner's Pull stalled for tens of seconds after the failover."""
+    from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry as SyncRetry
 
@@ -97,8 +101,7 @@ def sync_cluster_client(url: str, *, socket_timeout: float = 30.0):
     return RedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], decode_responses=False,
         socket_timeout=socket_timeout, socket_connect_timeout=5.0,
-        retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
-        **t.client_kwargs())
+        retry=SyncRetry(NoBackoff(), 0), **t.client_kwargs())
 
 
 class LazySyncCluster:

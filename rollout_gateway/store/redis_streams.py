@@ -44,7 +44,14 @@ from contextlib import asynccontextmanager
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.retry import Retry as SyncRetry
 
 from rollout_gateway.core import trajectory_codec
@@ -155,6 +162,8 @@ return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]),
 """
 
 _CHUNK = 1000
+#: how long a master whose replicas did not acknowledge a publish in time is not waited for
+_ALONE_S = 5.0
 _BULK_THREADS = 4  # concurrent bulk reads (one per Pull stream in flight)
 #: several shards: a read with nothing ready waits on every shard at once, BLOCK this long
 #: at a time (all replies in before the next slice: nothing leased is left unread)
@@ -205,9 +214,16 @@ class RedisStore(TrajectoryStore):
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "rollout",
                  config: StoreConfig | None = None, client: aioredis.Redis | None = None, *,
-                 shards: int = 1, max_connections: int | None = None,
-                 pool_wait_s: float | None = None):
+                 shards: int = 1, replica_acks: int = 0, replica_wait_ms: int = 100,
+                 max_connections: int | None = None, pool_wait_s: float | None = None):
         self.config = config or StoreConfig()
+        #: publish waits (WAIT, on the publishing connection) until this many replicas of
+        #: the shard's master have the entry, up to replica_wait_ms; 0: it does not wait
+        self.replica_acks, self.replica_wait_ms = replica_acks, replica_wait_ms
+        #: master -> monotonic time until which it is known to lack the replicas (a WAIT
+        #: timed out): publishes there do not wait, so a master left alone after a failover
+        #: is not slowed by replica_wait_ms on every publish
+        self._alone_until: dict[str, float] = {}
         self.prefix = prefix
         self.cluster = is_cluster(url)
         self.layout = KeyLayout(prefix, shards=shards, cluster=self.cluster)
@@ -305,14 +321,78 @@ class RedisStore(TrajectoryStore):
         tid = trajectory.trajectory_id
         data = trajectory_codec.encode(trajectory)
         sh = self._shards[self.layout.shard_of(tid)]
+        keys = [sh.id_key(tid), sh.stream, sh.counters, sh.groups, sh.acked, sh.facts]
+        args = [int(self.config.dedup_seconds * 1000), self._bound(), tid, data, n, lo, hi,
+                version_tokens(trajectory)]
         async with self._io("publish"):
-            res = await self._idempotent(lambda: self._publish(
-                keys=[sh.id_key(tid), sh.stream, sh.counters, sh.groups, sh.acked, sh.facts],
-                args=[int(self.config.dedup_seconds * 1000), self._bound(), tid, data,
-                      n, lo, hi, version_tokens(trajectory)]))
+            if self.replica_acks:
+                res = await self._idempotent(lambda: self._publish_replicated(sh, keys, args))
+            else:
+                res = await self._idempotent(lambda: self._publish(keys=keys, args=args))
         if res == -1:
             raise backlog_full(self.config.max_backlog)
         return res == 1
+
+    async def _publish_replicated(self, sh: _Shard, keys: list, args: list):
+        """The publish script, then ``WAIT replica_acks replica_wait_ms`` on the same
+        connection (WAIT counts that connection's writes): the entry is on the replicas
+        before the trajectory is acknowledged, so a master's death cannot lose it. Fewer
+        replicas in time (none left after a failover): counted ``unreplicated``, logged, and
+        accepted - the master no longer waits for a while."""
+        for _try in range(3):
+            if self.cluster:
+                from redis.asyncio.cluster import PipelineCommand
+
+                await self._r.initialize()
+                node = self._r.get_node_from_key(sh.stream)
+                wait = self._alone_until.get(node.name, 0.0) <= time.monotonic()
+                cmds = [PipelineCommand(0, "EVALSHA", self._publish.sha, len(keys),
+                                        *keys, *args)]
+                if wait:
+                    cmds.append(PipelineCommand(1, "WAIT", self.replica_acks,
+                                                self.replica_wait_ms))
+                try:
+                    await node.execute_pipeline(cmds)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    self._r._initialize = True  # read the slot map again, then try again
+                    raise
+                res = cmds[0].result
+                acked = cmds[1].result if wait else None
+                name = node.name
+            else:
+                name = ""
+                wait = self._alone_until.get(name, 0.0) <= time.monotonic()
+                pipe = self._r.pipeline(transaction=False)
+                pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+                if wait:
+                    pipe.execute_command("WAIT", self.replica_acks, self.replica_wait_ms)
+                got = await pipe.execute(raise_on_error=False)
+                res, acked = got[0], (got[1] if wait else None)
+            if isinstance(res, NoScriptError):  # first publish on this master
+                if self.cluster:
+                    await node.execute_command("SCRIPT", "LOAD", _PUBLISH)
+                else:
+                    await self._r.script_load(_PUBLISH)
+                continue
+            if isinstance(res, (MovedError, AskError)):  # a failover moved the slot
+                self._r._initialize = True
+                continue
+            if isinstance(res, Exception):
+                raise res
+            if isinstance(acked, Exception):
+                raise acked
+            if acked is not None and int(acked) < self.replica_acks:
+                self._alone_until[name] = time.monotonic() + _ALONE_S
+                log.warning("publish: %d of %d replicas acknowledged within %d ms on %s; "
+                            "not waiting there for %.0f s", int(acked), self.replica_acks,
+                            self.replica_wait_ms, name or "the Redis", _ALONE_S)
+                await self._count_on(sh, unreplicated=1)
+            return res
+        raise StoreError("redis publish failed: the shard's slot kept moving")
+
+    async def _count_on(self, sh: _Shard, **counters: int) -> None:
+        for k, v in counters.items():
+            await self._r.hincrby(sh.counters, k, v)
 
     async def lookup(self, trajectory_ids: list[str]) -> dict[str, bytes | None]:
         if not trajectory_ids:

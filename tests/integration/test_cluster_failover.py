@@ -41,7 +41,8 @@ def cluster():
 
 def _urls(cluster: LocalCluster) -> tuple[str, str, str]:
     prefix = f"fo-{uuid.uuid4().hex[:8]}"
-    store = f"{cluster.url}/?prefix={prefix}&shards={SHARDS}&lease_seconds={LEASE_S}"
+    store = (f"{cluster.url}/?prefix={prefix}&shards={SHARDS}&lease_seconds={LEASE_S}"
+             "&replica_acks=1")  # acknowledged = on a replica too
     return prefix, store, f"{cluster.url}/?prefix={prefix}"
 
 
@@ -161,6 +162,9 @@ class Learner:
                 if not exc.retryable:
                     self.bad.append(str(exc))
                 time.sleep(0.1)
+            except Exception as exc:  # noqa: BLE001 - reported, never a silent dead thread
+                self.bad.append(f"{type(exc).__name__}: {exc}")
+                time.sleep(0.1)
             finally:
                 try:
                     c.close()
@@ -185,18 +189,19 @@ def test_a_redis_master_dies_under_load_and_nothing_acknowledged_is_lost(cluster
     with GatewayProcess(engines, store_url=store, registry_url=registry) as a, \
             GatewayProcess(engines, store_url=store, registry_url=registry) as b:
         targets = [f"127.0.0.1:{g.grpc_port}" for g in (a, b)]
-        with Learner(targets, "job") as learner, Load([a.url, b.url]) as load:
-            wait_for(lambda: load.count() >= 12, 60, "load before the kill", every=0.05)
-            # the master of one shard (SIGKILL: no goodbye); its replica takes over
-            dead = cluster.master_of(KeyLayout(prefix, shards=SHARDS, cluster=True)
-                                     .shard_key(0, "stream"))
-            cluster.kill(dead)
-            before = load.count()
-            cluster.wait_promoted(dead)
-            promoted_at = load.count()
-            wait_for(lambda: load.count() >= promoted_at + 12, 60,
-                     "load after the promotion", every=0.05)
-        missing = _drained(load, learner)
+        with Learner(targets, "job") as learner:
+            with Load([a.url, b.url]) as load:
+                wait_for(lambda: load.count() >= 12, 60, "load before the kill", every=0.05)
+                # the master of one shard (SIGKILL: no goodbye); its replica takes over
+                dead = cluster.master_of(KeyLayout(prefix, shards=SHARDS, cluster=True)
+                                         .shard_key(0, "stream"))
+                cluster.kill(dead)
+                before = load.count()
+                cluster.wait_promoted(dead)
+                promoted_at = load.count()
+                wait_for(lambda: load.count() >= promoted_at + 12, 60,
+                         "load after the promotion", every=0.05)
+            missing = _drained(load, learner)  # the learner still pulling
         dups = {t: n for t, n in learner.delivered.items() if n > 1}
         print(f"\nmaster kill: acknowledged {len(load.acked)} (before kill {before}), "
               f"delivered {len(learner.delivered)} distinct ({sum(dups.values())} "
@@ -214,14 +219,16 @@ def test_a_gateway_replica_dies_mid_rollout_and_nothing_acknowledged_is_lost(clu
         b = GatewayProcess(engines, store_url=store, registry_url=registry).start()
         try:
             with Learner([f"127.0.0.1:{a.grpc_port}", f"127.0.0.1:{b.grpc_port}"],
-                         "job") as learner, Load([a.url, b.url]) as load:
-                wait_for(lambda: load.count() >= 12, 60, "load before the kill", every=0.05)
-                b.proc.kill()  # SIGKILL mid-rollout: its clients' connections drop
-                b.proc.wait(10)
-                after = load.count()
-                wait_for(lambda: load.count() >= after + 12, 60, "load on the survivor",
-                         every=0.05)
-            missing = _drained(load, learner)
+                         "job") as learner:
+                with Load([a.url, b.url]) as load:
+                    wait_for(lambda: load.count() >= 12, 60, "load before the kill",
+                             every=0.05)
+                    b.proc.kill()  # SIGKILL mid-rollout: its clients' connections drop
+                    b.proc.wait(10)
+                    after = load.count()
+                    wait_for(lambda: load.count() >= after + 12, 60, "load on the survivor",
+                             every=0.05)
+                missing = _drained(load, learner)  # the learner still pulling
         finally:
             b.stop()
         dups = {t: n for t, n in learner.delivered.items() if n > 1}

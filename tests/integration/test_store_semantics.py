@@ -273,3 +273,27 @@ async def test_retention_trims_only_acked(make):
     await s.ack("job", [got[0].entry_id, got[1].entry_id])
     await s.create_group("replay")  # starts at the oldest retained entry
     assert [e.trajectory_id for e in await s.read("replay", "c", 10)] == ["t2"]
+
+
+async def test_replica_acks_wait_for_the_replicas(redis_cluster):
+    """replica_acks=1: on the cluster every master has a replica, so every publish is
+    acknowledged by one in time; a single Redis has none: publishes still succeed, counted
+    unreplicated (and that Redis is not waited for again at once)."""
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    on_cluster = store_from_url(f"{redis_cluster.url}/?prefix={prefix}&shards=3&replica_acks=1")
+    alone = store_from_url(f"redis://127.0.0.1:6379/0?prefix={prefix}&replica_acks=1"
+                           "&replica_wait_ms=50")
+    try:
+        for s in (on_cluster, alone):
+            await s.create_group("job")
+            for i in range(6):
+                assert await s.publish(traj(i))
+            assert not await s.publish(traj(0))  # still idempotent
+            got = await s.read("job", "c", 10)
+            assert sorted(e.trajectory_id for e in got) == [f"t{i}" for i in range(6)]
+        assert (await on_cluster.stats()).unreplicated == 0
+        assert (await alone.stats()).unreplicated == 1  # then not waited for (5 s)
+    finally:
+        await on_cluster.close()
+        await alone.close()
+        await delete_prefix(prefix)
