@@ -472,6 +472,21 @@ def etamax_verdict(res: dict) -> str:
                     + ("the bound follows the measured S-dependence within a factor 2"
                        if max(med) / min(med) <= 2 else
                        "the bound does not follow the measured S-dependence") + ").")
+    s_max = max(res["settings"]["lags"])
+    for c in res["claims"]:
+        if not c["claim"].startswith("eta_max falls slower than 1/S"):
+            continue
+        h = int(c["claim"].split("T=")[1].split(")")[0])
+        binds = [x["diagnostics"]["monitor_binding"] for x in res["cells"]
+                 if x["lag"] == s_max and x["horizon"] == h]
+        stale = binds.count("stale")
+        if c["verdict"] == "reproduced" and stale > len(binds) / 2:
+            txt += (f" At T={h} the monitor calls S={s_max} stale-limited ({stale}/"
+                    f"{len(binds)} seeds), i.e. predicts eta_max ~ 1/S, while the measured "
+                    "eta_max falls slower than 1/S: its regime call is contradicted.")
+        elif c["verdict"] == "reproduced":
+            txt += (f" At T={h} the monitor calls S={s_max} horizon-limited in most seeds, "
+                    "as the measured eta_max (slower than 1/S) says.")
     return txt
 
 
@@ -482,7 +497,7 @@ def render_etamax(res: dict) -> str:
     grid = st["lr_grid"]
     lines = [
         (f"**Claim ({PAPER_ID}).** Stability needs eta << min{{R_batch/(S G_upd), "
-        "R_crit/(T G_upd)}}: the max stable eta scales like 1/S where the stale term binds "
+        "R_crit/(T G_upd)}: the max stable eta scales like 1/S where the stale term binds "
         "and is nearly independent of S where the horizon term does."),
         "",
         (f"**Experiment.** Bypass GRPO (clip on pi/mu, no KL), lag S in {st['lags']} (batch k "
@@ -516,8 +531,13 @@ def render_etamax(res: dict) -> str:
             lines[-1] += (f"{np.median(ratio):.2f} | " if ratio else "- | ")
             lines[-1] += ", ".join(f"{b}: {bind.count(b)}" for b in dict.fromkeys(bind)) + " |"
     lines += ["", claims_table(res), "", "**Verdict.** " + etamax_verdict(res), "",
-              ("**Limits.** Toy model and task; eta_max is resolved only to the sqrt(2) grid; "
-              "bisection assumes stability is monotone in eta; the collapse rule is ours."),
+              ("**Limits.** Toy model and task, 24 steps; eta_max is resolved only to the "
+               "sqrt(2) grid and bisection assumes stability is monotone in eta; the collapse "
+               "rule is ours. The monitor's R_batch is the drift at which the typical token "
+               "leaves the clip band; with PPO's clip on pi/mu such tokens stop contributing "
+               "(their gradient is masked), which shrinks the batch rather than collapsing "
+               "the run: one untested explanation of why the bound sits far below the "
+               "measured eta_max."),
               ""]
     return "\n".join(lines)
 
@@ -525,8 +545,8 @@ def render_etamax(res: dict) -> str:
 register(Preset(
     name="theory-bias", paper="theory",
     summary="||E g(stale) - E g(fresh)|| against S*eta at fixed checkpoints (one curve?)",
-    cpu_minutes=1.5, run=run_bias, render=render_bias))
+    cpu_minutes=1.0, run=run_bias, render=render_bias))
 register(Preset(
     name="theory-etamax", paper="theory",
     summary="eta_max(S) on a sqrt(2) grid at two horizons, against the monitor's bound",
-    cpu_minutes=6.0, run=run_etamax, render=render_etamax, default_seeds=(0, 1, 2, 3)))
+    cpu_minutes=3.0, run=run_etamax, render=render_etamax, default_seeds=(0, 1, 2, 3)))
