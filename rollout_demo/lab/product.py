@@ -446,4 +446,4 @@ def _eval_steps_from(s: dict) -> list[int]:
 register(Preset(
     name="product-lag", paper="product",
     summary="real lag from the gateway + engine with in-place hot-swaps vs simulated S=1,2",
-    cpu_minutes=6.0, run=run, render=render))
+    cpu_minutes=3.0, run=run, render=render))
