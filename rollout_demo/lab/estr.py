@@ -163,4 +163,4 @@ def render(res: dict) -> str:
 register(Preset(name="estr-entropy", paper="estr",
                 summary="ESTR vs magnitude-only mask (same rate) vs bypass vs sync, with an "
                         "entropy-independent mismatch; probe of |delta| by entropy",
-                cpu_minutes=2.0, run=run, render=render))
+                cpu_minutes=1.5, run=run, render=render))

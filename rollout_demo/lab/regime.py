@@ -3,8 +3,9 @@
 The base is GRPO without its KL term (kl_coef = 0: every method of the lab runs without
 KL, so no comparison measures a KL term) whose pi_old is the learner's own weights at the
 start of each batch: it never looks at mu, so a stale batch is trained on as if it were
-fresh. Four minibatch steps per batch, the echo + class task (``sim``), lags 0/4/16 at a
-learning rate where the synchronous run learns steadily (3e-2) and at a third of it (1e-2).
+fresh. Four minibatch steps per batch, 60 batches of 16 prompts x 8 samples, the echo +
+class task (``sim``), lags 0/4/16 at lr 3e-2 (where the search below found lag to hurt) and
+at a third of it (1e-2).
 How it was found: with one update per batch and the first lab's easy task nothing degraded.
 A first 2-seed search (policy without the "in view" input, 4 updates per batch, 60 batches,
 lr {1e-2, 3e-2, 1e-1} x lag {0, 4, 16}) never learned the echo (held-out plateau 0.53 at

@@ -101,6 +101,7 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
     reruns = {r["preset"]: r for r in found if r["_dir"] != r["preset"] and r["preset"] in primary}
     found = [r for r in found if r["_dir"] == r["preset"] or r["preset"] not in primary]
     parts = [HEADER.format(root=root.as_posix())]
+    closing = []
     for paper, title in PAPERS.items():
         mine = [r for r in found if presets[r["preset"]].paper == paper]
         parts.append(f"## {title}\n")
@@ -113,6 +114,7 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
                 r = {**r, "rerun": json.loads(rerun.read_text())}
             elif p.name in reruns:
                 r = {**r, "rerun": reruns[p.name]}
+            closing.append(_rerun_line(r))
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
@@ -122,11 +124,27 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
             if plot.exists():
                 parts.append(f"![held-out reward curves]({root.name}/{r['_dir']}/{PLOT})\n")
         parts.extend(_extras(root / "extra" / paper))
+    parts.append("## Closing note: re-runs on other seeds\n")
+    parts.append("\n".join(closing) + "\n")
     rest = _extras(root / "extra")
     if rest:
         parts.append("## Other measurements\n")
         parts.extend(rest)
     return "\n".join(parts)
+
+
+def _rerun_line(r: dict) -> str:
+    """Whether the preset's verdicts held when it ran again on other seeds."""
+    rerun = r.get("rerun")
+    if not rerun:
+        return f"- `{r['preset']}`: not re-run on other seeds."
+    again = {c["claim"]: c["verdict"] for c in rerun.get("claims", [])}
+    same = [c for c in r.get("claims", []) if again.get(c["claim"]) == c["verdict"]]
+    differ = [c["claim"] for c in r.get("claims", []) if c["claim"] in again
+              and again[c["claim"]] != c["verdict"]]
+    line = (f"- `{r['preset']}`: re-run on seeds {_seed_span(rerun.get('seeds', []))}: "
+            f"{len(same)} of {len(r.get('claims', []))} verdicts the same")
+    return line + (f"; differ: {'; '.join(differ)}." if differ else ".")
 
 
 def _extras(folder: Path) -> list[str]:

@@ -107,3 +107,4 @@ def test_a_results_directory_not_named_after_its_preset_is_a_rerun(tmp_path, mon
     text = report.render_report(tmp_path / "lab", registry.PRESETS)
     assert text.count("### `p`") == 1 and "verdict, seeds 6-8 |" in text
     assert "not distinguishable (+0.00 [" in text
+    assert "- `p`: re-run on seeds 6-8: 0 of 1 verdicts the same; differ: p claim." in text
