@@ -82,3 +82,15 @@ def test_task_reward_and_held_out_score_agree_on_a_perfect_policy():
     perfect = good.float().argmax(-1)  # the echo, then the class's first symbol
     assert torch.all(task.reward(prompts, perfect) == 1.0)
     assert good[:, task.echo:].sum(-1).eq(task.symbols // task.classes).all()
+
+
+def test_committed_lab_md_is_what_report_renders_from_the_committed_results(monkeypatch):
+    """docs/lab.md matches docs/lab/**/results.json (regenerate with
+    ``python -m rollout_demo.lab --report docs/lab``)."""
+    from pathlib import Path
+
+    from rollout_demo.lab.report import render_report
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the text names the path given
+    root = Path("docs/lab")
+    assert render_report(root, load_presets()) == Path("docs/lab.md").read_text()
