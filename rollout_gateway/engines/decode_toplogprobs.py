@@ -28,6 +28,8 @@ from functools import lru_cache
 import numpy as np
 import orjson
 
+from rollout_gateway import native
+
 _KEY = b'"output_top_logprobs":[[['
 _PLACEHOLDER = "#tk:"  # never valid as a top-logprobs value, so never confused with one
 _STRUCT = b"[],"
@@ -153,8 +155,16 @@ def parse_top_segment(seg: bytes) -> LogprobRows | None:
 
     ``seg`` is the whole JSON value, starting with ``[[[``. None means "not canonical":
     the caller must then use the general JSON path. Canonical also means: every text is
-    null and every id an integer in [0, 2^31).
+    null and every id an integer in [0, 2^31). The native data plane parses it in one
+    pass (``_native.top_rows``, same results); this function is the pure-Python reference.
     """
+    if native.impl is not None:
+        got = native.impl.top_rows(seg)
+        if got is None:
+            return None
+        lps, ids, t, k = got
+        return LogprobRows(np.frombuffer(lps, np.float64).reshape(t, k),
+                           np.frombuffer(ids, np.int64).reshape(t, k), seg)
     if len(seg) < 10 or not seg.startswith(b"[[[") or not seg.endswith(b"]]]"):
         return None
     if b'"' in seg:  # text strings may hold brackets and commas
