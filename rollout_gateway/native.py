@@ -13,6 +13,8 @@ at run time with :func:`select` (``serve`` applies the setting at start-up).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Literal
 
@@ -41,6 +43,30 @@ def select(choice: str = "auto") -> str:
                            "(reinstall with a C compiler: pip install -e .)")
     impl = None if choice == "python" else _compiled
     return data_plane()
+
+
+@contextmanager
+def using(choice: str) -> Iterator[str]:
+    """``with using("python"):`` -- run a block on one data plane (tests, benchmarks),
+    then restore the previous choice. Not for concurrent use."""
+    global impl
+    saved = impl
+    try:
+        yield select(choice)
+    finally:
+        impl = saved
+
+
+def compiled() -> ModuleType:
+    """The native module whatever is selected (tests compare it with the Python code)."""
+    if _compiled is None:
+        raise RuntimeError(f"the native data plane is not built: {_IMPORT_ERROR}")
+    return _compiled
+
+
+def built() -> bool:
+    """Whether the native module was built and imports."""
+    return _compiled is not None
 
 
 def data_plane() -> str:
