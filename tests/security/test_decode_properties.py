@@ -247,7 +247,9 @@ def test_native_plane_equals_python_plane_on_hostile_values(key, value, opt):
 
 
 @FAST
-@given(depth=st.integers(1, 3000), tail=st.sampled_from([b"", b"1,2,null", b"]]]", b"\x00"]))
+# (shallow, and past orjson's nesting limit of 1024: in between, a decoded deep list would
+# only test this file's comparison's recursion)
+@given(depth=st.integers(1, 200) | st.integers(1030, 5000), tail=st.sampled_from([b"", b"1,2,null", b"]]]", b"\x00"]))
 def test_native_plane_on_deep_nesting(depth, tail):
     resp = valid_response()
     resp["meta_info"]["output_top_logprobs"] = "@"
