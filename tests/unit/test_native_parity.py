@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -20,6 +24,7 @@ from rollout_gateway import native
 from rollout_gateway.engines import decode_experts
 from rollout_gateway.engines.decode_toplogprobs import parse_top_segment
 
+ROOT = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=200, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -242,3 +247,32 @@ def test_the_quoted_decoder_without_pybase64_is_the_same_on_both_planes(monkeypa
             assert str(a[0]) == str(b[0])
         else:
             assert a[0].dtype == b[0].dtype and a[0].tobytes() == b[0].tobytes()
+
+
+# ------------------------------------------------------------------ wiring
+
+def test_version_reports_the_data_plane():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(native.ENV, None)
+    out = subprocess.run([sys.executable, "-m", "rollout_gateway", "--version"], env=env,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = " ".join(out.split())  # argparse wraps the line
+    assert "data plane: native (compiled parsers)" in out
+    env[native.ENV] = "python"
+    out = subprocess.run([sys.executable, "-m", "rollout_gateway", "--version"], env=env,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = " ".join(out.split())
+    assert f"data plane: python (forced by {native.ENV}=python" in out
+
+
+def test_the_setting_selects_the_plane_when_a_gateway_is_built():
+    from rollout_gateway.gateway import Gateway
+    from rollout_gateway.settings import GatewaySettings
+
+    with native.using("auto"):
+        Gateway(GatewaySettings(data_plane="python"))
+        assert native.data_plane() == "python"
+        Gateway(GatewaySettings(data_plane="auto"))
+        assert native.data_plane() == "native"
+    with pytest.raises(ValueError):
+        GatewaySettings(data_plane="fast")
