@@ -284,6 +284,255 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ cut_columns */
+
+/* Skip a JSON string starting at s[*i] == '"': 1 and *i after its closing quote, or 0. */
+static int skip_string(const char *s, Py_ssize_t n, Py_ssize_t *i)
+{
+    Py_ssize_t p = *i + 1;
+    for (;;) {
+        const char *q = memchr(s + p, '"', (size_t)(n - p));
+        if (q == NULL) return 0;
+        Py_ssize_t e = q - s, bs = 0;
+        while (e - 1 - bs >= p && s[e - 1 - bs] == '\\') bs++;
+        p = e + 1;
+        if (bs % 2 == 0) { *i = p; return 1; }
+    }
+}
+
+/* Skip any JSON value at s[*i] (after whitespace) without recursion: strings escape-aware,
+ * containers by depth; scalars up to the next delimiter. Validity is orjson's to judge:
+ * this only needs to find where the value ends. 0 when the text ends first. */
+static int skip_value(const char *s, Py_ssize_t n, Py_ssize_t *i)
+{
+    skip_ws(s, n, i);
+    if (*i >= n) return 0;
+    Py_ssize_t depth = 0;
+    do {
+        if (*i >= n) return 0;
+        char c = s[*i];
+        if (c == '"') {
+            if (!skip_string(s, n, i)) return 0;
+        } else if (c == '[' || c == '{') {
+            depth++;
+            (*i)++;
+        } else if (c == ']' || c == '}') {
+            if (depth == 0) return 0;
+            depth--;
+            (*i)++;
+        } else if (depth == 0) {  /* a scalar */
+            while (*i < n && !is_ws((unsigned char)s[*i]) && s[*i] != ',' && s[*i] != ']' &&
+                   s[*i] != '}')
+                (*i)++;
+        } else {
+            (*i)++;
+        }
+    } while (depth > 0);
+    return 1;
+}
+
+/* A key string at s[*i] == '"' without escapes: its content span, *i past the ':'. */
+static int read_key(const char *s, Py_ssize_t n, Py_ssize_t *i, Py_ssize_t *ks, Py_ssize_t *kl)
+{
+    if (*i >= n || s[*i] != '"') return 0;
+    Py_ssize_t a = *i + 1;
+    if (!skip_string(s, n, i)) return 0;
+    *ks = a;
+    *kl = *i - 1 - a;
+    if (memchr(s + a, '\\', (size_t)*kl) != NULL) *kl = -1;  /* escaped: not one of ours */
+    return expect(s, n, i, ':');
+}
+
+static int key_is(const char *s, Py_ssize_t ks, Py_ssize_t kl, const char *name)
+{
+    return kl == (Py_ssize_t)strlen(name) && memcmp(s + ks, name, (size_t)kl) == 0;
+}
+
+/* Canonical output_ids at s[a..): '[' digits (',' digits)* ']' -- no whitespace, no sign,
+ * values in [0, 2^31): int32 ids; *end after ']'. NULL (no error) when not canonical. */
+static PyObject *parse_ids(const char *s, Py_ssize_t n, Py_ssize_t a, Py_ssize_t *end)
+{
+    if (a >= n || s[a] != '[') return Py_NewRef(Py_None);
+    const char *q = memchr(s + a, ']', (size_t)(n - a));
+    if (q == NULL) return Py_NewRef(Py_None);
+    Py_ssize_t stop = q - s, count = 0;
+    if (stop > a + 1) {
+        count = 1;
+        for (Py_ssize_t p = a + 1; p < stop; p++) count += s[p] == ',';
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, count * 4);
+    if (out == NULL) return NULL;
+    int32_t *dst = (int32_t *)PyByteArray_AS_STRING(out);
+    Py_ssize_t p = a + 1;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        if (j) {
+            if (s[p] != ',') goto bad;
+            p++;
+        }
+        Py_ssize_t d = p;
+        uint64_t v = 0;
+        while (p < stop && s[p] >= '0' && s[p] <= '9' && p - d < 11)
+            v = v * 10 + (uint64_t)(s[p++] - '0');
+        if (p == d || (s[d] == '0' && p - d > 1) || v > 0x7FFFFFFF) goto bad;
+        dst[j] = (int32_t)v;
+    }
+    if (p != stop) goto bad;
+    *end = stop + 1;
+    return out;
+bad:
+    Py_DECREF(out);
+    return Py_NewRef(Py_None);
+}
+
+/* Canonical output_token_logprobs at s[a..): '[' ('[' float|null ',' digits ',null]')
+ * joined by ',' ']' with no whitespace; floats must be written as floats ('.' or 'e'), so
+ * the rows are exactly what LogprobRows.to_rows() gives back. (lps f64, ids i64) or None. */
+static PyObject *parse_token_rows(const char *s, Py_ssize_t n, Py_ssize_t a, Py_ssize_t *end)
+{
+    if (n - a < 2 || s[a] != '[') return Py_NewRef(Py_None);
+    Py_ssize_t count = 0;
+    if (s[a + 1] == ']') {
+        count = 0;
+    } else {
+        /* one ']' per row up to the closing "]]" */
+        const char *stop = NULL;
+        for (Py_ssize_t p = a; p + 1 < n; p++) {
+            if (s[p] == ']' && s[p + 1] == ']') { stop = s + p; break; }
+        }
+        if (stop == NULL) return Py_NewRef(Py_None);
+        for (const char *r = s + a; r <= stop; r++) count += *r == ']';
+    }
+    PyObject *lps_obj = PyByteArray_FromStringAndSize(NULL, count * 8);
+    PyObject *ids_obj = PyByteArray_FromStringAndSize(NULL, count * 8);
+    PyObject *res = NULL;
+    if (lps_obj == NULL || ids_obj == NULL) goto done;
+    double *lps = (double *)PyByteArray_AS_STRING(lps_obj);
+    int64_t *ids = (int64_t *)PyByteArray_AS_STRING(ids_obj);
+    Py_ssize_t p = a + 1;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        if (j) {
+            if (p >= n || s[p] != ',') goto decline;
+            p++;
+        }
+        if (p >= n || s[p] != '[') goto decline;
+        p++;
+        Py_ssize_t num = p;
+        double lp, id, text;
+        int kind = parse_scalar(s, n, &p, &lp);
+        if (kind == NUM_BAD) goto decline;
+        if (kind == NUM_OK) {  /* written as a float: a '.' or an exponent */
+            Py_ssize_t q = num;
+            while (q < p && s[q] != '.' && s[q] != 'e' && s[q] != 'E') q++;
+            if (q == p) goto decline;
+        }
+        if (p >= n || s[p] != ',') goto decline;
+        p++;
+        Py_ssize_t d = p;
+        if (parse_scalar(s, n, &p, &id) != NUM_OK) goto decline;
+        for (Py_ssize_t q = d; q < p; q++)
+            if (s[q] < '0' || s[q] > '9') goto decline;
+        if (!(id < 2147483648.0)) goto decline;
+        if (p >= n || s[p] != ',') goto decline;
+        p++;
+        if (parse_scalar(s, n, &p, &text) != NUM_NULL) goto decline;
+        if (p >= n || s[p] != ']') goto decline;
+        p++;
+        lps[j] = kind == NUM_NULL ? Py_NAN : lp;
+        ids[j] = (int64_t)id;
+    }
+    if (p >= n || s[p] != ']') goto decline;
+    *end = p + 1;
+    res = Py_BuildValue("(OO)", lps_obj, ids_obj);
+    goto done;
+decline:
+    res = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(lps_obj);
+    Py_XDECREF(ids_obj);
+    return res;
+}
+
+/* cut_columns(body) -> (ids, rows) where ids is (start, end, int32 bytes) for the answer
+ * object's "output_ids" and rows (start, end, float64 bytes, int64 bytes) for its
+ * meta_info's "output_token_logprobs", each None when absent or not canonical; None when
+ * the body is not one JSON object. Keys are matched by structure (their exact place in
+ * the answer), never by a text search, so nothing else is ever cut. */
+static PyObject *
+cut_columns(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const char *s = view.buf;
+    Py_ssize_t n = view.len, i = 0;
+    PyObject *ids = NULL, *rows = NULL, *res = NULL;
+    Py_ssize_t ids_a = 0, ids_b = 0, rows_a = 0, rows_b = 0;
+    if (!expect(s, n, &i, '{')) goto none;
+    int in_meta = 0, meta_done = 0;
+    for (;;) {
+        /* one key: value member of the answer (in_meta 0) or of its meta_info (1) */
+        skip_ws(s, n, &i);
+        if (i < n && s[i] == '}') {
+            if (!in_meta) break;
+            in_meta = 0;
+            meta_done = 1;
+            i++;
+            goto next;
+        }
+        Py_ssize_t ks, kl;
+        if (!read_key(s, n, &i, &ks, &kl)) goto none;
+        skip_ws(s, n, &i);
+        if (!in_meta && ids == NULL && key_is(s, ks, kl, "output_ids")) {
+            Py_ssize_t e;
+            PyObject *got = parse_ids(s, n, i, &e);
+            if (got == NULL) goto error;
+            if (got != Py_None) { ids = got; ids_a = i; ids_b = e; i = e; goto next; }
+            Py_DECREF(got);
+        } else if (!in_meta && !meta_done && key_is(s, ks, kl, "meta_info") && i < n &&
+                   s[i] == '{') {
+            in_meta = 1;
+            i++;
+            skip_ws(s, n, &i);
+            if (i < n && s[i] == '}') { in_meta = 0; meta_done = 1; i++; goto next; }
+            continue;
+        } else if (in_meta && rows == NULL && key_is(s, ks, kl, "output_token_logprobs")) {
+            Py_ssize_t e;
+            PyObject *got = parse_token_rows(s, n, i, &e);
+            if (got == NULL) goto error;
+            if (got != Py_None) { rows = got; rows_a = i; rows_b = e; i = e; goto next; }
+            Py_DECREF(got);
+        }
+        if (!skip_value(s, n, &i)) goto none;
+    next:
+        if (ids != NULL && meta_done) break;  /* both places seen: the rest is orjson's */
+        skip_ws(s, n, &i);
+        if (i < n && s[i] == ',') { i++; continue; }
+        if (i < n && s[i] == '}') continue;
+        goto none;
+    }
+    if (ids == NULL && rows == NULL) goto none;
+    {
+        PyObject *a = ids ? Py_BuildValue("(nnO)", ids_a, ids_b, ids) : Py_NewRef(Py_None);
+        PyObject *b = rows ? Py_BuildValue("(nnOO)", rows_a, rows_b, PyTuple_GET_ITEM(rows, 0),
+                                           PyTuple_GET_ITEM(rows, 1)) : Py_NewRef(Py_None);
+        if (a == NULL || b == NULL) { Py_XDECREF(a); Py_XDECREF(b); goto error; }
+        res = PyTuple_Pack(2, a, b);
+        Py_DECREF(a);
+        Py_DECREF(b);
+    }
+    goto done;
+none:
+    /* a structural surprise after a cut is found is still fine to report as "no cut" */
+    res = Py_NewRef(Py_None);
+    goto done;
+error:
+    res = NULL;
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(rows);
+    PyBuffer_Release(&view);
+    return res;
+}
+
 /* ------------------------------------------------------------------ experts */
 
 static unsigned char B64[256];  /* 6-bit value, or 0xFF: not in the alphabet */
@@ -452,6 +701,9 @@ done:
 static PyMethodDef methods[] = {
     {"top_rows", top_rows, METH_O,
      "top_rows(seg) -> (float64 bytes, int64 bytes, t, k) | None: canonical top logprobs."},
+    {"cut_columns", cut_columns, METH_O,
+     "cut_columns(body) -> ((start, end, int32 bytes) | None, (start, end, float64 bytes, "
+     "int64 bytes) | None) | None: output_ids and output_token_logprobs as columns."},
     {"experts", experts, METH_VARARGS,
      "experts(buf, start, end, num_experts) -> (ids bytes | None, end): routed experts."},
     {NULL, NULL, 0, NULL},

@@ -276,3 +276,50 @@ def test_the_setting_selects_the_plane_when_a_gateway_is_built():
         assert native.data_plane() == "native"
     with pytest.raises(ValueError):
         GatewaySettings(data_plane="fast")
+
+
+# ------------------------------------------------------------------ cut_columns
+
+def _answer(**meta) -> dict:
+    base = {"id": "r", "finish_reason": None, "prompt_tokens": 2, "completion_tokens": 2,
+            "output_token_logprobs": [[-0.5, 7, None], [None, 9, None]]}
+    return {"text": 'a\\"]}', "output_ids": [7, 9], "meta_info": {**base, **meta}}
+
+
+def test_cut_columns_takes_canonical_columns_by_structure():
+    cut = native.compiled().cut_columns
+    body = orjson.dumps(_answer())
+    (a, b, ids), (c, d, lps, tids) = cut(body)
+    assert body[a:b] == b"[7,9]" and body[c:d] == b"[[-0.5,7,null],[null,9,null]]"
+    assert np.frombuffer(ids, np.int32).tolist() == [7, 9]
+    assert np.frombuffer(tids, np.int64).tolist() == [7, 9]
+    assert np.isnan(np.frombuffer(lps)[1]) and np.frombuffer(lps)[0] == -0.5
+    # only the answer's own keys: the same keys elsewhere are never cut
+    nested = orjson.dumps({"text": "x", "meta_info": {"extra": {"output_ids": [1],
+                           "output_token_logprobs": [[-0.5, 1, None]]}}, "x": {"output_ids": [2]}})
+    assert cut(nested) is None
+    assert cut(orjson.dumps([_answer()])) is None  # batches: the Python path
+    # not canonical: whitespace, an int logprob, a text, a negative or huge id
+    for rows in ([[0, 7, None]], [[-0.5, 7, "t"]], [[-0.5, -7, None]],
+                 [[-0.5, 1 << 31, None]]):
+        got = cut(orjson.dumps(_answer(output_token_logprobs=rows)))
+        assert got is not None and got[1] is None
+    assert cut(b'{"output_ids": [1, 2]}') is None
+    assert cut(b'{"output_ids":[01]}') is None and cut(b'{"output_ids":[1,]}') is None
+    assert cut(b'{"output_ids":[2147483648]}') is None
+    assert cut(b'{"output_ids":[2147483647],"meta_info":{}}')[0][2] == \
+        np.array([2147483647], np.int32).tobytes()
+
+
+def test_cut_columns_on_every_truncation_and_duplicate_keys():
+    body = orjson.dumps(_answer())
+    for cut in range(len(body) + 1):
+        native.compiled().cut_columns(body[:cut])
+        native.compiled().cut_columns(body[cut:])
+    from rollout_gateway.engines.decode import DecodeOptions, decode_generate
+    dup = body[:-1] + b',"output_ids":[1,2]}'  # orjson keeps the last value
+    (ka, a), (kb, b) = both(decode_generate, dup, DecodeOptions(check_logprob_ids=False))
+    assert ka == kb == "ok" and a[0].output_ids.tolist() == b[0].output_ids.tolist() == [1, 2]
+    mark = body[:-1] + b',"output_ids":"#col:0000000000000000i"}'  # a guessed mark: no effect
+    (ka, a), (kb, b) = both(decode_generate, mark)
+    assert ka == kb == "EngineError" and a == b
