@@ -204,13 +204,10 @@ static int expect(const char *s, Py_ssize_t n, Py_ssize_t *i, char c)
     return 0;
 }
 
+/* The canonical top-logprobs value s[0..n) -> (lps, ids, t, k), or None; NULL on error. */
 static PyObject *
-top_rows(PyObject *self, PyObject *arg)
+top_span(const char *s, Py_ssize_t n)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    const char *s = view.buf;
-    Py_ssize_t n = view.len;
     PyObject *res = NULL, *lps_obj = NULL, *ids_obj = NULL;
 
     /* the Python parser's gates, in its order: length, [[[ ... ]]], no '"' */
@@ -280,6 +277,15 @@ error:
 done:
     Py_XDECREF(lps_obj);
     Py_XDECREF(ids_obj);
+    return res;
+}
+
+static PyObject *
+top_rows(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *res = top_span(view.buf, view.len);
     PyBuffer_Release(&view);
     return res;
 }
@@ -452,9 +458,11 @@ done:
     return res;
 }
 
-/* cut_columns(body) -> (ids, rows) where ids is (start, end, int32 bytes) for the answer
- * object's "output_ids" and rows (start, end, float64 bytes, int64 bytes) for its
- * meta_info's "output_token_logprobs", each None when absent or not canonical; None when
+/* cut_columns(body) -> (ids, rows, top) where ids is (start, end, int32 bytes) for the
+ * answer object's "output_ids", rows (start, end, float64 bytes, int64 bytes) for its
+ * meta_info's "output_token_logprobs" and top (start, end, float64 bytes, int64 bytes, t, k)
+ * for its meta_info's "output_top_logprobs" (as top_rows parses it), each None when absent
+ * or not canonical; None when
  * the body is not one JSON object. Keys are matched by structure (their exact place in
  * the answer), never by a text search, so nothing else is ever cut. */
 static PyObject *
@@ -464,8 +472,8 @@ cut_columns(PyObject *self, PyObject *arg)
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     const char *s = view.buf;
     Py_ssize_t n = view.len, i = 0;
-    PyObject *ids = NULL, *rows = NULL, *res = NULL;
-    Py_ssize_t ids_a = 0, ids_b = 0, rows_a = 0, rows_b = 0;
+    PyObject *ids = NULL, *rows = NULL, *top = NULL, *res = NULL;
+    Py_ssize_t ids_a = 0, ids_b = 0, rows_a = 0, rows_b = 0, top_a = 0, top_b = 0;
     if (!expect(s, n, &i, '{')) goto none;
     int in_meta = 0, meta_done = 0;
     for (;;) {
@@ -482,7 +490,7 @@ cut_columns(PyObject *self, PyObject *arg)
         if (!read_key(s, n, &i, &ks, &kl)) goto none;
         skip_ws(s, n, &i);
         if (!in_meta && ids == NULL && key_is(s, ks, kl, "output_ids")) {
-            Py_ssize_t e;
+            Py_ssize_t e = 0;
             PyObject *got = parse_ids(s, n, i, &e);
             if (got == NULL) goto error;
             if (got != Py_None) { ids = got; ids_a = i; ids_b = e; i = e; goto next; }
@@ -495,10 +503,18 @@ cut_columns(PyObject *self, PyObject *arg)
             if (i < n && s[i] == '}') { in_meta = 0; meta_done = 1; i++; goto next; }
             continue;
         } else if (in_meta && rows == NULL && key_is(s, ks, kl, "output_token_logprobs")) {
-            Py_ssize_t e;
+            Py_ssize_t e = 0;
             PyObject *got = parse_token_rows(s, n, i, &e);
             if (got == NULL) goto error;
             if (got != Py_None) { rows = got; rows_a = i; rows_b = e; i = e; goto next; }
+            Py_DECREF(got);
+        } else if (in_meta && top == NULL && key_is(s, ks, kl, "output_top_logprobs") &&
+                   i < n && s[i] == '[') {
+            Py_ssize_t e = i;
+            if (!skip_value(s, n, &e)) goto none;
+            PyObject *got = top_span(s + i, e - i);
+            if (got == NULL) goto error;
+            if (got != Py_None) { top = got; top_a = i; top_b = e; i = e; goto next; }
             Py_DECREF(got);
         }
         if (!skip_value(s, n, &i)) goto none;
@@ -509,15 +525,24 @@ cut_columns(PyObject *self, PyObject *arg)
         if (i < n && s[i] == '}') continue;
         goto none;
     }
-    if (ids == NULL && rows == NULL) goto none;
+    if (ids == NULL && rows == NULL && top == NULL) goto none;
     {
         PyObject *a = ids ? Py_BuildValue("(nnO)", ids_a, ids_b, ids) : Py_NewRef(Py_None);
         PyObject *b = rows ? Py_BuildValue("(nnOO)", rows_a, rows_b, PyTuple_GET_ITEM(rows, 0),
                                            PyTuple_GET_ITEM(rows, 1)) : Py_NewRef(Py_None);
-        if (a == NULL || b == NULL) { Py_XDECREF(a); Py_XDECREF(b); goto error; }
-        res = PyTuple_Pack(2, a, b);
+        PyObject *c = top ? Py_BuildValue("(nnOOOO)", top_a, top_b, PyTuple_GET_ITEM(top, 0),
+                                          PyTuple_GET_ITEM(top, 1), PyTuple_GET_ITEM(top, 2),
+                                          PyTuple_GET_ITEM(top, 3)) : Py_NewRef(Py_None);
+        if (a == NULL || b == NULL || c == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_XDECREF(c);
+            goto error;
+        }
+        res = PyTuple_Pack(3, a, b, c);
         Py_DECREF(a);
         Py_DECREF(b);
+        Py_DECREF(c);
     }
     goto done;
 none:
@@ -529,6 +554,7 @@ error:
 done:
     Py_XDECREF(ids);
     Py_XDECREF(rows);
+    Py_XDECREF(top);
     PyBuffer_Release(&view);
     return res;
 }
@@ -702,8 +728,8 @@ static PyMethodDef methods[] = {
     {"top_rows", top_rows, METH_O,
      "top_rows(seg) -> (float64 bytes, int64 bytes, t, k) | None: canonical top logprobs."},
     {"cut_columns", cut_columns, METH_O,
-     "cut_columns(body) -> ((start, end, int32 bytes) | None, (start, end, float64 bytes, "
-     "int64 bytes) | None) | None: output_ids and output_token_logprobs as columns."},
+     "cut_columns(body) -> (ids | None, token rows | None, top rows | None) | None: "
+     "output_ids, output_token_logprobs and output_top_logprobs as columns."},
     {"experts", experts, METH_VARARGS,
      "experts(buf, start, end, num_experts) -> (ids bytes | None, end): routed experts."},
     {NULL, NULL, 0, NULL},

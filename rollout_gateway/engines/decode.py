@@ -163,6 +163,10 @@ def _loads(data: bytes) -> Any:
                           f"{bytes(data[:120]).decode('utf-8', 'replace')!r}") from exc
 
 
+#: below this many bytes (~20 tokens with top-5) parsing the lists is as fast as cutting
+CUT_MIN_BYTES = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class _Cut:
     """Columns the native data plane cut out of one answer object before parsing it: each
@@ -171,31 +175,38 @@ class _Cut:
     mark: str
     output_ids: np.ndarray | None  # int32
     token_rows: LogprobRows | None  # output_token_logprobs (1-D rows, texts all null)
+    #: output_top_logprobs when splice_top left it (below MIN_BYTES; ``raw``: its JSON)
+    top_rows: LogprobRows | None
 
 
 def _cut_columns(body: bytes) -> tuple[bytes, _Cut | None]:
-    """Native data plane: the answer's ``output_ids`` and ``meta_info.output_token_logprobs``
-    (found by the JSON structure, canonical only) as columns, their places in the body
-    taken by marks; the Python data plane parses them as lists (same results)."""
-    got = native.impl.cut_columns(body) if native.impl is not None else None
+    """Native data plane: the answer's ``output_ids``, ``meta_info.output_token_logprobs``
+    and ``meta_info.output_top_logprobs`` (found by the JSON structure, canonical only) as
+    columns, their places in the body taken by marks; the Python data plane parses them as
+    lists (same results)."""
+    if native.impl is None or len(body) < CUT_MIN_BYTES:
+        return body, None
+    got = native.impl.cut_columns(body)
     if got is None:
         return body, None
-    ids, rows = got
+    ids, rows, top = got
     mark = f"#col:{os.urandom(8).hex()}"
+    cuts = sorted((span[0], span[1], b'"%b%b"' % (mark.encode(), tag))
+                  for span, tag in ((ids, b"i"), (rows, b"r"), (top, b"t")) if span is not None)
     parts: list[bytes] = []
     last = 0
-    out_ids = token_rows = None
-    for span, tag in sorted(((s, t) for s, t in ((ids, "i"), (rows, "r")) if s is not None),
-                            key=lambda x: x[0][0]):
-        parts += [body[last:span[0]], f'"{mark}{tag}"'.encode()]
-        last = span[1]
-        if tag == "i":
-            out_ids = np.frombuffer(span[2], np.int32)
-        else:
-            token_rows = LogprobRows(np.frombuffer(span[2], np.float64),
-                                     np.frombuffer(span[3], np.int64))
+    for a, b, text in cuts:
+        parts += [body[last:a], text]
+        last = b
     parts.append(body[last:])
-    return b"".join(parts), _Cut(mark, out_ids, token_rows)
+    out_ids = np.frombuffer(ids[2], np.int32) if ids is not None else None
+    token_rows = (LogprobRows(np.frombuffer(rows[2], np.float64), np.frombuffer(rows[3], np.int64))
+                  if rows is not None else None)
+    top_rows = (LogprobRows(np.frombuffer(top[2], np.float64).reshape(top[4], top[5]),
+                            np.frombuffer(top[3], np.int64).reshape(top[4], top[5]),
+                            body[top[0]:top[1]])
+                if top is not None else None)
+    return b"".join(parts), _Cut(mark, out_ids, token_rows, top_rows)
 
 
 def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Decoded]:
@@ -205,15 +216,16 @@ def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Deco
     malformed, including an SGLang error object (``{"error": ...}``).
     """
     opts = opts or DecodeOptions()
-    spliced, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
+    routed, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
     # rows forwarded to the caller travel as columns whatever their size
-    spliced, tops = splice_top(spliced, 0 if "output_top_logprobs" in opts.passthrough
+    spliced, tops = splice_top(routed, 0 if "output_top_logprobs" in opts.passthrough
                                else None)
     cut_body, cut = _cut_columns(spliced)
     try:
         obj = orjson.loads(cut_body)
     except orjson.JSONDecodeError:
-        # the error (or, should the cut ever be the cause, the value) of the uncut body
+        # the error (or, should a native cut ever be the cause, the value) of the body the
+        # Python data plane parses: the same message, positions included
         obj, cut = _loads(spliced), None
     items = obj if isinstance(obj, list) else [obj]
     return [decode_output(item, opts, regions=regions, tops=tops, cut=cut) for item in items]
@@ -259,7 +271,9 @@ def decode_output(item: Any, opts: DecodeOptions, *,
     if lp_rows is not None:
         logprobs = _logprob_column(lp_rows, t, output_ids if opts.check_logprob_ids else None)
 
-    entropy, kind, err, err_max = _entropy(meta, t, opts, tops or [])
+    top_cut = cut.top_rows if cut is not None and cut.top_rows is not None \
+        and meta.get("output_top_logprobs") == cut.mark + "t" else None
+    entropy, kind, err, err_max = _entropy(meta, t, opts, tops or [], top_cut)
     wv_raw = meta.get("weight_version")
     wv_raw = None if wv_raw is None else str(wv_raw)
     completion = _opt_int(meta, "completion_tokens")
@@ -291,17 +305,20 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         text=text if isinstance(text, str) else None, input_token_ids=input_ids,
         routed_experts=flat, routed=routed, routed_b64=b64,
         meta={k: v for k, v in meta.items() if k not in _COLUMN_KEYS},
-        extra=_passthrough(meta, opts, tops or [], lp_rows),
+        extra=_passthrough(meta, opts, tops or [], lp_rows, top_cut),
     )
 
 
 def _passthrough(meta: dict, opts: DecodeOptions, tops: list[LogprobRows],
-                 token_rows: Any = None) -> dict[str, Any]:
-    """The forwarded meta_info values (spliced top-k rows as their columns; token rows as
-    the lists the engine sent, also when the native data plane cut them)."""
+                 token_rows: Any = None, top_cut: LogprobRows | None = None
+                 ) -> dict[str, Any]:
+    """The forwarded meta_info values (spliced top-k rows as their columns; rows the
+    native data plane cut as the lists the engine sent)."""
     out = {k: meta[k] for k in opts.passthrough if meta.get(k) is not None}
     if isinstance(token_rows, LogprobRows) and "output_token_logprobs" in out:
         out["output_token_logprobs"] = token_rows.to_rows()
+    if top_cut is not None and "output_top_logprobs" in out:
+        out["output_top_logprobs"] = orjson.loads(top_cut.raw)
     top = out.get("output_top_logprobs")
     if top is not None:
         idx = placeholder_index(top, len(tops))
@@ -360,7 +377,8 @@ def _ids_from_rows(rows: list | LogprobRows, name: str) -> np.ndarray:
         raise EngineError(f"{name} rows are not [logprob, id, text]") from exc
 
 
-def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows]
+def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows],
+             top_cut: LogprobRows | None = None
              ) -> tuple[np.ndarray, EntropyKind, np.ndarray | None, float]:
     exact = meta.get("output_token_entropy")
     if exact is not None:
@@ -376,7 +394,11 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows]
     top = meta.get("output_top_logprobs")
     if top and t:
         idx = placeholder_index(top, len(tops))
-        if idx is None:
+        if top_cut is not None:  # cut by the native data plane (nulls are NaN)
+            if len(top_cut) != t:
+                raise EngineError(f"output_top_logprobs must have {t} rows")
+            mat = _null_to_neg_inf(top_cut.logprobs)
+        elif idx is None:
             mat = _top_matrix(top, t)
         elif len(tops[idx]) != t:
             raise EngineError(f"output_top_logprobs must have {t} rows")

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,6 +179,16 @@ def test_oversized_stream_event_is_refused():
 
 # ------------------------------------------------ native data plane == Python data plane
 
+@pytest.fixture(autouse=True, scope="module")
+def _cut_every_body():
+    """The native plane cuts columns out of bodies from CUT_MIN_BYTES on: from 0 here, so
+    these small answers take that path."""
+    from rollout_gateway.engines import decode
+    saved, decode.CUT_MIN_BYTES = decode.CUT_MIN_BYTES, 0
+    yield
+    decode.CUT_MIN_BYTES = saved
+
+
 #: a /generate caller that forwards top-k rows: every top-k value takes the spliced
 #: (native-parsed) path whatever its size
 PASS = DecodeOptions(routing=RoutingSpec(2, 2, 4), vocab_size=1000,
@@ -216,7 +227,19 @@ def same_on_both_planes(fn, *args):
         ref = _outcome(fn, *args)
     with native.using("native"):
         got = _outcome(fn, *args)
-    assert got == ref
+    assert got == ref, _first_difference(got, ref)
+
+
+def _first_difference(a, b, path="") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}")
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+    return f"native {a!r} != python {b!r} at {path}"
 
 
 def _stream(body: bytes, opts: DecodeOptions):
