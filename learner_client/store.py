@@ -13,7 +13,12 @@ multi-MB payload afresh pays for its pages again each time (page faults, zeroing
 two more copies (hiredis' buffer, then a bytes object): ~3x this reader's CPU per byte.
 
 The learner then needs read access to the gateway's Redis: a Redis user limited to
-``XRANGE`` and ``EXISTS`` on ``<prefix>:stream`` is enough (docs/gateway.md).
+``XRANGE`` and ``EXISTS`` on ``<prefix>:stream`` is enough (docs/gateway.md); a store of
+several shards has one stream per shard (``<prefix>:{<tag>}:stream``, a pattern
+``<prefix>:*stream``). A Redis Cluster (``redis+cluster://host:port[,...]``): each
+reference is read from the master of its stream's slot, one pipeline per master; a
+reply that says the slot moved (a failover) refreshes the slot map and the fetch is tried
+again.
 """
 
 from __future__ import annotations
@@ -29,20 +34,25 @@ from learner_client.buffers import BufferPool
 from learner_client.errors import TrajectoryClientError
 from learner_client.wire import StoreRef
 from rollout_proto import codec
+from rollout_proto.redis_url import CLUSTER_SCHEMES, parse_cluster_url
 from rollout_proto.resp import Replies, RespError
 
-#: the gateway's own store URL options (rollout_gateway.store.factory: prefix and the
-#: StoreConfig fields); redis-py would refuse them
-_GATEWAY_OPTIONS = frozenset({"prefix", "max_backlog", "lease_seconds", "max_deliveries",
-                              "retention_seconds", "dedup_seconds"})
+#: the gateway's own store URL options (rollout_gateway.store.factory: prefix, shards and
+#: the StoreConfig fields); redis-py would refuse them
+_GATEWAY_OPTIONS = frozenset({"prefix", "shards", "max_backlog", "lease_seconds",
+                              "max_deliveries", "retention_seconds", "dedup_seconds"})
+#: error replies after which a cluster's slot map is read again (a failover, a resharding)
+_MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+_CLUSTER_TRIES = 5
 
 
 def redis_url(url: str) -> str:
     """``url`` without the gateway's own store options (``prefix``, ``max_backlog``, ...):
     the learner may be given the very URL the gateway's ``--store`` has."""
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"store_url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+    if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+        raise ValueError(f"store_url must be a redis://, rediss://, unix:// or "
+                         f"redis+cluster:// URL, got {url!r}")
     query = [(k, v) for k, v in parse_qsl(parts.query) if k not in _GATEWAY_OPTIONS]
     return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
 
@@ -60,12 +70,23 @@ class StoreReader:
             raise ValueError("pipeline_bytes must be >= 1")
         self.url = redis_url(url)
         self.pipeline_bytes = pipeline_bytes
-        self._r = redis.Redis.from_url(
-            self.url, decode_responses=False, socket_timeout=timeout,
-            socket_connect_timeout=min(timeout, 5.0),
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
+        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3)
+        self.cluster = urlsplit(self.url).scheme in CLUSTER_SCHEMES
+        if self.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            t = parse_cluster_url(self.url)
+            self._r = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], decode_responses=False,
+                socket_timeout=timeout, socket_connect_timeout=min(timeout, 5.0), retry=retry,
+                **t.client_kwargs())
+        else:
+            self._r = redis.Redis.from_url(
+                self.url, decode_responses=False, socket_timeout=timeout,
+                socket_connect_timeout=min(timeout, 5.0), retry=retry)
         self.pool = pool or SHARED
-        self._conn = None
+        #: a connection and its reply reader per Redis (one, or each cluster master)
+        self._conns: dict[str, tuple[object, object, Replies]] = {}
         self._keys_seen: set[str] = set()
 
     def fetch(self, refs: Sequence[StoreRef]) -> list[memoryview | None]:
@@ -75,18 +96,38 @@ class StoreReader:
         referenced stream (store_url points elsewhere) or the kind is unknown,
         PERMISSION_DENIED when the Redis user may not read it, UNAVAILABLE when Redis
         cannot be read."""
+        for attempt in range(_CLUSTER_TRIES if self.cluster else 1):
+            try:
+                return self._fetch(refs)
+            except (RespError, redis.RedisError, OSError, ValueError) as exc:
+                moved = isinstance(exc, RespError) and str(exc).startswith(_MOVED)
+                broken = isinstance(exc, (redis.ConnectionError, OSError, ConnectionError))
+                if not self.cluster or not (moved or broken) or attempt == _CLUSTER_TRIES - 1:
+                    self._raise(exc)
+                self._drop()
+                try:  # the slot map again (a failover promoted a replica)
+                    self._r.nodes_manager.initialize()
+                except redis.RedisError:
+                    pass
+        raise AssertionError("unreachable")
+
+    def _fetch(self, refs: Sequence[StoreRef]) -> list[memoryview | None]:
+        self._check_keys(refs)
+        out: list[memoryview | None] = []
+        i = 0
+        while i < len(refs):
+            size, j = 0, i
+            while j < len(refs) and (j == i or size + refs[j].size <= self.pipeline_bytes):
+                size += refs[j].size
+                j += 1
+            out += self._pipeline(refs[i:j])
+            i = j
+        return out
+
+    def _raise(self, exc: BaseException):
+        """The TrajectoryClientError for a failed fetch."""
         try:
-            self._check_keys(refs)
-            out: list[memoryview | None] = []
-            i = 0
-            while i < len(refs):
-                size, j = 0, i
-                while j < len(refs) and (j == i or size + refs[j].size <= self.pipeline_bytes):
-                    size += refs[j].size
-                    j += 1
-                out += self._pipeline(refs[i:j])
-                i = j
-            return out
+            raise exc
         except RespError as exc:
             self._drop()
             code = "PERMISSION_DENIED" if str(exc).startswith("NOPERM") else "UNAVAILABLE"
@@ -97,23 +138,39 @@ class StoreReader:
             raise TrajectoryClientError("UNAVAILABLE", f"reading trajectories from the "
                                         f"store failed: {exc}") from None
 
+    def _connection(self, key: str) -> tuple[object, Replies]:
+        """The connection (and its reply reader) of the Redis holding ``key``."""
+        if self.cluster:
+            node = self._r.get_node_from_key(key)
+            name, pool = node.name, node.redis_connection.connection_pool
+        else:
+            name, pool = "", self._r.connection_pool
+        if name not in self._conns:
+            conn = pool.get_connection()
+            conn.connect()
+            self._conns[name] = (pool, conn, Replies(conn._sock, self.pool.get))
+        _pool, conn, replies = self._conns[name]
+        return conn, replies
+
     def _pipeline(self, refs: Sequence[StoreRef]) -> list[memoryview | None]:
-        if self._conn is None:
-            self._conn = self._r.connection_pool.get_connection()
-            self._conn.connect()
-            self._replies = Replies(self._conn._sock, self.pool.get)
-        conn = self._conn
-        conn.send_packed_command(conn.pack_commands(
-            [("XRANGE", r.key, r.entry_id, r.entry_id, "COUNT", "1") for r in refs]),
-            check_health=False)
-        out, error = [], None
-        for _ in refs:  # read every reply (the connection stays in sync), then raise
-            try:
-                res = self._replies.read()
-            except RespError as exc:
-                error = error or exc
-                continue
-            out.append(_payload(res))
+        """One pipeline per Redis (cluster: per master), every reply read in order."""
+        by_conn: dict[int, tuple[object, Replies, list[int]]] = {}
+        for i, r in enumerate(refs):
+            conn, replies = self._connection(r.key)
+            by_conn.setdefault(id(conn), (conn, replies, []))[2].append(i)
+        out: list[memoryview | None] = [None] * len(refs)
+        error = None
+        for conn, replies, idx in by_conn.values():
+            conn.send_packed_command(conn.pack_commands(
+                [("XRANGE", refs[i].key, codec.stream_entry_id(refs[i].entry_id),
+                  codec.stream_entry_id(refs[i].entry_id), "COUNT", "1") for i in idx]),
+                check_health=False)
+        for conn, replies, idx in by_conn.values():
+            for i in idx:  # read every reply (the connection stays in sync), then raise
+                try:
+                    out[i] = _payload(replies.read())
+                except RespError as exc:
+                    error = error or exc
         if error is not None:
             raise error
         return out
@@ -131,9 +188,10 @@ class StoreReader:
             self._keys_seen.add(key)
 
     def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.disconnect()
-            self._conn = None
+        for pool, conn, _replies in self._conns.values():
+            conn.disconnect()
+            pool.release(conn)
+        self._conns.clear()
 
     def close(self) -> None:
         self._drop()

@@ -29,6 +29,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
@@ -43,6 +44,7 @@ log = logging.getLogger("rollout_demo")
 @dataclass
 class DemoConfig:
     loss: str = "sat"
+    loss_config: dict | None = None  # the loss's config fields (None: its defaults)
     steps: int = 60
     out: Path = Path("demo-out")
     engines: int = 1
@@ -305,7 +307,21 @@ def _services(cfg: DemoConfig, work: Path, ckpt0: Path):
     return engines, gw
 
 
-def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
+class StepObserver(Protocol):
+    """Watches a run (the staleness lab's ``product-lag`` preset snapshots weights and
+    checks the stamps the loss consumed)."""
+
+    def started(self, learner: Any) -> None:
+        """The learner is built, before the first step."""
+
+    def stepped(self, step: int, learner: Any, rollouts: list, result: Any) -> None:
+        """After each optimizer step: the learner (its weights are the new version), the
+        delivered ``learner_client.Rollout``s it trained on (the gateway's stamps) and the
+        :class:`~rollout_demo.learner.StepResult`."""
+
+
+def run_once(cfg: DemoConfig, *, sync: bool, work: Path,
+             observer: StepObserver | None = None) -> RunResult:
     """One training run (async or the synchronous baseline) on fresh services."""
     import torch
 
@@ -321,15 +337,19 @@ def run_once(cfg: DemoConfig, *, sync: bool, work: Path) -> RunResult:
             from rollout_demo.megatron_learner import MegatronLearner, single_process_parallel_state
 
             stack.enter_context(single_process_parallel_state())
-            learner = MegatronLearner(ckpt0, loss=cfg.loss, lr=cfg.lr,
-                                      temperature=cfg.temperature, replay=cfg.replay)
+            learner = MegatronLearner(ckpt0, loss=cfg.loss, loss_config=cfg.loss_config,
+                                      lr=cfg.lr, temperature=cfg.temperature,
+                                      replay=cfg.replay)
         else:
-            learner = Learner(ckpt0, loss=cfg.loss, lr=cfg.lr, temperature=cfg.temperature,
-                              replay=cfg.replay)
-        return _train(cfg, sync, work, ckpt0, learner)
+            learner = Learner(ckpt0, loss=cfg.loss, loss_config=cfg.loss_config, lr=cfg.lr,
+                              temperature=cfg.temperature, replay=cfg.replay)
+        if observer is not None:
+            observer.started(learner)
+        return _train(cfg, sync, work, ckpt0, learner, observer)
 
 
-def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> RunResult:
+def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner,
+           observer: StepObserver | None = None) -> RunResult:
     from learner_client import TrajectoryClient
 
     engines, gw = _services(cfg, work, ckpt0)
@@ -381,6 +401,8 @@ def _train(cfg: DemoConfig, sync: bool, work: Path, ckpt0: Path, learner) -> Run
             rollouts = [r for g in batch for r in g]
             samples = [to_sample(r, learner.version, cfg.max_lag) for r in rollouts]
             out = learner.train_step(samples)
+            if observer is not None:
+                observer.stepped(step, learner, rollouts, out)
             for lag in out.lags.tolist():
                 lags[int(lag)] += 1
             ckpt = learner.save(work / "ckpt" / f"v{learner.version}")

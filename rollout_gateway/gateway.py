@@ -29,6 +29,7 @@ from rollout_gateway.registry.base import VersionRegistry
 from rollout_gateway.rollouts.gatekeeper import Gatekeeper
 from rollout_gateway.rollouts.rollout import RolloutService
 from rollout_gateway.sessions.manager import SessionManager
+from rollout_gateway.sessions.factory import session_store_for
 from rollout_gateway.settings import GatewaySettings, OldLogitsMode
 from rollout_gateway.store.base import TrajectoryStore
 from rollout_gateway.store.factory import store_from_url
@@ -55,7 +56,7 @@ class Gateway:
         self._own_store, self._own_registry = store is None, registry is None
         if store is None:
             store = store_from_url(s.store_url, max_connections=s.redis.max_connections,
-                                   pool_wait_s=s.redis.wait_s)
+                                   pool_wait_s=s.redis.wait_s, shards=s.store_shards)
         if registry is None:
             registry = create_registry(s.registry_url, max_connections=s.redis.max_connections,
                                        pool_wait_s=s.redis.wait_s,
@@ -78,7 +79,11 @@ class Gateway:
         # ---- agent sessions (the OpenAI routes) over rollouts ----
         self.sessions = SessionManager(s, self.rollouts,
                                        learner_version=self.registry.learner_version,
-                                       engines=self.pool.list, publish=self.store.publish)
+                                       engines=self.pool.list, publish=self.store.publish,
+                                       store=session_store_for(self.store),
+                                       replica_id=self.gatekeeper.replica_id)
+        if self.sessions.store.shared:  # one run of a request_id across the replicas
+            self.rollouts.claims = self.sessions.store
         # ---- engine discovery through DNS (settings.engine_discovery.dns_name) ----
         self.discovery = None
         if s.engine_discovery.dns_name:
@@ -201,7 +206,7 @@ class Gateway:
     async def stop(self) -> None:
         self.serving = False
         await self.heap.stop()
-        await self.sessions.stop()  # open sessions are published (ended_by=shutdown)
+        await self.sessions.stop()  # embedded store: open sessions are published (shutdown)
         await self.history.stop()
         if self.discovery is not None:
             await self.discovery.stop()

@@ -91,12 +91,13 @@ class Timeouts(BaseModel):
                               description="Max wait for a non-streamed /generate answer.")
     first_byte_s: float = Field(
         default=300.0, gt=0, le=86400, description="Streamed /generate: max wait for the "
-        "response head and for the first chunk (queueing + prefill). Waived while the engine "
-        "is paused for a swap.")
+        "response head and for the first bytes of the body (queueing + prefill). Waived "
+        "while the engine is paused for a swap.")
     stream_idle_s: float = Field(
-        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence between "
-        "two chunks; past it the request moves to another engine from its partial output. "
-        "Waived while the engine is paused for a swap.")
+        default=60.0, gt=0, le=86400, description="Streamed /generate: max silence on the "
+        "stream (no byte arriving for this long, within a chunk or between two); past it "
+        "the request moves to another engine from its partial output. Waived while the "
+        "engine is paused for a swap.")
     control_s: float = Field(default=30.0, gt=0, le=3600,
                              description="pause / continue / abort / info calls.")
     weight_load_s: float = Field(default=600.0, gt=0, le=86400,
@@ -240,15 +241,30 @@ class GatewaySettings(BaseSettings):
     engines: Annotated[list[EngineSpec], NoDecode] = Field(
         default_factory=list, description="Engines registered at start-up (more via /v1/engines).")
     store_url: str = Field(default="memory://",
-                           description="Trajectory store: memory:// or redis://host:port/db.")
+                           description="Trajectory store: memory://, redis://host:port/db or "
+                           "redis+cluster://host:port[,host:port...] (a Redis Cluster, any "
+                           "node as a seed).")
+    store_shards: int = Field(default=1, ge=1, le=256, description="Trajectory streams of a "
+                              "Redis store (a store URL's ?shards= wins): each in its own "
+                              "cluster slot, spread evenly over the slot space, so a multiple "
+                              "of the cluster's masters puts the same load on each; a "
+                              "trajectory goes to the shard of its id, learners pull from "
+                              "every shard. 1 keeps single-node Redis' key names; each "
+                              "shard holds max_backlog / store_shards per group.")
     registry_url: str = Field(default="memory://",
-                              description="Version registry: memory:// or redis://host:port/db.")
+                              description="Version registry: memory://, redis://host:port/db "
+                              "or redis+cluster://host:port[,...].")
     http_host: str = Field(default="127.0.0.1", description="HTTP API bind address (a "
                            "non-loopback one needs the admin, learner and client keys, or insecure).")
     http_port: int = Field(default=8000, ge=0, le=65535, description="HTTP API port (0 = any).")
     grpc_host: str = Field(default="127.0.0.1", description="Learner gRPC bind address (as "
                            "http_host).")
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="Learner gRPC port (0 = any).")
+    workers: int = Field(
+        default=1, ge=1, le=64, description="Gateway processes serving this host's HTTP and "
+        "gRPC ports (`serve --workers N`; SO_REUSEPORT: the kernel spreads new connections "
+        "over them). Each worker is a replica (own replica_id, engine probes and agent "
+        "sessions); more than 1 needs a shared store and registry (redis://), never memory://.")
     admin_api_key: SecretStr | None = Field(
         default=None, min_length=16, max_length=4096,
         description="Admin token: /v1/weights, /v1/engines writes and gRPC AnnounceVersion "
@@ -404,7 +420,18 @@ class GatewaySettings(BaseSettings):
         "await_reward waits for POST /v1/trajectories/{id}/reward before it is published "
         "without one (metadata reward=missing).")
     max_sessions: int = Field(default=10_000, ge=1, le=10_000_000,
-                              description="Open sessions at most; a new one past it gets 429.")
+                              description="Open sessions at most (every replica's, on a "
+                              "shared store); a new one past it gets 429.")
+    session_lease_s: float = Field(
+        default=30.0, ge=0.3, le=3600, description="A call's lock on its session in the "
+        "session store lasts this long and is renewed every third of it while the call "
+        "runs; when the replica running a call dies, the session's next call (on any "
+        "replica) is accepted at most this long after (409 with Retry-After before).")
+    session_remember_s: float = Field(
+        default=86_400.0, ge=1, le=30 * 86400, description="Shared (Redis) store: how long "
+        "ended session ids and published session trajectory ids are remembered, so a call to "
+        "an ended session is 409 (not a new session) and a late reward 409 (not 404). The "
+        "embedded store remembers the last 100000 of each.")
 
     @model_validator(mode="after")
     def _tenants(self) -> GatewaySettings:
@@ -419,6 +446,19 @@ class GatewaySettings(BaseSettings):
             tokens.append(self.client_api_key.get_secret_value())
         if len(set(tokens)) != len(tokens):
             raise ValueError("client_tenants: every tenant needs its own token")
+        return self
+
+    @model_validator(mode="after")
+    def _workers(self) -> GatewaySettings:
+        if self.workers > 1:
+            local = [f"{name}={url}" for name, url in (("store_url", self.store_url),
+                                                        ("registry_url", self.registry_url))
+                     if not is_shared_url(url)]
+            if local:
+                raise ValueError(
+                    f"workers={self.workers} needs a store and a registry the workers share "
+                    f"(redis://...); {' and '.join(local)} would give each worker its own "
+                    "(embedded, in memory): use --store/--registry redis://... or --workers 1")
         return self
 
     @model_validator(mode="after")
@@ -497,6 +537,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidArgument(f"config file {p} must hold a mapping at the top level")
     return data
+
+
+def is_shared_url(url: str) -> bool:
+    """A store/registry URL several processes can share (redis://, rediss://, unix://)."""
+    return url.split("://", 1)[0].lower() in ("redis", "rediss", "unix")
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> GatewaySettings:

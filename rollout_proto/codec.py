@@ -36,7 +36,7 @@ from rollout_proto.rollout.v1 import trajectory_pb2 as tpb
 __all__ = [
     "COLUMN_DTYPES", "DTYPES", "PER_TOKEN", "REDIS_STREAM", "REQUIRED", "CodecError", "Decoded",
     "decode_trajectory", "delivery_size", "encode_batch", "encode_references",
-    "encode_trajectory", "parse_batch",
+    "encode_trajectory", "parse_batch", "stream_entry_id",
 ]
 
 
@@ -146,8 +146,16 @@ def delivery_size(entry_id: str, nbytes: int) -> int:
     return nbytes + len(entry_id) + 32
 
 
-#: StoreReference.kind of a Redis stream entry: ``XRANGE key entry_id entry_id``, field "d"
+#: StoreReference.kind of a Redis stream entry: ``XRANGE key id id``, field "d", where ``id``
+#: is :func:`stream_entry_id` of the delivery's entry id
 REDIS_STREAM = "redis-stream"
+
+
+def stream_entry_id(entry_id: str) -> str:
+    """The id inside its Redis stream of a delivery's entry id: a store of several shards
+    writes ``<shard>/<ms>-<seq>`` (the reference's key names the shard's stream), one
+    shard ``<ms>-<seq>``."""
+    return entry_id.rpartition("/")[2]
 
 
 def encode_batch(deliveries: Iterable[tuple[str, int, bool, bytes]], credit_trajectories: int,

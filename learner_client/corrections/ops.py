@@ -180,6 +180,28 @@ def indices_above(x: Tensor, threshold: float) -> Tensor:
     return torch.nonzero(x > threshold).squeeze(1)
 
 
+def _numpy_ok(x: Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and not x.requires_grad and x.is_contiguous())
+
+
+def gather(x: Tensor, index: Tensor) -> Tensor:
+    """x[index] for 1-D x (x.index_select(0, index)); CPU float tensors go through
+    numpy's take (~1.4x faster at 100k indices)."""
+    if _numpy_ok(x) and index.device.type == "cpu":
+        return torch.from_numpy(np.take(x.numpy(), index.numpy()))
+    return x.index_select(0, index)
+
+
+def scatter_(x: Tensor, index: Tensor, values: Tensor) -> None:
+    """x[index] = values in place (x.index_copy_(0, index, values)); CPU float tensors go
+    through numpy's fancy assignment (~2x faster than index_copy_ at 100k indices)."""
+    if _numpy_ok(x) and values.dtype == x.dtype and index.device.type == "cpu":
+        x.numpy()[index.numpy()] = values.numpy()
+    else:
+        x.index_copy_(0, index, values)
+
+
 def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = None
                       ) -> tuple[Tensor, Tensor]:
     """(q-quantile over the active tokens, indices of the tokens with xm > quantile) for
@@ -189,11 +211,12 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = N
     monotone: the selected order statistics are clamped, and the tail is empty when the
     quantile reaches the cap).
 
-    CPU: a strided sample brackets the rank from below, one compare + flatnonzero keeps
-    the entries at or above the bracket (the upper tail plus a ~1% margin), and numpy's
-    partition finds the rank among them; the tail indices (ascending) come from the same
-    candidates (no second pass over N). A missed bracket falls back to a partition of all
-    N plus one compare pass. Other devices: the quantile, then indices_above.
+    CPU: a strided sample brackets the rank on both sides (t_lo <= q <= t_hi w.h.p.); one
+    compare + flatnonzero keeps the entries >= t_lo (the upper tail plus a ~1% margin),
+    those <= t_hi among them (the ~2% band around the rank) go through numpy's partition,
+    and the tail indices (ascending) come from the same candidates (no second pass over
+    N). A missed bracket falls back to a partition of the candidates, or of all N plus one
+    compare pass. Other devices: the quantile, then indices_above.
     """
     n = int(n_active)
     if n == 0:
@@ -212,27 +235,37 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = N
     frac = pos - k
     kk = k + shift
     two = not (frac == 0.0 or k + 1 >= n)
-    cand = vals = None
+    top = kk + 1 if two else kk  # the highest rank the quantile reads
+    cand = vals = part = None
     if size > _EXACT_BELOW:
         step = max(size // _SAMPLE, 1)
         sample = a[::step]
         s = sample.size
-        p_lo = kk / size
-        i_lo = int((p_lo - 4.0 * math.sqrt(max(p_lo * (1 - p_lo), 1.0 / s) / s) - 2.0 / s) * s)
+        p_lo, p_hi = kk / size, top / size
+        slack = 4.0 * math.sqrt(max(p_lo * (1 - p_lo), 1.0 / s) / s) + 2.0 / s
+        i_lo = int((p_lo - slack) * s)
+        i_hi = math.ceil((p_hi + slack) * s)
         if i_lo > 0:
-            t_lo = np.partition(sample, i_lo)[i_lo]
+            if i_hi < s:
+                sp = np.partition(sample, [i_lo, i_hi])
+                t_lo, t_hi = sp[i_lo], sp[i_hi]
+            else:
+                t_lo, t_hi = np.partition(sample, i_lo)[i_lo], None
             cand = np.flatnonzero(a >= t_lo)
             below = size - cand.size
-            if below <= kk < size:
+            if below <= kk and top < size:
                 vals = a[cand]
                 kk -= below
+                if t_hi is not None:  # the rank sits among the lowest candidates (<= t_hi)
+                    band = np.compress(vals <= t_hi, vals)  # ~5x faster than vals[...]
+                    if top - below < band.size:
+                        part = np.partition(band, kk)
             else:
                 cand = None
     if cand is None:  # no bracket: select over all N, then one compare pass for the tail
         part = np.partition(a, kk)
         vals = a
-        cand = None
-    else:
+    elif part is None:
         part = np.partition(vals, kk)
     lo_v = torch.tensor(part[kk], dtype=xm.dtype)
     if cap is not None:
@@ -245,5 +278,6 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = N
         qv = lo_v + (hi_v - lo_v) * frac
     if cap is not None and float(qv) >= cap:  # nothing of min(xm, cap) is above the cap
         return qv, torch.zeros(0, dtype=torch.long)
-    keep = np.flatnonzero(vals > float(qv))  # ascending token order (cheap gathers later)
-    return qv, torch.from_numpy(keep if cand is None else cand[keep])
+    above = vals > float(qv)  # ascending token order (cheap gathers later)
+    return qv, torch.from_numpy(np.flatnonzero(above) if cand is None
+                                else np.compress(above, cand))

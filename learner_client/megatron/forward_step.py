@@ -13,11 +13,15 @@ parallelism is not handled here (the loss needs all logits of the batch on the r
 
 Routing replay bookkeeping: megatron's ``RouterReplay.set_target_indices`` also queues
 the targets for ``REPLAY_BACKWARD`` (activation recompute pops them in forward order).
-Without recompute the queue would only grow, so it is reset at every forward. With
+Without recompute the queue would only grow, so it is reset at every forward, and the
+routers are cleared right after the forward (the backward needs no targets then): a
+later forward of the same model routes freely unless it replays again. With
 ``recompute=True`` a gradient hook on the output switches the routers to
 ``REPLAY_BACKWARD`` when this microbatch's backward starts, and the next forward switches
 back to ``REPLAY_FORWARD``; this matches the FIFO order of 1F1B schedules. Forward-only
-passes (no grad) take their targets off the queue again.
+passes (no grad) take their targets off the queue again. A ``replay=False`` forward
+step clears whatever replay state an earlier step left on the model's routers, so
+"replay off" always means the learner's own routing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from learner_client.megatron.router_replay import (
     ReplaySlot,
     find_router_replays,
     local_routing,
+    clear_replay,
+    replay_slots,
     set_replay_targets,
     start_backward_replay,
 )
@@ -117,11 +123,17 @@ def make_forward_step(
                 for s in slots:
                     s.replay.replay_backward_list.clear()
             set_replay_targets(slots, routed)
+        else:  # the learner's own routing, whatever an earlier replay step left set
+            if id(module) not in slots_cache:
+                slots_cache[id(module)] = replay_slots(model)
+            clear_replay(slots_cache[id(module)])
         if attention == "thd":
             output = model(batch.tokens, batch.position_ids, None,
                            packed_seq_params=batch.packed_seq_params())
         else:
             output = model(batch.tokens, batch.position_ids, block_causal_mask(batch))
+        if replay and not recompute:
+            clear_replay(slots)
         if replay and recompute:
             if output.requires_grad:
                 def to_backward(grad: torch.Tensor) -> None:

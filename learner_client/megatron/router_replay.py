@@ -41,6 +41,7 @@ __all__ = [
     "ReplaySlot",
     "check_replay_config",
     "find_router_replays",
+    "replay_slots",
     "set_replay_targets",
     "start_backward_replay",
     "clear_replay",
@@ -112,6 +113,17 @@ def find_router_replays(model: Any) -> list[ReplaySlot]:
     if len(set(numbers)) != len(numbers):
         raise RouterReplayError(f"duplicate router layer numbers {numbers}")
     return slots
+
+
+def replay_slots(model: Any) -> list[ReplaySlot]:
+    """The (layer_number, router, replay) of every router of ``model`` that has a
+    ``router_replay``, without :func:`find_router_replays`' checks: empty for a model
+    built without routing replay (used to clear replay state before a free forward)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [ReplaySlot(int(mod.layer_number or 0), mod, mod.router_replay)
+            for mod in _modules(model)
+            if isinstance(mod, TopKRouter) and mod.router_replay is not None]
 
 
 def set_replay_targets(slots: list[ReplaySlot], routed_experts: torch.Tensor,

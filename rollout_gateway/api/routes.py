@@ -199,11 +199,15 @@ ops = APIRouter(tags=["ops"])
 
 
 @ops.get("/health")
-async def health(pool: Pool, serving: Serving) -> Response:
+async def health(request: Request, pool: Pool, serving: Serving) -> Response:
     routable = [e.id for e in pool.list() if e.routable]
     ok = serving and bool(routable)
-    return ORJSONResponse({"status": "ok" if ok else "unavailable", "serving": serving,
-                           "engines_routable": routable}, status_code=200 if ok else 503)
+    body = {"status": "ok" if ok else "unavailable", "serving": serving,
+            "engines_routable": routable}
+    worker = getattr(request.app.state, "worker", None)
+    if worker is not None:  # serve --workers N: which process answered (0..N-1)
+        body["worker"] = worker
+    return ORJSONResponse(body, status_code=200 if ok else 503)
 
 
 @ops.get("/metrics")

@@ -9,6 +9,7 @@ No torch import here. Example::
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,26 @@ import rollout_gateway
 from rollout_gateway.proc import wait_healthy
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Ports handed out for child processes: below Linux's ephemeral range (32768-60999 by
+#: default), from which every outgoing connection takes its local port. A port the kernel
+#: picked with ``bind(0)`` is itself ephemeral, so under load an outgoing connection could
+#: take it between our close and the child's bind (seen: an engine exiting with "address
+#: already in use" while other jobs made many connections).
+_PORTS = range(20000, 32000)
+_random = random.SystemRandom()  # tests seed ``random``: parallel runs must not pick alike
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing on ``host`` listens on now, outside the ephemeral range."""
+    for _ in range(200):
+        port = _random.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on {host}")
 
 
 class EngineStartError(RuntimeError):
@@ -98,8 +115,9 @@ class EngineProcess:
         why = wait_healthy(self.proc, self.url + "/health", self.startup_timeout)
         if why is None:
             return self
+        tail = self._stderr_tail()  # before kill(), which deletes the log
         self.kill()
-        raise EngineStartError(f"engine {why}:\n{self._stderr_tail()}")
+        raise EngineStartError(f"engine {why}:\n{tail}")
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc and self.proc.poll() is None:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
     p.add_argument("--engine", action="append", default=[], metavar="[ID=]URL",
                    help="an engine to register (repeatable)")
-    p.add_argument("--store", help="trajectory store URL (memory:// or redis://...)")
-    p.add_argument("--registry", help="version registry URL (memory:// or redis://...)")
+    p.add_argument("--store", help="trajectory store URL (memory://, redis://... or "
+                   "redis+cluster://host:port[,host:port...])")
+    p.add_argument("--store-shards", type=int, metavar="N",
+                   help="trajectory streams of a Redis store, spread over a cluster's masters "
+                        "(default 1; a URL's ?shards= wins)")
+    p.add_argument("--registry", help="version registry URL (memory://, redis://... or "
+                   "redis+cluster://...)")
     p.add_argument("--old-logits", type=OldLogitsMode, choices=list(OldLogitsMode),
                    help="fill old_logprobs exactly: a dedicated scorer (model) or at swaps "
                         "(interruption); default off")
@@ -48,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--grpc-client-ca", help="PEM CA: require learner client certificates (mTLS)")
+    p.add_argument("--workers", type=int, help="gateway processes sharing the HTTP and gRPC "
+                   "ports (default 1; more needs redis:// store and registry; "
+                   "docs/gateway.md)")
     p.add_argument("--log-level", default="info")
 
 
@@ -57,11 +66,12 @@ def settings_from_args(args: argparse.Namespace, **extra: Any):
     over: dict[str, Any] = dict(extra)
     for attr, key in (("host", "http_host"), ("port", "http_port"), ("grpc_host", "grpc_host"),
                       ("grpc_port", "grpc_port"), ("store", "store_url"),
+                      ("store_shards", "store_shards"),
                       ("registry", "registry_url"), ("insecure", "insecure"),
                       ("tls_cert", "tls_cert_file"), ("tls_key", "tls_key_file"),
                       ("grpc_client_ca", "grpc_client_ca_file"),
                       ("chat_template", "chat_template"),
-                      ("served_model_name", "served_model_name")):
+                      ("served_model_name", "served_model_name"), ("workers", "workers")):
         v = getattr(args, attr, None)
         if v is not None:
             over[key] = v
@@ -137,8 +147,12 @@ def uvicorn_tls(settings) -> dict[str, Any]:
 
 
 async def serve_async(settings, *, ready: Callable[[int, int], None] | None = None,
-                      stop_event: asyncio.Event | None = None) -> None:
-    """Run until ``stop_event`` (or SIGTERM/SIGINT); then shut down gracefully."""
+                      stop_event: asyncio.Event | None = None,
+                      sockets: list[socket.socket] | None = None,
+                      worker: int | None = None) -> None:
+    """Run until ``stop_event`` (or SIGTERM/SIGINT); then shut down gracefully.
+    ``sockets``: HTTP listening sockets already bound (``--workers``: SO_REUSEPORT);
+    ``worker``: this process's index among them (shown by /health)."""
     import functools
 
     import uvicorn
@@ -152,6 +166,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     gw = Gateway(settings)
     await gw.start()
     app = create_app(gw, manage_gateway=False)
+    app.state.worker = worker
     grpc_server = GrpcServer(gw.store, gw.control, settings.grpc_host, settings.grpc_port,
                              default_policy=settings.admission.stale_policy, auth=gw.auth,
                              tls_cert=settings.tls_cert_file, tls_key=settings.tls_key_file,
@@ -172,7 +187,7 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    http_task = asyncio.create_task(server.serve())
+    http_task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started and not http_task.done():
         await asyncio.sleep(0.02)
     if http_task.done():  # failed to bind etc.
@@ -238,17 +253,31 @@ def run(args: argparse.Namespace) -> int:
               f"{' (TLS)' if settings.tls_cert_file else ''}: "
               f"{settings.grpc_host}:{grpc_port}", flush=True)
 
-    try:
-        if _fast_io(settings):
-            import uvloop
+    if settings.workers > 1:
+        from rollout_gateway.commands.workers import run_workers
 
-            uvloop.run(serve_async(settings, ready=ready))
-        else:
-            asyncio.run(serve_async(settings, ready=ready))
+        def ready_all(http_port: int, grpc_port: int) -> None:
+            ready(http_port, grpc_port)
+            print(f"gateway: {settings.workers} workers", flush=True)
+
+        return run_workers(settings, ready_all, run_gateway, args.log_level)
+    try:
+        run_gateway(settings, ready)
     except GatewayError as exc:  # e.g. a chat template that cannot be loaded
         print(f"rollout-gateway serve: {exc.message}")
         return 2
     return 0
+
+
+def run_gateway(settings, ready, sockets=None, worker: int | None = None) -> None:
+    """One gateway in this process, run to its end (uvloop when ``fast_io``)."""
+    coro = serve_async(settings, ready=ready, sockets=sockets, worker=worker)
+    if _fast_io(settings):
+        import uvloop
+
+        uvloop.run(coro)
+    else:
+        asyncio.run(coro)
 
 
 def _fast_io(settings) -> bool:

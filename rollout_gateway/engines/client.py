@@ -25,7 +25,6 @@ from rollout_gateway.engines.shape import (
     shape_from_hf_config,
     vocab_from_hf_config,
 )
-from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.engines.transport import Transport, open_transport
 from rollout_gateway.errors import EngineError, GatewayError, InvalidArgument
 from rollout_gateway.settings import Timeouts
@@ -281,7 +280,7 @@ _DRAIN_LIMIT = 1 << 16
 _DRAIN_S = 1.0
 
 
-async def _drain(source: AsyncIterator[bytes]) -> None:
+async def _drain(source: AsyncIterator[Any]) -> None:
     """Read what is left of a stream's body after [DONE] (its blank line, the chunked
     terminator), so the raw client can reuse the connection instead of closing it (a new
     TCP connection per streamed request otherwise). Anything longer is not read: the
@@ -290,8 +289,8 @@ async def _drain(source: AsyncIterator[bytes]) -> None:
     left = _DRAIN_LIMIT
     with contextlib.suppress(TimeoutError, GatewayError, OSError):
         async with asyncio.timeout(_DRAIN_S):
-            async for chunk in source:
-                left -= len(chunk)
+            async for chunk in source:  # bytes, or a batch of SSE payloads
+                left -= len(chunk) if isinstance(chunk, bytes) else sum(map(len, chunk))
                 if left < 0:
                     return
 
@@ -435,47 +434,28 @@ class EngineClient:
         the gateway resumes them elsewhere from their partial output)."""
         return self.transport.abort_active(why)
 
-    async def _stream_bytes(self, body: bytes, patience=None,
-                            before_read=None) -> AsyncIterator[bytes]:
-        """Raw body chunks of a streamed /generate (non-200 -> :func:`answer_error`).
-        Deadlines: ``first_byte_s`` to the response head and to the first chunk, then
-        ``stream_idle_s`` of silence between chunks, waived while ``patience()``.
-        ``before_read(unread)`` is awaited before reading on, once the last chunk was taken
-        and no frame here still holds it (``unread``: bytes received, not read yet)."""
-        resp = await self.transport.request("POST", "/generate", body,
-                                            read_timeout=self.t.stream_idle_s,
-                                            first_timeout=self.t.first_byte_s,
-                                            patience=patience)
-        if resp.status != 200:
-            raise answer_error(self.engine_id, "/generate", resp.status, await resp.read())
-        chunks = resp.iter_bytes(before_read)
-        try:
-            async for chunk in chunks:
-                yield chunk
-                del chunk  # before iter_bytes awaits before_read
-        finally:
-            await chunks.aclose()
-
     async def generate_stream(self, payload: dict[str, Any], *,
                               patience=None) -> AsyncIterator[bytes]:
         """Streaming /generate: yields each SSE ``data:`` payload (bytes), stops at [DONE].
 
-        A dropped connection raises EngineError after the payloads received so far were
-        yielded, so the caller keeps the partial output of a cumulative stream. An error
-        event raises :func:`answer_error`'s error (InvalidArgument: the request is bad).
+        The transport hands over every event already received at once (parsed in place,
+        one await per batch, not per event: ``Response.iter_events``). A dropped
+        connection raises EngineError after the payloads received so far were yielded, so
+        the caller keeps the partial output of a cumulative stream. An error event raises
+        :func:`answer_error`'s error (InvalidArgument: the request is bad).
         ``patience()`` true: silence is expected (the engine is paused for a swap).
+        Deadlines: ``first_byte_s`` to the response head and to the first bytes of the
+        body, then ``stream_idle_s`` of silence, waived while ``patience()``.
         """
         gate, held = self.gate, False
-        split = SSEPayloads()
 
-        async def before_read(unread: int) -> bool:
+        async def before_read(here: int) -> bool:
             """The consumer took every complete payload. This answer's bytes in the
             gateway (an incomplete event, plus those received and not read yet) past the
             gate's threshold read on only with a slot (else the rest waits in the socket);
             a slot held while there were that many is given back once there are fewer.
             Returns whether a slot is held (then the answer is buffered freely)."""
             nonlocal held
-            here = split.pending + unread
             if held and here < gate.large:
                 gate.release()
                 held = False
@@ -484,26 +464,34 @@ class EngineClient:
                 held = True
             return held
 
-        source = self._stream_bytes(orjson.dumps(dict(payload, stream=True)), patience,
-                                    before_read if gate is not None else None)
+        resp = await self.transport.request("POST", "/generate",
+                                            orjson.dumps(dict(payload, stream=True)),
+                                            read_timeout=self.t.stream_idle_s,
+                                            first_timeout=self.t.first_byte_s,
+                                            patience=patience)
+        if resp.status != 200:
+            try:
+                raise answer_error(self.engine_id, "/generate", resp.status, await resp.read())
+            finally:
+                await resp.aclose()
+        events = resp.iter_events(before_read if gate is not None else None)
         try:
-            async for chunk in source:
-                payloads = split.feed(chunk)
-                del chunk  # copied into split: only the socket and split hold the event
-                for data in payloads:
+            async for batch in events:
+                for data in batch:
                     if data == b"[DONE]":
-                        await _drain(source)
+                        await _drain(events)
                         return
                     if data.startswith(b'{"error"'):  # SGLang sends [DONE] after it
                         err = answer_error(self.engine_id, "/generate", 200, data)
-                        await _drain(source)
+                        await _drain(events)
                         raise err
                     yield data
-                payloads = data = None  # taken: not held while before_read waits
+                batch = data = None  # taken: not held while before_read waits
         finally:
             if held:
                 gate.release()
-            await source.aclose()
+            await events.aclose()
+            await resp.aclose()
         raise EngineError(f"engine {self.engine_id} /generate stream ended without [DONE]",
                           details={"engine_id": self.engine_id, "dropped": True})
 

@@ -155,13 +155,31 @@ class RawConnection(asyncio.BufferedProtocol):
 
     def _take(self, n: int) -> bytes:
         data = bytes(memoryview(self._buf)[self._start:self._start + n])
+        self.consume(n)
+        return data
+
+    # ---- in place (a parser reading the buffer without copying it out first) ------------
+    def unread_bytes(self) -> tuple[bytearray, int, int]:
+        """(buffer, start, end): the unread bytes are ``buffer[start:end]``. Valid until the
+        next await (the transport writes into the buffer, which may move)."""
+        return self._buf, self._start, self._end
+
+    def consume(self, n: int) -> None:
+        """Mark the first ``n`` unread bytes read."""
         self._start += n
         if self._start == self._end:
             self._start = self._end = 0
         if self._paused and self._end - self._start <= self.limit and self.transport:
             self._paused = False
             self.transport.resume_reading()
-        return data
+
+    async def wait_more(self, need: int = 1) -> None:
+        """Until more bytes arrive (room for ``need`` more is made at once, up to 64 MiB:
+        a large body lands in one buffer). IncompleteReadError at end of stream."""
+        if self._at_end():
+            raise asyncio.IncompleteReadError(b"", None)
+        self._reserve(min(max(need, 1), _MAX_RESERVE))
+        await self._wait()
 
     def _at_end(self) -> bool:
         if self._exc is not None:

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from rollout_gateway.engines.rawconn import RawConnection
+from rollout_gateway.engines.sse import SSEPayloads, _stripped
 from rollout_gateway.errors import EngineError, Timeout
 
 #: a connection's limit: the longest head / chunk-size line, and how much of a body held
@@ -81,7 +82,7 @@ class RawResponse:
             try:  # asyncio.timeout: no Task per read, as wait_for would create
                 async with asyncio.timeout(limit):
                     data = await fn(*args)
-                self._first = self._timeout  # silence between chunks from now on
+                self._first = self._timeout  # silence on the stream from now on
                 return data
             except TimeoutError as exc:
                 if self._patience is not None and self._patience():
@@ -162,6 +163,61 @@ class RawResponse:
         finally:
             self.release()
 
+    async def iter_events(self, before_read: Callable[[int], Awaitable[bool]] | None = None
+                          ) -> AsyncIterator[list[bytes]]:
+        """The SSE payloads of the body (:class:`~rollout_gateway.engines.sse.SSEPayloads`'
+        framing), in batches: every event already received comes in one batch, parsed in
+        place. A chunked body (uvicorn: one chunk per event) is de-chunked in the
+        connection's buffer without an await per chunk, and the payload of a one-event
+        chunk is copied out once (a multi-MB final payload with routed experts is not
+        copied again by a splitter); the wait for more bytes is the only await per batch.
+        ``before_read(held)`` as for :meth:`iter_bytes`, ``held`` counting the event still
+        incomplete. A stream that breaks raises after the complete events were yielded."""
+        te = self.headers.get(b"transfer-encoding", b"").lower()
+        split = SSEPayloads()
+        if b"chunked" not in te or self.status < 200 or self.status in (204, 304):
+            async def ask(unread: int) -> bool:  # the splitter holds the incomplete event
+                return await before_read(unread + split.pending)  # type: ignore[misc]
+
+            async for data in self.iter_bytes(ask if before_read is not None else None):
+                out = split.feed(data)
+                del data
+                if out:
+                    yield out
+                out = None
+            return
+        r = self._conn.io
+        r.limit = _BUFFER_LIMIT if before_read is not None else _READ_MAX
+        try:
+            while True:
+                out, need, last, err = _dechunk_events(r, split)
+                if err is not None:
+                    if out:
+                        yield out  # the events before the damage
+                    raise EngineError(f"engine {self._pool.name}: malformed chunked body",
+                                      details={"engine_id": self._pool.name,
+                                               "dropped": True}) from err
+                if last:
+                    if out:
+                        yield out
+                        out = None
+                    while (await self._read(r.readuntil, b"\r\n")) != b"\r\n":
+                        pass  # trailers
+                    break
+                if out:
+                    yield out
+                    out = None
+                    continue  # what arrived meanwhile (or nothing: then need > 0)
+                if before_read is not None:
+                    seen = r.unread
+                    await self._ask(before_read, max(seen + split.pending, need))
+                    if r.unread != seen:
+                        continue  # bytes arrived while it waited: parse them first
+                await self._read(r.wait_more, need)
+            self._done = True
+        finally:
+            self.release()
+
     async def _ask(self, before_read: Callable[[int], Awaitable[bool]] | None,
                    held: int) -> None:
         """Before a read: may the body be buffered freely (``before_read(held)``, which
@@ -201,6 +257,50 @@ class RawResponse:
         conn.io.limit = _BUFFER_LIMIT  # the next head is read narrow
         keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
         self._pool._give_back(conn, keep)
+
+
+def _dechunk_events(r: RawConnection, split: SSEPayloads
+                    ) -> tuple[list[bytes], int, bool, Exception | None]:
+    """The SSE payloads of the complete chunks buffered in ``r`` (consumed); returns
+    (payloads, bytes still needed for the next chunk, whether the last chunk (size 0) was
+    read, the framing error that stopped the parse (ValueError / LimitOverrunError) after
+    those payloads, if any). A chunk holding exactly one one-line event
+    (``data: ...\\n\\n``, as uvicorn sends each event) has its payload copied out of the
+    buffer once; any other chunk goes through ``split``."""
+    buf, start, end = r.unread_bytes()
+    pos, out, need, last, err = start, [], 1, False, None
+    with memoryview(buf) as mv:
+        try:
+            while True:
+                nl = buf.find(b"\r\n", pos, end)
+                if nl < 0:
+                    if end - pos > r.limit:
+                        raise asyncio.LimitOverrunError("chunk size line too long", end - pos)
+                    break
+                size = int(bytes(mv[pos:nl]).split(b";", 1)[0].strip(), 16)
+                if size < 0:
+                    raise ValueError(f"negative chunk size {size}")
+                if size == 0:
+                    pos, last = nl + 2, True
+                    break
+                d0 = nl + 2
+                d1 = d0 + size
+                if d1 + 2 > end:
+                    need = d1 + 2 - end
+                    break
+                if mv[d1:d1 + 2] != b"\r\n":
+                    raise ValueError("chunk not followed by CRLF")
+                if not split.pending and size > 7 and buf.startswith(b"data:", d0) \
+                        and buf[d1 - 1] == 0x0A and buf.find(b"\n", d0, d1) == d1 - 2:
+                    a, e = _stripped(buf, d0 + 5, d1 - 2)
+                    out.append(bytes(mv[a:e]))
+                else:
+                    out += split.feed(bytes(mv[d0:d1]))
+                pos = d1 + 2
+        except (ValueError, asyncio.LimitOverrunError) as exc:
+            err = exc
+    r.consume(pos - start)
+    return out, need, last, err
 
 
 class RawHttpPool:

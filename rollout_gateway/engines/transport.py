@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from rollout_gateway.engines.rawhttp import RawHttpPool
+from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.errors import EngineError, Timeout
 
 #: ``before_read(unread)``: awaited before the body is read on; returns whether it may be
@@ -46,6 +47,12 @@ class Response(Protocol):
         the previous piece was taken, with the bytes received and not read yet; it may
         hold the body back (the rest then waits in the socket) and returns whether the
         body may be buffered freely for now."""
+
+    def iter_events(self, before_read: BeforeRead | None = None
+                    ) -> AsyncIterator[list[bytes]]:
+        """The body's SSE payloads (:mod:`~rollout_gateway.engines.sse` framing), in
+        batches as they arrive (every event already received in one batch);
+        ``before_read`` as for :meth:`iter_bytes`, counting the event still incomplete."""
 
     async def aclose(self) -> None:
         """Done with the answer (read or not); idempotent."""
@@ -119,6 +126,16 @@ class _HttpxResponse:
                         await before_read(0)  # httpx buffers on its own
         finally:
             await self.aclose()
+
+    async def iter_events(self, before_read: BeforeRead | None = None
+                          ) -> AsyncIterator[list[bytes]]:
+        split = SSEPayloads()
+        async for chunk in self.iter_bytes(before_read):
+            out = split.feed(chunk)
+            del chunk
+            if out:
+                yield out
+            out = None
 
     async def aclose(self) -> None:
         await self._resp.aclose()

@@ -186,10 +186,12 @@ class _Live:
             yield CounterMetricFamily(PREFIX + k, f"Agent sessions: {k.replace('_', ' ')}",
                                       value=v)
         yield GaugeMetricFamily(PREFIX + "sessions_open", "Agent sessions open now",
-                                value=len(view.sessions.sessions))
+                                value=sum(view.sessions.open_by_tenant.values()))
         by = GaugeMetricFamily(PREFIX + "tenant_sessions_open", "Agent sessions open now, "
                                "per tenant (client_tenants)", labels=["tenant"])
         for tenant, n in sorted(view.sessions.open_by_tenant.items()):
+            if n <= 0:
+                continue
             by.add_metric([tenant], n)
         yield by
         f = view.tracker.finished

@@ -15,6 +15,7 @@ from rollout_gateway.registry.base import (
     Watch,
 )
 from rollout_gateway.registry.memory import InMemoryRegistry
+from rollout_proto.redis_url import CLUSTER_SCHEMES, parse_cluster_url
 
 __all__ = ["EngineSwapOutcome", "InMemoryRegistry", "Lease", "SwapRecord", "SwapStatus",
            "VersionEvent", "VersionRegistry", "Watch", "create_registry"]
@@ -27,14 +28,27 @@ def create_registry(url: str | None = None, *, prefix: str = "rollout",
     """Build a registry from a URL, in the trajectory store's URL style.
 
     ``None``/``""``/``memory://`` -> in-process. ``redis://host:port/db?prefix=rollout``
-    (also ``rediss://``, ``unix://``) -> Redis, keys under ``{prefix}:reg:``; a
-    ``prefix`` query parameter overrides the argument, so the store's URL can be reused.
+    (also ``rediss://``, ``unix://``) -> Redis, keys under ``{prefix}:reg:``;
+    ``redis+cluster://host:port[,host:port...]/?prefix=rollout`` -> a Redis Cluster, keys
+    under ``{prefix}:{{{prefix}}}:reg:`` (one slot: ``store.keys``). A ``prefix`` query
+    parameter overrides the argument, so the store's URL can be reused.
     Redis: a bounded connection pool that waits for a free connection (``max_connections``,
     ``pool_wait_s``), and the learner version cached for ``version_cache_s``.
     """
     if not url or url.startswith("memory://"):
         return InMemoryRegistry(max_history=max_history)
     parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES:
+        from rollout_gateway.registry.redis_registry import RedisRegistry
+
+        try:
+            target = parse_cluster_url(url)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return RedisRegistry.from_url(url, prefix=target.query.get("prefix", prefix),
+                                      max_history=max_history,
+                                      max_connections=max_connections,
+                                      pool_wait_s=pool_wait_s, version_cache_s=version_cache_s)
     if parts.scheme in ("redis", "rediss", "unix"):
         from rollout_gateway.registry.redis_registry import RedisRegistry
 
@@ -46,7 +60,8 @@ def create_registry(url: str | None = None, *, prefix: str = "rollout",
         return RedisRegistry.from_url(rest, prefix=prefix, max_history=max_history,
                                       max_connections=max_connections,
                                       pool_wait_s=pool_wait_s, version_cache_s=version_cache_s)
-    raise InvalidArgument(f"registry URL must be memory:// or redis://..., got {url!r}")
+    raise InvalidArgument(f"registry URL must be memory://, redis://... or "
+                          f"redis+cluster://..., got {url!r}")
 
 
 _REDIS_URL_OPTIONS = {"db", "password", "username", "socket_timeout", "socket_connect_timeout",

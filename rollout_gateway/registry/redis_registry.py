@@ -1,10 +1,14 @@
 """Redis version registry: the state several gateway replicas share.
 
-Keys under ``{prefix}:reg:``: ``learner`` (int), ``engines`` (hash engine -> version),
-``swaps`` (hash swap_id -> JSON), ``swap_order`` (zset by start time), ``lease`` (the
-leader's token, with a PX expiry). Changes are published on ``{prefix}:reg:events``.
+Keys under ``{prefix}:reg:`` (named by ``store.keys.KeyLayout.key``: on a Redis Cluster
+``{prefix}:{{prefix}}:reg:``, all in one slot): ``learner`` (int), ``engines`` (hash
+engine -> version), ``swaps`` (hash swap_id -> JSON), ``swap_order`` (zset by start time),
+``lease`` (the leader's token, with a PX expiry), ``running`` / ``running_expiry``.
+Changes are published on ``reg:events`` (named like a key, so a script's PUBLISH names
+a key of its own slot; on a cluster PUBLISH reaches every node).
 Check-and-set steps run as Lua scripts, so concurrent replicas cannot interleave them.
-Pub/sub is at-most-once: a watcher that reconnects should re-read ``snapshot()``.
+Pub/sub is at-most-once: a watcher that reconnects should re-read ``snapshot()``. On a
+cluster the watch subscribes on one node and moves to another when that node is lost.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from rollout_gateway.errors import FailedPrecondition, StoreError
+from rollout_gateway.store.keys import KeyLayout
 from rollout_gateway.registry.base import (
     Lease,
     SwapRecord,
@@ -83,6 +88,27 @@ return total
 """
 
 
+# multi-key writes are scripts, not MULTI/EXEC: atomic on one Redis and within one slot of
+# a cluster (redis-py's asyncio cluster client runs a MULTI's commands one by one on a
+# thread of its own, blocking the event loop)
+_RECORD_SWAP = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if extra > 0 then
+  local old = redis.call('ZRANGE', KEYS[2], 0, extra - 1)
+  redis.call('HDEL', KEYS[1], unpack(old))
+  redis.call('ZREM', KEYS[2], unpack(old))
+end
+return 1
+"""
+_REPORT_RUNNING = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return 1
+"""
+
+
 def _event(kind: str, version: int | None, engine_id: str | None = None) -> bytes:
     return orjson.dumps({"kind": kind, "version": version, "engine_id": engine_id,
                          "at": time.time()})
@@ -91,17 +117,21 @@ def _event(kind: str, version: int | None, engine_id: str | None = None) -> byte
 class RedisRegistry(VersionRegistry):
     def __init__(self, client: aioredis.Redis, *, prefix: str = "rg",
                  max_history: int = 1000, version_cache_s: float = 0.0) -> None:
+        from redis.asyncio.cluster import RedisCluster
+
         self._r = client
+        self.cluster = isinstance(client, RedisCluster)
+        keys = KeyLayout(prefix, cluster=self.cluster)
         #: the learner version is read on every admission and judgement: cache it briefly
         #: (this replica's own writes update it at once) and share one read among callers
         self._cache_s = version_cache_s
         self._cached: tuple[float, int] | None = None  # (monotonic read time, version)
         self._reading: asyncio.Task[int] | None = None
-        p = f"{prefix}:reg:"
-        self._k_learner, self._k_engines = p + "learner", p + "engines"
-        self._k_swaps, self._k_order, self._k_lease = p + "swaps", p + "swap_order", p + "lease"
-        self._k_running, self._k_running_exp = p + "running", p + "running_expiry"
-        self.channel = p + "events"
+        k = lambda name: keys.key(f"reg:{name}")  # noqa: E731
+        self._k_learner, self._k_engines = k("learner"), k("engines")
+        self._k_swaps, self._k_order, self._k_lease = k("swaps"), k("swap_order"), k("lease")
+        self._k_running, self._k_running_exp = k("running"), k("running_expiry")
+        self.channel = k("events")
         self._max_history = max_history
         self._set_learner = client.register_script(_SET_LEARNER)
         self._set_engine = client.register_script(_SET_ENGINE)
@@ -109,19 +139,23 @@ class RedisRegistry(VersionRegistry):
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._running_sum = client.register_script(_RUNNING_SUM)
+        self._record_swap = client.register_script(_RECORD_SWAP)
+        self._report_running = client.register_script(_REPORT_RUNNING)
 
     @classmethod
     def from_url(cls, url: str, *, max_connections: int | None = None,
                  pool_wait_s: float | None = None, **kw: Any) -> RedisRegistry:
-        from rollout_gateway.store.redis_client import blocking_client
+        from rollout_gateway.store.redis_client import blocking_client, cluster_client, is_cluster
 
+        if is_cluster(url):
+            return cls(cluster_client(url, max_connections=max_connections), **kw)
         return cls(blocking_client(url, max_connections=max_connections, wait_s=pool_wait_s),
                    **kw)
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
             return await fn()
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
 
     async def learner_version(self) -> int:
@@ -178,18 +212,9 @@ class RedisRegistry(VersionRegistry):
         data = orjson.dumps(record.to_dict())
 
         async def write() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(self._k_swaps, record.swap_id, data)
-                pipe.zadd(self._k_order, {record.swap_id: record.started_at})
-                pipe.zcard(self._k_order)
-                *_, count = await pipe.execute()
-            if count > self._max_history:
-                old = await self._r.zrange(self._k_order, 0, count - self._max_history - 1)
-                if old:
-                    async with self._r.pipeline(transaction=True) as pipe:
-                        pipe.hdel(self._k_swaps, *old)
-                        pipe.zrem(self._k_order, *old)
-                        await pipe.execute()
+            await self._record_swap(keys=[self._k_swaps, self._k_order],
+                                    args=[record.swap_id, data, record.started_at,
+                                          self._max_history])
 
         await self._call("record a swap", write)
 
@@ -242,13 +267,9 @@ class RedisRegistry(VersionRegistry):
     async def report_running(self, replica: str, running: int, ttl: float = 15.0) -> None:
         check_running(replica, running, ttl)
 
-        async def write() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(self._k_running, replica, running)
-                pipe.zadd(self._k_running_exp, {replica: time.time() + ttl})
-                await pipe.execute()
-
-        await self._call("report in-flight work", write)
+        await self._call("report in-flight work", lambda: self._report_running(
+            keys=[self._k_running, self._k_running_exp],
+            args=[replica, running, time.time() + ttl]))
 
     async def running_elsewhere(self, replica: str) -> int:
         n = await self._call("read in-flight work", lambda: self._running_sum(
@@ -274,10 +295,18 @@ class _RedisWatch(Watch):
         self.reconnects = 0
 
     async def start(self) -> None:
+        from redis.asyncio.cluster import RedisCluster
+
+        if isinstance(self._client, RedisCluster):
+            try:  # its pub/sub picks the node of the channel's slot from the slot map
+                await self._client.initialize()
+            except (RedisError, RedisClusterException) as exc:
+                raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") \
+                    from exc
         ps = self._client.pubsub(ignore_subscribe_messages=True)
         try:
             await ps.subscribe(self._channel)
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             with contextlib.suppress(RedisError):
                 await ps.aclose()
             raise StoreError(f"version registry (Redis) failed to subscribe: {exc}") from exc
@@ -300,7 +329,7 @@ class _RedisWatch(Watch):
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - loop.time()))
             try:
                 msg = await self._ps.get_message(timeout=wait)
-            except RedisError as exc:
+            except (RedisError, RedisClusterException) as exc:
                 await self._resubscribe(exc, deadline)
                 continue
             if msg is not None and msg.get("type") == "message":

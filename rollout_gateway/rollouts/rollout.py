@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +41,19 @@ log = logging.getLogger(__name__)
 
 REPREFILLS = frozenset({Transition.RETRACT, Transition.ABORT_RESUME, Transition.FAILOVER})
 
+#: a request_id another replica runs: first wait and cap between looks (seconds)
+CLAIM_BACKOFF = (0.02, 0.5)
+
+
+class RequestClaims(Protocol):
+    """Leases on request ids shared by the replicas (the session store implements it)."""
+
+    async def claim_request(self, rid: str, owner: str, ttl: float) -> bool: ...
+
+    async def renew_request(self, rid: str, owner: str, ttl: float) -> bool: ...
+
+    async def release_request(self, rid: str, owner: str) -> None: ...
+
 
 class RolloutService:
     """Validates, admits, runs, judges (staleness policy) and publishes rollouts."""
@@ -61,6 +75,10 @@ class RolloutService:
         self.default_policy = self.runner.default_policy
         self._background: set[asyncio.Task[None]] = set()
         self._running_ids: dict[str, asyncio.Event] = {}  # request_id -> its run's end
+        #: request ids shared across replicas (the session store's request claims; None:
+        #: this replica alone), and the claims held here: request_id -> (owner, renewer)
+        self.claims: RequestClaims | None = None
+        self._shared_claims: dict[str, tuple[str, asyncio.Task[None]]] = {}
         #: observers (dashboards/metrics): on_finished(traj); on_admission_wait(kind,
         #: admitted, seconds) with kind "new" or "recycled"
         self.on_finished = None
@@ -248,20 +266,64 @@ class RolloutService:
         return out
 
     async def _claim(self, req: RolloutRequest, tenant: str) -> asyncio.Event | None:
-        """One run per request_id (of a tenant) at a time on this replica: a retry that
-        arrives while the original still runs waits for it, then answers what it stored."""
+        """One run per request_id (of a tenant) at a time: a retry that arrives while the
+        original still runs waits for it, then answers what it stored. On this replica an
+        event; across replicas sharing a store (``claims``) a lease the run holds (renewed
+        while it runs; a dead replica's lapses after ``session_lease_s``), so two replicas
+        never generate one request twice (nor send the engines one request id twice)."""
         if req.request_id is None:
             return None
         rid = request_base(tenant, req.request_id)
         while (other := self._running_ids.get(rid)) is not None:
             await other.wait()
         done = self._running_ids[rid] = asyncio.Event()
+        if self.claims is not None:
+            try:
+                await self._claim_shared(rid)
+            except BaseException:
+                self._running_ids.pop(rid, None)
+                done.set()
+                raise
         return done
+
+    async def _claim_shared(self, rid: str) -> None:
+        assert self.claims is not None
+        claims, ttl = self.claims, self.settings.session_lease_s
+        owner = f"{self.gatekeeper.replica_id}/{uuid.uuid4().hex[:12]}"
+        delay, cap = CLAIM_BACKOFF
+        while not await claims.claim_request(rid, owner, ttl):
+            await asyncio.sleep(delay)  # another replica runs it: it ends or its lease lapses
+            delay = min(delay * 2, cap)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(ttl / 3)
+                with contextlib.suppress(GatewayError):
+                    await claims.renew_request(rid, owner, ttl)
+
+        task = asyncio.get_running_loop().create_task(renew())
+        self._shared_claims[rid] = (owner, task)
 
     def _unclaim(self, req: RolloutRequest, tenant: str, done: asyncio.Event | None) -> None:
         if done is not None:
-            self._running_ids.pop(request_base(tenant, req.request_id), None)
+            rid = request_base(tenant, req.request_id)
+            self._running_ids.pop(rid, None)
+            held = self._shared_claims.pop(rid, None)
+            if held is not None and self.claims is not None:
+                owner, renewer = held
+                renewer.cancel()
+                task = asyncio.get_running_loop().create_task(
+                    self._release_shared(rid, owner))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             done.set()
+
+    async def _release_shared(self, rid: str, owner: str) -> None:
+        assert self.claims is not None
+        try:
+            await self.claims.release_request(rid, owner)
+        except GatewayError as exc:  # its lease lapses
+            log.warning("request %s: releasing its claim failed: %s", rid, exc.message)
 
     async def _plan(self, req: RolloutRequest, tenant: str, stamp: dict[str, str]
                     ) -> tuple[str, list[str], str | None, dict[int, Trajectory]]:

@@ -94,11 +94,15 @@ class Branch:
     def sequence(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, *(c.token_ids for c in self.cols)]).astype(np.int32)
 
-    def add_turn(self, context_ids: list[int], turn: Trajectory) -> None:
-        """Append context tokens (read by this call) and the call's stamped model tokens."""
+    def add_turn(self, context_ids: list[int], turn: Trajectory, *,
+                 prompt_len: int | None = None) -> None:
+        """Append context tokens (read by this call) and the call's stamped model tokens.
+        ``prompt_len``: the call's input length when ``turn`` comes without its prompt
+        (rebuilt from the session store)."""
         seq_len = int(self.prompt_ids.shape[0]) + self.output_len
-        if int(turn.prompt_token_ids.shape[0]) != seq_len + len(context_ids):
-            raise EngineError(f"turn prompt has {turn.prompt_token_ids.shape[0]} tokens, the "
+        plen = int(turn.prompt_token_ids.shape[0]) if prompt_len is None else prompt_len
+        if plen != seq_len + len(context_ids):
+            raise EngineError(f"turn prompt has {plen} tokens, the "
                               f"session expected {seq_len + len(context_ids)}")
         k = len(self.calls)
         o = self.output_len
@@ -127,7 +131,7 @@ class Branch:
                                          s.engine_id, s.began, s.ended, s.started_at,
                                          s.ended_at))
         re = turn.routed_experts
-        self.routing.append((int(turn.prompt_token_ids.shape[0]),
+        self.routing.append((plen,
                              re.data if re is not None and re.start == 0 else None))
         if re is not None:
             self.num_experts = max(self.num_experts, re.num_experts)

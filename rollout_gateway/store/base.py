@@ -233,10 +233,12 @@ class TrajectoryStore(abc.ABC):
         is nothing. Raises NotFound for an unknown group. ``payload=False``: the caller
         sends only references, so the store may leave ``data`` empty (``nbytes`` set)."""
 
-    def reference_key(self) -> str | None:
+    def reference_key(self, entry_id: str | None = None) -> str | None:
         """Where learners can read stored trajectories themselves (by-reference Pull
-        streams): a Redis stream key (``XRANGE key id id``, field ``d``); None when the
-        store cannot serve references (embedded store)."""
+        streams): the Redis stream key holding ``entry_id`` (``XRANGE key id id``, field
+        ``d``, where ``id`` is the entry id without its ``<shard>/``, see
+        ``rollout_proto.codec.stream_entry_id``); with no ``entry_id``, the key of the
+        first shard. None when the store cannot serve references (embedded store)."""
         return None
 
     @abc.abstractmethod
@@ -328,8 +330,9 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-#: entry ids as stores write them: ASCII digits (memory store: "12"; Redis streams: "<ms>-<seq>")
-_ENTRY_ID = r"[0-9]{1,20}(?:-[0-9]{1,20})?"
+#: entry ids as stores write them: ASCII digits (memory store: "12"; Redis streams: "<ms>-<seq>";
+#: a Redis store of several shards: "<shard>/<ms>-<seq>")
+_ENTRY_ID = r"(?:[0-9]{1,3}/)?[0-9]{1,20}(?:-[0-9]{1,20})?"
 
 
 def entry_numbers(entry_id: str, *, dashed: bool) -> tuple[int, ...]:

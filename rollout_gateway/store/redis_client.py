@@ -28,3 +28,100 @@ def blocking_client(url: str, *, max_connections: int | None = None,
         timeout=wait_s if wait_s is not None else WAIT_S, decode_responses=False,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
     return aioredis.Redis(connection_pool=pool)
+
+
+#: retries of a cluster command that met a broken connection or a cluster in failover (the
+#: client refreshes its slot map between tries, without waiting)
+CLUSTER_RETRIES = 3
+#: how long an idempotent write (publish, ack) keeps trying through a failover: a master's
+#: death is noticed after the cluster's node timeout, then a replica is promoted
+FAILOVER_WAIT_S = 20.0
+
+
+async def through_failover(call, *, wait_s: float = FAILOVER_WAIT_S):
+    """``await call()``, tried again (jittered backoff, 50 ms doubling up to 1 s) while
+    the cluster answers that a node is unreachable or a slot has no master, for up to
+    ``wait_s``. Only for idempotent calls: a try whose reply was lost may have applied."""
+    import asyncio
+    import random
+
+    from redis.exceptions import (ClusterDownError, ConnectionError, SlotNotCoveredError,
+                                  TimeoutError, TryAgainError)
+
+    transient = (ClusterDownError, ConnectionError, SlotNotCoveredError, TimeoutError,
+                 TryAgainError)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except transient:
+            if loop.time() + delay > deadline:
+                raise
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            delay = min(delay * 2, 1.0)
+
+
+def is_cluster(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``)."""
+    from rollout_proto.redis_url import is_cluster_url
+
+    return is_cluster_url(url)
+
+
+def cluster_client(url: str, *, max_connections: int | None = None):
+    """An asyncio Redis Cluster client from a ``redis+cluster://h:p[,h:p...]`` URL (query
+    ignored): ``max_connections`` per node (a call finding a node's all busy fails:
+    StoreError, 503), commands retried across a failover (:data:`CLUSTER_RETRIES`)."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    from rollout_proto.redis_url import parse_cluster_url
+
+    t = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], decode_responses=False,
+        max_connections=max_connections or MAX_CONNECTIONS,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
+        **t.client_kwargs())
+
+
+def sync_cluster_client(url: str, *, socket_timeout: float = 30.0):
+    """The blocking counterpart (bulk reads on a thread pool)."""
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry as SyncRetry
+
+    from rollout_proto.redis_url import parse_cluster_url
+
+    t = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], decode_responses=False,
+        socket_timeout=socket_timeout, socket_connect_timeout=5.0,
+        retry=SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), CLUSTER_RETRIES),
+        **t.client_kwargs())
+
+
+class LazySyncCluster:
+    """:func:`sync_cluster_client`, made on first use: its constructor reads the slot map
+    (connects), which must happen neither at start-up (a cluster not up yet) nor on the
+    event loop (it blocks). Attribute access forwards to the client."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self._url = url
+        self._client = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._client is None:
+                self._client = sync_cluster_client(self._url)
+            return self._client
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

@@ -363,9 +363,10 @@ class _PullStream:
         if self.ref_key is None:
             return codec.encode_batch(
                 ((e.entry_id, e.delivery_count, e.masked, e.data) for e in batch), *left)
+        key = self.svc.store.reference_key  # the stream of the entry's shard
         return codec.encode_references(
             ((e.entry_id, e.delivery_count, e.masked, spb.StoreReference(
-                kind=codec.REDIS_STREAM, key=self.ref_key, size=e.size,
+                kind=codec.REDIS_STREAM, key=key(e.entry_id), size=e.size,
                 trajectory_id=e.trajectory_id, num_tokens=e.num_tokens)) for e in batch),
             *left)
 

@@ -36,7 +36,8 @@ class GatewayProcess:
     """``python -m rollout_gateway serve`` on free ports."""
 
     def __init__(self, engines: dict[str, str], *, store_url: str = "memory://",
-                 registry_url: str = "memory://", env: dict[str, str] | None = None) -> None:
+                 registry_url: str = "memory://", env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.grpc_port = free_port()
         self.args = [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
@@ -45,6 +46,7 @@ class GatewayProcess:
                      "--registry", registry_url, "--log-level", "warning"]
         for eid, url in engines.items():
             self.args += ["--engine", f"{eid}={url}"]
+        self.args += extra_args or []
         self.env = dict(os.environ)
         root = str(Path(rollout_gateway.__file__).resolve().parent.parent)
         self.env["PYTHONPATH"] = root + os.pathsep + self.env.get("PYTHONPATH", "")

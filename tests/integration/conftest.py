@@ -16,6 +16,10 @@ Stable names:
     ``reference_model(source)`` -> a cached :class:`Qwen3MoeLM` for a checkpoint dir or a
     ``(ModelConfig, seed)`` pair; score with ``reference_engine.reference.score`` /
     ``score_mixed`` to check what an engine stamped.
+``redis_cluster`` (session)
+    A :class:`_cluster_support.LocalCluster` of 3 masters + 3 replicas on loopback (started
+    on first use, ~3 s): ``.url`` is its ``redis+cluster://`` URL. Shared: use a unique
+    key prefix, and never kill its nodes (start your own ``LocalCluster`` for that).
 ``ENGINE_SEED`` = 1 is the seed of ``engine``'s weights.
 """
 
@@ -46,6 +50,14 @@ def make_engine():
     yield factory
     for eng in started:
         eng.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    from _cluster_support import LocalCluster
+
+    with LocalCluster(masters=3, replicas=1) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

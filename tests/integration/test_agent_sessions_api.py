@@ -232,21 +232,56 @@ def test_bad_input_is_a_clear_4xx(gw):
     assert r.status_code == 422
 
 
-def test_open_sessions_are_published_on_shutdown(two_engines):
+def test_open_sessions_are_published_on_shutdown_of_the_embedded_store(two_engines, tmp_path):
+    """The embedded store (journaled: it outlives the process) has no other replica to
+    continue a session: a shutdown publishes it (ended_by shutdown)."""
+    a, _ = two_engines
+    url = f"memory:///{tmp_path}/journal.db"
+    sid = f"sd-{uuid.uuid4().hex[:6]}"
+    with GatewayProcess({"e0": a.url}, store_url=url) as g:
+        r = httpx.post(g.url + "/v1/chat/completions", headers={"x-session-id": sid}, timeout=60,
+                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["rollout"]["token_ids"]
+        tid = r.json()["choices"][0]["rollout"]["trajectory_id"]
+        assert g.stop() == 0
+    with GatewayProcess({"e0": a.url}, store_url=url) as g2:
+        t = pull_until(g2, {tid})[tid]
+    assert t.metadata["session_ended_by"] == "shutdown" and t.token_ids.tolist() == ids
+
+
+def test_open_sessions_outlive_a_restart_on_the_shared_store(two_engines):
+    """On Redis the session lives in the store: a restarted (or any other) gateway serves
+    its next turn, and the published trajectory holds both turns."""
     from _gateway_support import redis_urls
 
     store, registry = redis_urls()
     a, _ = two_engines
     sid = f"sd-{uuid.uuid4().hex[:6]}"
+    m = [{"role": "user", "content": "x"}]
     with GatewayProcess({"e0": a.url}, store_url=store, registry_url=registry) as g:
         r = httpx.post(g.url + "/v1/chat/completions", headers={"x-session-id": sid}, timeout=60,
-                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+                       json={"messages": m, "max_tokens": 3})
         assert r.status_code == 200, r.text
-        ids = r.json()["choices"][0]["rollout"]["token_ids"]
+        first = r.json()["choices"][0]
         assert g.stop() == 0
+    m += [{"role": "assistant", "content": first["message"]["content"]},
+          {"role": "user", "content": "y"}]
     with GatewayProcess({"e0": a.url}, store_url=store, registry_url=registry) as g2:
-        t = pull_until(g2, {f"{sid}.b0"})[f"{sid}.b0"]
-    assert t.metadata["session_ended_by"] == "shutdown" and t.token_ids.tolist() == ids
+        r = httpx.post(g2.url + "/v1/chat/completions", headers={"x-session-id": sid},
+                       timeout=60, json={"messages": m, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        second = r.json()["choices"][0]["rollout"]
+        assert second["trajectory_id"] == first["rollout"]["trajectory_id"]
+        assert second["turn"] == 1 and not second.get("branched")
+        e = httpx.post(g2.url + f"/v1/sessions/{sid}/end", json={"reward": 1.0}, timeout=30)
+        assert e.status_code == 200 and e.json()["published"], e.text
+        tid = e.json()["trajectory_id"]
+        t = pull_until(g2, {tid})[tid]
+    assert t.metadata["session_ended_by"] == "end" and t.metadata["session_turns"] == "2"
+    out = t.token_ids.tolist()
+    assert out[:len(first["rollout"]["token_ids"])] == first["rollout"]["token_ids"]
+    assert out[-len(second["token_ids"]):] == second["token_ids"]
 
 
 def test_a_model_chat_template_through_serve(two_engines, tmp_path):

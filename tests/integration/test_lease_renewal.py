@@ -22,10 +22,13 @@ pytestmark = pytest.mark.integration
 LEASE = 1.0
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def served(request):
     prefix = f"test-{uuid.uuid4().hex[:10]}"
-    url = "memory://" if request.param == "memory" else f"redis://127.0.0.1:6379/0?prefix={prefix}"
+    url = {"memory": "memory://", "redis": f"redis://127.0.0.1:6379/0?prefix={prefix}",
+           "cluster": None}[request.param]
+    if url is None:  # 3 shards on a real Redis Cluster
+        url = f"{request.getfixturevalue('redis_cluster').url}/?prefix={prefix}&shards=3"
     store = store_from_url(url, StoreConfig(lease_seconds=LEASE))
     server = GrpcServer(store, InProcessControlPlane(["e0"], version=0), port=0, poll_ms=50)
     port = await server.start()

@@ -1,7 +1,6 @@
 """Vocab-parallel logprobs/entropy at TP=2: two gloo processes, megatron-core's own groups."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ V, ROWS = 22, 16
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from rollout_gateway.commands.engine_process import free_port
+
+    return free_port()
 
 
 def _worker(rank: int, world: int, port: int) -> None:

@@ -1,4 +1,5 @@
-"""One semantics suite for both version registries (Redis: the real server, unique prefix)."""
+"""One semantics suite for every version registry: in memory, Redis (the real server, unique
+prefix) and a real Redis Cluster (3 masters + 3 replicas on loopback)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.integration
 REDIS = "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def replicas(request):
     """factory() -> a registry view; Redis views are separate clients (separate replicas)
     over the same keys, the memory backend has a single shared instance."""
@@ -32,7 +33,9 @@ async def replicas(request):
     def factory():
         if request.param == "memory":
             return shared
-        reg = create_registry(f"{REDIS}?prefix={prefix}", max_history=5)
+        url = (f"{request.getfixturevalue('redis_cluster').url}/?prefix={prefix}"
+               if request.param == "cluster" else f"{REDIS}?prefix={prefix}")
+        reg = create_registry(url, max_history=5)
         made.append(reg)
         return reg
 

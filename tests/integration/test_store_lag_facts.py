@@ -1,5 +1,5 @@
 """The store's dashboard facts, every store (embedded, journaled, Redis Streams on the real
-server): output tokens per version of unconsumed entries, per-group backlog, pending and
+server and on a real Redis Cluster; several shards below): output tokens per version of unconsumed entries, per-group backlog, pending and
 redeliveries, and per-version token counts on delivered entries."""
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from doubles.trajectories import make_trajectory
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["memory", "journal", "redis"])
+@pytest.fixture(params=["memory", "journal", "redis", "cluster"])
 async def make(request, tmp_path):
     prefix = f"test-lag-{uuid.uuid4().hex[:10]}"
     url = {"memory": "memory://", "journal": f"memory://?journal={tmp_path / 'j.db'}",
-           "redis": f"redis://127.0.0.1:6379/0?prefix={prefix}"}[request.param]
+           "redis": f"redis://127.0.0.1:6379/0?prefix={prefix}",
+           "cluster": None}[request.param]
+    if url is None:
+        # one shard: the order-dependent checks below hold (several: the test at the end)
+        url = f"{request.getfixturevalue('redis_cluster').url}/?prefix={prefix}"
     opened = []
 
     def factory(**cfg):
@@ -120,3 +124,37 @@ async def test_redis_facts_stream_is_trimmed_with_the_entries():
         await s.close()
         await r.aclose()
         await delete_prefix(prefix)
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
+async def test_facts_add_up_over_shards(request, where):
+    """Three shards: unconsumed tokens, backlogs and pending counts are the sums over the
+    shards (an entry counts in the shard it went to, whichever that is)."""
+    prefix = f"test-lag-{uuid.uuid4().hex[:10]}"
+    base = (request.getfixturevalue("redis_cluster").url + "/" if where == "cluster"
+            else "redis://127.0.0.1:6379/0")
+    s = store_from_url(f"{base}?prefix={prefix}&shards=3")
+    try:
+        trajs = [make_trajectory(f"u{i}", versions=(i % 3,), num_tokens=5 + i, seed=i)
+                 for i in range(12)]
+        assert len({s.layout.shard_of(t.trajectory_id) for t in trajs}) == 3
+        for t in trajs:
+            assert await s.publish(t)
+        un = await s.unconsumed_tokens()
+        assert un.tokens_by_version == _by_version(trajs) and un.entries == 12
+        await s.create_group("a")
+        got = await s.read("a", "c", 5)
+        assert len({e.entry_id.split("/")[0] for e in got}) >= 2  # read over the shards
+        await s.ack("a", [e.entry_id for e in got[:2]])
+        rest = [t for t in trajs if t.trajectory_id not in {e.trajectory_id for e in got[:2]}]
+        un = await s.unconsumed_tokens()
+        assert un.tokens_by_version == _by_version(rest) and un.entries == 10
+        [g] = await s.group_stats()
+        assert (g.group, g.backlog, g.pending) == ("a", 10, 3)
+        assert await s.backlog() == 10 and (await s.stats()).published == 12
+        un = await s.unconsumed_tokens(limit=4)
+        assert un.entries == 4 and un.truncated
+    finally:
+        await s.close()
+        if where == "redis":
+            await delete_prefix(prefix)

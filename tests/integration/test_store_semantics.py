@@ -1,4 +1,6 @@
-"""One suite, every store: embedded (memory and journaled) and Redis Streams (real server)."""
+"""One suite, every store: embedded (memory and journaled), Redis Streams (real server) with
+one shard and with three, and Redis Streams on a real Redis Cluster (3 masters + 3
+replicas, three shards)."""
 
 from __future__ import annotations
 
@@ -17,36 +19,43 @@ from doubles.trajectories import make_trajectory
 
 pytestmark = pytest.mark.integration
 
-KINDS = ["memory", "journal", "redis"]
+KINDS = ["memory", "journal", "redis", "sharded", "cluster"]
+#: stores whose max_backlog bound is split over 3 shards (exact per shard, not in total)
+SHARDED = {"sharded", "cluster"}
 
 
-def _url(kind: str, tmp_path, prefix: str) -> str:
+def _url(kind: str, tmp_path, prefix: str, request) -> str:
     if kind == "memory":
         return "memory://"
     if kind == "journal":
         return f"memory://?journal={tmp_path / 'journal.db'}"
+    if kind == "sharded":
+        return f"redis://127.0.0.1:6379/0?prefix={prefix}&shards=3"
+    if kind == "cluster":
+        return f"{request.getfixturevalue('redis_cluster').url}/?prefix={prefix}&shards=3"
     return f"redis://127.0.0.1:6379/0?prefix={prefix}"
 
 
 @pytest.fixture(params=KINDS)
 async def make(request, tmp_path):
     """make(**config) -> a fresh store; calling it again reopens the same backing data."""
-    async for f in _factory(request.param, tmp_path):
+    async for f in _factory(request.param, tmp_path, request):
         yield f
 
 
-@pytest.fixture(params=["journal", "redis"])
+@pytest.fixture(params=["journal", "redis", "cluster"])
 async def make_durable(request, tmp_path):
-    async for f in _factory(request.param, tmp_path):
+    async for f in _factory(request.param, tmp_path, request):
         yield f
 
 
-async def _factory(kind, tmp_path):
+async def _factory(kind, tmp_path, request):
     prefix = f"test-{uuid.uuid4().hex[:10]}"
     opened = []
+    url = _url(kind, tmp_path, prefix, request)
 
     def factory(**cfg):
-        s = store_from_url(_url(kind, tmp_path, prefix), StoreConfig(**cfg))
+        s = store_from_url(url, StoreConfig(**cfg))
         opened.append(s)
         return s
 
@@ -54,12 +63,25 @@ async def _factory(kind, tmp_path):
     yield factory
     for s in opened:
         await s.close()
-    if kind == "redis":
+    if kind in ("redis", "sharded"):
         await delete_prefix(prefix)
 
 
 def traj(i: int, **kw):
     return make_trajectory(f"t{i}", seed=i, **kw)
+
+
+def shards(make) -> int:
+    return 3 if make.kind in SHARDED else 1
+
+
+def one_shard(store, n: int) -> list[int]:
+    """``n`` numbers i whose trajectories t<i> land in one shard (every i with one shard):
+    order and the per-shard backlog bound hold within a shard."""
+    layout = getattr(store, "layout", None)
+    if layout is None or layout.shards == 1:
+        return list(range(n))
+    return [i for i in range(1000) if layout.shard_of(f"t{i}") == layout.shard_of("t0")][:n]
 
 
 async def test_publish_is_idempotent_and_delivers_once(make):
@@ -93,19 +115,22 @@ async def test_unknown_group_and_bad_names(make):
 
 
 async def test_without_a_group_the_backlog_bound_refuses(make):
-    s = make(max_backlog=2)
-    assert await s.publish(traj(0)) and await s.publish(traj(1))
+    # several shards: each holds its share of max_backlog (here 2 each)
+    s = make(max_backlog=2 * shards(make))
+    i = one_shard(s, 3)
+    assert await s.publish(traj(i[0])) and await s.publish(traj(i[1]))
     with pytest.raises(ResourceExhausted):
-        await s.publish(traj(2))
+        await s.publish(traj(i[2]))
     await s.create_group("job")  # a group takes over: it is bounded, publishing goes on
-    assert await s.publish(traj(2))
+    assert await s.publish(traj(i[2]))
 
 
 async def test_a_full_group_loses_its_oldest_and_never_blocks_another(make):
-    s = make(max_backlog=3)
+    s = make(max_backlog=3 * shards(make))  # 3 per shard
+    t = one_shard(s, 6)
     await s.create_group("zombie")  # created, never read (until below)
     await s.create_group("live")
-    for i in range(5):
+    for i in t[:5]:
         assert await s.publish(traj(i))  # never refused: zombie is full from the 4th on
         got = await s.read("live", "c", 10)
         assert [e.trajectory_id for e in got] == [f"t{i}"]
@@ -114,16 +139,16 @@ async def test_a_full_group_loses_its_oldest_and_never_blocks_another(make):
     assert await s.backlog() == 0  # admission: the most caught-up group's
     assert (await s.stats()).backlog == 3  # dashboards: the worst group's
     zs = await s.read("zombie", "c", 10)
-    assert [e.trajectory_id for e in zs] == ["t2", "t3", "t4"]  # its newest 3
+    assert [e.trajectory_id for e in zs] == [f"t{i}" for i in t[2:5]]  # its newest 3
     assert (await s.stats()).overflow_dropped == 2
     by = {g.group: g for g in await s.group_stats()}
     assert by["zombie"].overflow_dropped == 2 and by["live"].overflow_dropped == 0
     # full of delivered-unacked entries: the oldest pending one goes
-    assert await s.publish(traj(5))
-    assert await s.ack("zombie", [zs[0].entry_id]) == 0  # t2 was dropped for it
+    assert await s.publish(traj(t[5]))
+    assert await s.ack("zombie", [zs[0].entry_id]) == 0  # t[2] was dropped for it
     assert await s.ack("zombie", [e.entry_id for e in zs[1:]]) == 2
-    assert [e.trajectory_id for e in await s.read("zombie", "c", 10)] == ["t5"]
-    assert [e.trajectory_id for e in await s.read("live", "c", 10)] == ["t5"]
+    assert [e.trajectory_id for e in await s.read("zombie", "c", 10)] == [f"t{t[5]}"]
+    assert [e.trajectory_id for e in await s.read("live", "c", 10)] == [f"t{t[5]}"]
 
 
 async def test_lease_expiry_redelivers_to_another_consumer(make):
@@ -167,13 +192,14 @@ async def test_release_undelivered_rolls_back_count(make):
 
 async def test_groups_are_independent(make):
     s = make()
-    await s.publish(traj(1))
+    t = one_shard(s, 3)  # publish order is read order within a shard
+    await s.publish(traj(t[0]))
     await s.create_group("a")
-    await s.publish(traj(2))
+    await s.publish(traj(t[1]))
     await s.create_group("late", from_latest=True)
-    await s.publish(traj(3))
-    assert [e.trajectory_id for e in await s.read("a", "c", 10)] == ["t1", "t2", "t3"]
-    assert [e.trajectory_id for e in await s.read("late", "c", 10)] == ["t3"]
+    await s.publish(traj(t[2]))
+    assert [e.trajectory_id for e in await s.read("a", "c", 10)] == [f"t{i}" for i in t]
+    assert [e.trajectory_id for e in await s.read("late", "c", 10)] == [f"t{t[2]}"]
     assert await s.group_backlog("a") == 3 and await s.group_backlog("late") == 1
 
 
@@ -231,8 +257,9 @@ async def test_reopen_keeps_pending_and_unconsumed(make_durable):
     await asyncio.sleep(0.3)
     assert not await s2.publish(traj(0))  # still deduplicated
     again = await s2.read("job", "c2", 10)
-    assert sorted((e.trajectory_id, e.delivery_count) for e in again) == [
-        ("t1", 2), ("t2", 1), ("t3", 1)]
+    unread = {f"t{i}" for i in range(4)} - {e.trajectory_id for e in got}
+    assert sorted((e.trajectory_id, e.delivery_count) for e in again) == sorted(
+        [(got[1].trajectory_id, 2), *((t, 1) for t in unread)])
     assert (await s2.stats()).published == 4
 
 

@@ -244,3 +244,32 @@ async def test_blocking_client_by_reference(redis_gateway):
             return sorted(r.trajectory_id for r in got), c.fetched
 
     assert await asyncio.to_thread(learner) == (["t0", "t1"], 2)
+
+
+async def test_by_reference_from_a_sharded_redis_cluster(redis_cluster):
+    """A store of 3 shards on a Redis Cluster: each reference names its shard's stream, the
+    learner reads each from that stream's master (entries big enough to be skipped, not
+    read, by the gateway's lease), and gets what it would over gRPC."""
+    url = f"{redis_cluster.url}/?prefix=test-ref-{uuid.uuid4().hex[:10]}&shards=3"
+    store, server, target = await _serve(url)
+    try:
+        await publish(store, 12, num_layers=48, top_k=8, num_tokens=256)
+        async with AsyncTrajectoryClient(target, "job", "bytes") as by_bytes:
+            plain = await by_bytes.pull(12, timeout=2.0)
+        await store.create_group("refs")
+        async with AsyncTrajectoryClient(target, "refs", "refs", store_url=url,
+                                         by_reference=True) as by_ref:
+            got = await by_ref.pull(12, timeout=2.0)
+            assert by_ref.fetched == 12
+            assert {r.entry_id.split("/")[0] for r in got} == {"0", "1", "2"}
+            assert await by_ref.ack(got) == 12
+            assert (await by_ref.status()).store.group_backlog == 0
+        assert len(plain) == 12
+        for a, b in zip(sorted(plain, key=lambda r: r.trajectory_id),
+                        sorted(got, key=lambda r: r.trajectory_id)):
+            _same(a, b)
+        assert min(map(len, (await store.lookup([r.trajectory_id for r in got])).values())) \
+            > 64 << 10  # leased without reading the bytes (rollout_proto.resp skips them)
+    finally:
+        await server.stop(0)
+        await store.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _redis_support import delete_prefix_sync
 from learner_client.client import AsyncTrajectoryClient
+from rollout_gateway.commands.engine_process import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,12 +53,6 @@ got = c.pull(int(sys.argv[2]), timeout=10)
 print(json.dumps([r.trajectory_id for r in got]), flush=True)
 time.sleep(600)  # killed before acking
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(code: str, *args: str, stdout=None) -> subprocess.Popen:

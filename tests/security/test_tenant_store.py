@@ -38,9 +38,14 @@ def test_nothing_reported_published_is_lost_across_a_restart(engine, prefix):
         ids = [t["trajectory_id"] for t in first.json()["trajectories"]]
         published.update(ids)
     with GatewayProcess({"e0": engine.url}, store_url=url, registry_url=url, env=env) as g2:
-        # the same session id after the restart: a new session, published under a new id
-        assert chat(g2, A, sid, "after").status_code == 200
-        r = end(g2, A, sid, {"reward": 0.0})
+        # the same session id after the restart: refused while its end is remembered (the
+        # session store outlives the process), never a silently dropped publish
+        r = chat(g2, A, sid, "after")
+        assert r.status_code == 409 and "has ended" in r.text, r.text
+        assert end(g2, A, sid, {"reward": 0.0}).status_code == 409
+        # another tenant's session of that id is its own, published under a new id
+        assert chat(g2, B, sid, "after").status_code == 200
+        r = end(g2, B, sid, {"reward": 0.0})
         assert r.status_code == 200 and r.json()["published"], r.text
         assert r.json()["trajectory_id"] not in published
         published.add(r.json()["trajectory_id"])

@@ -28,7 +28,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import time
 from collections import deque
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from rollout_gateway.commands.engine_process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = REPO / "scripts" / "sglang-cpu.sh"
@@ -204,12 +205,6 @@ def _stop_all_live() -> None:
 
 
 atexit.register(_stop_all_live)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -71,11 +71,9 @@ KINDS = ("unexplained", "ambiguous", "policy_version", "kv_version", "logprob", 
 
 
 def _free_port() -> int:
-    import socket
+    from rollout_gateway.commands.engine_process import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 class GatewayServe:

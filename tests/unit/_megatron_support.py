@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 
 
@@ -14,9 +13,9 @@ def single_rank_model_parallel() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from rollout_gateway.commands.engine_process import free_port
+
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     try:

@@ -413,7 +413,9 @@ class _GW:
 
 
 def _manager(**settings):
-    from rollout_gateway.sessions.manager import Session, SessionManager
+    from rollout_gateway.sessions.manager import SessionManager
+    from rollout_gateway.sessions.records import BranchStart, apply, turn_record
+    from rollout_gateway.sessions.store import Head
 
     gw = _GW(**settings)
     mgr = SessionManager(gw.settings, None, learner_version=None, engines=list,
@@ -421,12 +423,19 @@ def _manager(**settings):
     tpl = mgr.template
     m0 = [{"role": "user", "content": "q"}]
 
-    def open_session(sid, verdict=""):
-        b, _ = record(tpl, None, plan_chat(tpl, None, m0, None), m0, [ord("a"), ord("b"), 257])
-        b.trajectory_id = f"{sid}.b0"
+    async def open_session(sid, verdict=""):
+        plan = plan_chat(tpl, None, m0, None)
+        prompt = list(plan.context_ids)
+        turn = turn_traj(prompt, [ord("a"), ord("b"), 257])
         if verdict:
-            b.stale_verdict = verdict
-        mgr.sessions[("default", sid)] = Session(sid, branch=b, branches=1)
+            turn.metadata["stale_verdict"] = verdict
+        start = BranchStart(f"{sid}.b0", 0, np.asarray(prompt, np.int32))
+        rec = turn_record(apply(None, start), [], turn, kind="chat", plan_input=m0,
+                          prompt_text=plan.prompt_text, content="ab",
+                          reply_msg=assistant_message("ab", []), group_id="", metadata={})
+        head = Head("default", sid, None, 1, 2)
+        assert await mgr.store.create(head, "test", 30, 100, 100) == "ok"
+        assert await mgr.store.commit(("default", sid), "test", head, [start, rec], True)
 
     return gw, mgr, open_session
 
@@ -445,14 +454,14 @@ async def test_manager_end_reward_later_and_errors():
     from rollout_gateway.errors import FailedPrecondition, NotFound
 
     gw, mgr, open_session = _manager(session_reward_wait_s=30)
-    open_session("a")
-    open_session("b")
+    await open_session("a")
+    await open_session("b")
     res = await mgr.end("a", 2.0, await_reward=False)
     assert res["published"] and res["trajectory_id"] == "a.b0"
     with pytest.raises(FailedPrecondition):
         await mgr.end("a", None, await_reward=False)
     with pytest.raises(FailedPrecondition):  # a call after the end
-        mgr._session("default", "a")
+        await mgr._session("default", "a")
     with pytest.raises(NotFound):
         await mgr.end("zzz", None, await_reward=False)
     held = await mgr.end("b", None, await_reward=True)
@@ -473,12 +482,12 @@ async def test_manager_idle_timeout_reward_wait_and_stale_drop():
     import time
 
     gw, mgr, open_session = _manager(session_idle_timeout_s=5, session_reward_wait_s=5)
-    open_session("idle")
-    open_session("fresh")
-    open_session("stale", verdict="drop")
-    mgr.sessions[("default", "idle")].last_active = time.monotonic() - 10
+    await open_session("idle")
+    await open_session("fresh")
+    await open_session("stale", verdict="drop")
+    mgr.store.sessions[("default", "idle")].head.last_active = time.time() - 10
     await mgr.end("fresh", None, await_reward=True)
-    mgr.held["fresh.b0"] = (mgr.held["fresh.b0"][0], time.monotonic() - 1)  # wait is over
+    mgr.store.held_["fresh.b0"] = (mgr.store.held_["fresh.b0"][0], time.time() - 1)  # over
     res = await mgr.end("stale", 1.0, await_reward=False)
     assert res["published"] is False and "staleness" in res["reason"]
     await mgr.sweep()
@@ -487,8 +496,8 @@ async def test_manager_idle_timeout_reward_wait_and_stale_drop():
     assert got["fresh.b0"].metadata["reward"] == "missing" and got["fresh.b0"].reward is None
     assert "stale.b0" not in got
     assert mgr.counters["sessions_idle_ended"] == 1 and mgr.counters["session_stale_dropped"] == 1
-    assert ("default", "idle") not in mgr.sessions
-    assert mgr.ended[("default", "idle")] == "idle_timeout"
+    assert ("default", "idle") not in mgr.store.sessions
+    assert mgr.store.ended[("default", "idle")] == "idle_timeout"
 
 
 def test_stale_masked_turn_ranges_move_to_session_positions():

@@ -240,8 +240,9 @@ def test_sat_gspo_kl_term_is_aggregated_like_gspo():
 
 def test_monitor_estimates_the_bound_constants_from_the_run():
     """A run where the batch's mean |log-ratio| is exactly kappa x the parameter drift
-    behind its tokens: the monitor recovers kappa, R_batch, R_crit, G_upd and the bound."""
-    kappa = 0.7
+    behind its tokens and the mean |log pi - log pi_ref| is kappa_ref x the cumulative
+    drift: the monitor recovers kappa, kappa_ref, R_batch, R_crit, G_upd and the bound."""
+    kappa, kappa_ref = 0.7, 0.3
     mon = StalenessMonitor(StalenessMonitorConfig(clip_eps=0.2, crit_log_ratio=1.0))
     rng = np.random.default_rng(0)
     drift = [0.0]  # cumulative drift D_t, kept independently
@@ -255,17 +256,20 @@ def test_monitor_estimates_the_bound_constants_from_the_run():
         # the drift behind each token: D_now - D_{now - lag}
         x = float(np.mean([drift[-1] - drift[max(len(drift) - 1 - int(lg), 0)]
                            for lg in lags]))
-        log_ratio = torch.full((50,), kappa * x, dtype=torch.float64) * torch.tensor(
-            rng.choice([-1.0, 1.0], 50))
+        sign = torch.tensor(rng.choice([-1.0, 1.0], 50))
+        log_ratio = torch.full((50,), kappa * x, dtype=torch.float64) * sign
+        ref_log_ratio = torch.full((50,), kappa_ref * drift[-1], dtype=torch.float64) * sign
         norm = float(rng.uniform(1.0, 3.0))
         norms.append(norm)
-        rep = mon.step(lr, versions, v_learn, update_norm=norm, log_ratio=log_ratio)
+        rep = mon.step(lr, versions, v_learn, update_norm=norm, log_ratio=log_ratio,
+                       ref_log_ratio=ref_log_ratio)
         drift.append(drift[-1] + lr * norm)
         assert rep.batch_drift == pytest.approx(x)
     assert rep.kappa == pytest.approx(kappa, rel=1e-9)
+    assert rep.kappa_ref == pytest.approx(kappa_ref, rel=1e-9)
     g = max(norms)
     r_batch = math.log(1.2) / kappa
-    r_crit = 1.0 / kappa
+    r_crit = 1.0 / kappa_ref
     assert rep.g_upd == pytest.approx(g)
     assert rep.r_batch == pytest.approx(r_batch) and rep.r_crit == pytest.approx(r_crit)
     s = rep.max_lag

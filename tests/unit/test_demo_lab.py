@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_demo.lab import RunOut, RunSpec, detect_collapse, summarize, table_md
+from rollout_demo.lab.grid import RunOut, RunSpec, detect_collapse, summarize, table_md
 
 
 def test_collapse_is_learning_then_unlearning_or_a_non_finite_loss():

@@ -322,3 +322,97 @@ def test_grafana_and_manifests_use_exported_metric_names():
     assert used <= exported, used - exported
     text = "\n".join(p.read_text() for p in K8S.glob("*.yaml"))
     assert set(re.findall(r"rollout_gateway_[a-z0-9_]+", text)) <= exported
+
+
+# ---- the Redis Cluster variant (deploy/k8s/redis-cluster: an overlay of deploy/k8s) ----
+
+CLUSTER = K8S / "redis-cluster"
+
+
+def _cluster_docs() -> list[tuple[str, dict]]:
+    out = []
+    for p in sorted(CLUSTER.glob("*.yaml")):
+        if p.name != "kustomization.yaml":
+            out += [(p.name, d) for d in yaml.safe_load_all(p.read_text()) if d]
+    return out
+
+
+CLUSTER_DOCS = _cluster_docs()
+
+
+def _cluster_one(kind: str, name: str) -> dict:
+    [d] = [d for _f, d in CLUSTER_DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    return d
+
+
+@pytest.mark.parametrize("doc", [d for f, d in CLUSTER_DOCS if f != "gateway-configmap.yaml"],
+                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_cluster_manifest_validates_against_kubernetes_schema(doc):
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    kubernetes_validate.validate(doc, latest_version(), strict=True)
+
+
+def test_cluster_overlay_replaces_redis_and_patches_the_config():
+    k = yaml.safe_load((CLUSTER / "kustomization.yaml").read_text())
+    assert k["resources"] == ["..", "redis-cluster.yaml"]
+    files = {p.name for p in CLUSTER.glob("*.yaml")} - {"kustomization.yaml"}
+    patched = {p["path"] for p in k["patches"] if "path" in p}
+    assert files == set(k["resources"][1:]) | patched
+    deleted = {(yaml.safe_load(p["patch"])["kind"], yaml.safe_load(p["patch"])["metadata"]["name"])
+               for p in k["patches"] if "patch" in p}
+    assert deleted == {("StatefulSet", "redis"), ("Service", "redis")}
+    [(_f, cm)] = [(f, d) for f, d in CLUSTER_DOCS if f == "gateway-configmap.yaml"]
+    assert cm["metadata"]["name"] == "rollout-gateway-config" and cm["kind"] == "ConfigMap"
+
+
+def test_cluster_settings_match_the_cluster():
+    """The patched ConfigMap is valid settings; its URLs name nodes of the StatefulSet on
+    its Service's port; the shards are a multiple of the masters the Job creates."""
+    from rollout_gateway.settings import GatewaySettings
+    from rollout_gateway.store.factory import store_from_url
+    from rollout_gateway.store.redis_streams import RedisStore
+    from rollout_proto.redis_url import parse_cluster_url
+
+    [(_f, patch)] = [(f, d) for f, d in CLUSTER_DOCS if f == "gateway-configmap.yaml"]
+    env = {**_config(), **patch["data"]}
+    mp = pytest.MonkeyPatch()
+    try:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        s = GatewaySettings()
+    finally:
+        mp.undo()
+    sts = _cluster_one("StatefulSet", "redis-cluster")["spec"]
+    svc = _cluster_one("Service", "redis-cluster")["spec"]
+    assert svc["clusterIP"] == "None" and sts["serviceName"] == "redis-cluster"
+    port = {p["name"]: p["port"] for p in svc["ports"]}["redis"]
+    hosts = {f"redis-cluster-{i}.redis-cluster" for i in range(sts["replicas"])}
+    for url in (s.store_url, s.registry_url):
+        t = parse_cluster_url(url)
+        assert t.nodes and all(h in hosts and p == port for h, p in t.nodes), t.nodes
+    [c] = sts["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--cluster-enabled") + 1] == "yes"
+    data = c["args"][c["args"].index("--dir") + 1]
+    assert {"name": "data", "mountPath": data} in c["volumeMounts"]
+    assert c["args"][c["args"].index("--cluster-config-file") + 1].startswith(data + "/")
+    [job] = _cluster_one("Job", "redis-cluster-create")["spec"]["template"]["spec"]["containers"]
+    script = job["args"][0]
+    per_master = 1 + int(re.search(r"--cluster-replicas (\d+)", script).group(1))
+    assert f"for i in {' '.join(map(str, range(sts['replicas'])))}; do" in script
+    masters = sts["replicas"] // per_master
+    assert s.store_shards % masters == 0 and s.store_shards >= masters
+    store = store_from_url(s.store_url, shards=s.store_shards)  # builds without connecting
+    assert isinstance(store, RedisStore) and store.shards == s.store_shards and store.cluster
+    asyncio.run(store.close())
+    pdb = _cluster_one("PodDisruptionBudget", "redis-cluster")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"]["matchLabels"] == sts["selector"]["matchLabels"]
+
+
+def test_hpa_scales_on_a_metric_the_gateway_exports():
+    hpa = _one("HorizontalPodAutoscaler", "rollout-gateway")["spec"]
+    pods = [m["pods"]["metric"]["name"] for m in hpa["metrics"] if m["type"] == "Pods"]
+    assert pods == ["rollout_gateway_inflight_samples"]
+    assert set(pods) <= _exported_metric_names()

@@ -33,3 +33,28 @@ def test_healthy_unhealthy_and_exited() -> None:
         proc.wait()
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     assert wait_healthy(dead, "http://127.0.0.1:1/health", 10) == "exited with code 3"
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
+    import socket
+
+    lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    for _ in range(20):
+        port = free_port()
+        assert not lo <= port <= hi  # outgoing connections never take it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_engine_start_failure_names_its_cause() -> None:
+    import socket
+
+    import pytest
+
+    from rollout_gateway.commands.engine_process import EngineProcess, EngineStartError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        with pytest.raises(EngineStartError, match="address already in use"):
+            EngineProcess(port=taken.getsockname()[1]).start()

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..base import TokenLoss
 from ..inputs import LossInputs
-from ..ops import LOG_RATIO_CLAMP, quantile_and_tail
+from ..ops import LOG_RATIO_CLAMP, gather, quantile_and_tail, scatter_
 from ..ppo import add_k3_kl
 from ..sat import SATConfig
 from .kernel import fused_token_loss, ppo_metrics, ppo_surrogate
@@ -45,15 +45,18 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
         box["q"] = q
         qf = float(q)
         fix = None
-        if qf > 0.0:
-            d_g = d.index_select(0, gate).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-            psi = (d_g.abs() / qf).pow_(p).add_(1.0).reciprocal_()
+        if qf > 0.0 and gate.numel():
+            d_g = gather(d, gate).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            # psi = 1 / (1 + (|d|/q)^p); for p = 2 the square drops the abs (same bits)
+            u = d_g.div(qf).square_() if p == 2.0 else d_g.abs().div_(qf).pow_(p)
+            psi = u.add_(1.0).reciprocal_()
             box["psi"], box["pos"] = psi, d_g > 0
 
             def fix(rc: Tensor, r: Tensor) -> None:
                 lo_g = psi.mul(-el).add_(1.0)
                 hi_g = psi.mul(eh).add_(1.0)
-                rc.index_copy_(0, gate, torch.clamp(r.index_select(0, gate), lo_g, hi_g))
+                r_g = gather(r, gate)
+                scatter_(rc, gate, torch.clamp(r_g, lo_g, hi_g, out=r_g))
 
         # |d|*m's buffer is free now: PPO's -A*m goes there (one [N] buffer less)
         a = adv.to(x.dtype)

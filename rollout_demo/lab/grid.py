@@ -1,7 +1,7 @@
-"""The staleness lab: train the toy MoE with a controlled lag and compare corrections.
+"""The first staleness lab's grid: train the toy MoE with a controlled lag, all corrections.
 
-    python -m rollout_demo.lab --out docs/lab            # the committed run (docs/lab.md)
-    python -m rollout_demo.lab --quick --out /tmp/lab     # a smoke run
+    python -m rollout_demo.lab --grid --out docs/lab/grid          # the first lab's run
+    python -m rollout_demo.lab --grid --quick --out /tmp/lab       # a smoke run
 
 In process (no engine processes, so the lag is exact): at optimizer step k the batch is
 sampled from the policy of version ``max(k - S, 0)`` (a frozen copy, run in bfloat16 while
@@ -18,7 +18,7 @@ learned and then unlearned).
 
 The learning-rate probe: for each loss and lag, the largest learning rate of a grid whose
 runs (all seeds) do not collapse (and end with reward at least ``--stable-reward``,
-default 0); the theory (SAT, arXiv 2605.12070) predicts it shrinks like 1/S.
+default 0); the staleness theory (arXiv 2607.01083) predicts it shrinks like 1/S.
 
 ``--summarize lab.json`` recomputes the table and plots from a finished run's curves.
 """
@@ -156,7 +156,7 @@ def run_one(spec: RunSpec, ckpt: Path) -> RunOut:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollout_demo.lab", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rollout_demo.lab --grid", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="lab-out")
     p.add_argument("--lags", default="1,4,8")

@@ -1,0 +1,184 @@
+"""A throwaway Redis Cluster on loopback for the tests: ``masters`` masters with one replica
+each, real ``redis-server --cluster-enabled yes`` processes, joined with
+``redis-cli --cluster create``, no persistence, a short node timeout (a master's death is
+noticed and its replica promoted in about two seconds)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+NODE_TIMEOUT_MS = 1000
+
+
+def _free_port() -> int:
+    """A port free for the node and for its cluster bus (port + 10000)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+    return subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+                          capture_output=True, text=True, timeout=timeout).stdout
+
+
+class LocalCluster:
+    """``with LocalCluster() as c: c.url`` -> ``redis+cluster://127.0.0.1:p1,...``."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+        for tool in ("redis-server", "redis-cli"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} not found (scripts/setup-env.sh installs Redis)")
+        self.n_masters, self.replicas = masters, replicas
+        self.dir = tempfile.mkdtemp(prefix="rg-cluster-")
+        self.ports: list[int] = []
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        live = [p for p in self.ports if self.procs[p].poll() is None]
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in live)
+
+    def start(self) -> LocalCluster:
+        n = self.n_masters * (1 + self.replicas)
+        self.ports = [_free_port() for _ in range(n)]
+        for p in self.ports:
+            self._spawn(p)
+        for p in self.ports:
+            self._wait_ping(p)
+        if self.n_masters == 1 and self.replicas == 0:
+            # redis-cli --cluster create wants 3 masters: one node takes every slot itself
+            _cli(self.ports[0], "cluster", "addslotsrange", "0", "16383")
+        else:
+            out = subprocess.run(
+                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+        self.wait_ok()
+        return self
+
+    def _spawn(self, port: int) -> None:
+        d = os.path.join(self.dir, str(port))
+        os.makedirs(d, exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+             # a replica takes over however long ago it last heard from its master
+             "--cluster-replica-validity-factor", "0",
+             # the first full sync at once (the default waits 5 s for more replicas)
+             "--repl-diskless-sync-delay", "0", "--save", "", "--appendonly",
+             "no", "--dir", d, "--logfile", os.path.join(d, "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _wait_ping(self, port: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if _cli(port, "ping").strip() == "PONG":
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on {port} did not start")
+
+    def nodes(self) -> list[dict]:
+        """CLUSTER NODES as seen by a live node: port, role, failed, slots."""
+        for p in self.ports:
+            if self.procs[p].poll() is None:
+                out = _cli(p, "cluster", "nodes")
+                if out.strip():
+                    break
+        rows = []
+        for line in out.strip().splitlines():
+            f = line.split()
+            rows.append({"port": int(f[1].split("@")[0].rsplit(":", 1)[1]),
+                         "master": "master" in f[2], "failed": "fail" in f[2],
+                         "slots": f[8:]})
+        return rows
+
+    def masters(self) -> list[int]:
+        return sorted(r["port"] for r in self.nodes()
+                      if r["master"] and not r["failed"] and r["slots"])
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving ``key``'s slot now."""
+        slot = int(_cli(self.ports[0] if self.procs[self.ports[0]].poll() is None
+                        else self.masters()[0], "cluster", "keyslot", key).strip())
+        for r in self.nodes():
+            if not r["master"] or r["failed"]:
+                continue
+            for rng in r["slots"]:
+                if rng.startswith("["):
+                    continue
+                lo, _, hi = rng.partition("-")
+                if int(lo) <= slot <= int(hi or lo):
+                    return r["port"]
+        raise RuntimeError(f"no master serves slot {slot}")
+
+    def wait_ok(self, timeout: float = 30.0, *, replicas: int | None = None) -> None:
+        """Every live node says cluster_state:ok, every slot has a live master and
+        ``replicas`` replicas (default: all started) have synced with their master."""
+        want = self.n_masters * self.replicas if replicas is None else replicas
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = [p for p in self.ports if self.procs[p].poll() is None]
+            if all("cluster_state:ok" in _cli(p, "cluster", "info") for p in live):
+                served = sum(len(r["slots"]) > 0 for r in self.nodes()
+                             if r["master"] and not r["failed"])
+                synced = sum("master_link_status:up" in _cli(p, "info", "replication")
+                             for p in live)
+                if served == self.n_masters and synced >= want:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis Cluster did not become ok")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (no goodbye: the others notice after the node timeout)."""
+        proc = self.procs[port]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def wait_promoted(self, dead: int, timeout: float = 30.0) -> None:
+        """The dead master's slots are served by a live master again."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.nodes()
+            if any(r["port"] == dead and r["failed"] for r in rows):
+                if len([r for r in rows if r["master"] and not r["failed"]
+                        and r["slots"]]) == self.n_masters:
+                    # the promoted replica has none of its own now
+                    self.wait_ok(timeout=max(1.0, deadline - time.monotonic()),
+                                 replicas=self.n_masters * self.replicas - 1)
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"no replica took over from master {dead}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,109 @@
+"""The lab's paired statistics, seed parsing, registry and report assembly (pure code)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rollout_demo.lab import registry, report
+from rollout_demo.lab.stats import PairedDiff, claim, paired_ci, parse_seeds, t_quantile, verdict
+
+
+def test_t_quantiles_match_the_tables():
+    # two-sided 95% critical values of Student's t (any statistics table)
+    for df, want in [(1, 12.7062), (2, 4.3027), (5, 2.5706), (10, 2.2281), (30, 2.0423)]:
+        assert t_quantile(0.975, df) == pytest.approx(want, abs=1e-4)
+    assert t_quantile(0.95, 5) == pytest.approx(2.0150, abs=1e-4)
+
+
+def test_paired_ci_is_a_t_interval_over_the_per_seed_differences():
+    a = [0.9, 0.8, 0.7, 0.85, 0.75, 0.95]
+    b = [0.5, 0.6, 0.4, 0.55, 0.45, 0.5]
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / 6
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 5)
+    r = paired_ci(a, b)
+    assert r.n == 6 and r.mean == pytest.approx(mean)
+    assert r.hi - r.mean == pytest.approx(2.5706 * sd / math.sqrt(6), rel=1e-4)
+    assert r.mean - r.lo == pytest.approx(r.hi - r.mean)
+    assert verdict(r) == "reproduced" and verdict(r, expect="less") == "not reproduced"
+    # pairing matters: a shift common to both methods per seed cancels
+    base = [0.1, 0.9, 0.3, 0.7, 0.2, 0.8]
+    tight = paired_ci([x + 0.05 for x in base], base)
+    assert tight.lo == pytest.approx(0.05) and tight.hi == pytest.approx(0.05)
+
+
+def test_verdicts_and_degenerate_inputs():
+    assert verdict(paired_ci([0.1, 0.5, 0.2], [0.3, 0.1, 0.25])) == "not distinguishable"
+    assert verdict(PairedDiff(-0.2, -0.3, -0.1, 6)) == "not reproduced"
+    assert verdict(PairedDiff(-0.2, -0.3, -0.1, 6), expect="less") == "reproduced"
+    one = paired_ci([1.0], [0.0])
+    assert one.n == 1 and math.isnan(one.lo) and verdict(one) == "not distinguishable"
+    with pytest.raises(ValueError):
+        paired_ci([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        paired_ci([float("nan"), 1.0], [0.0, 0.0])
+    c = claim("a beats b", "a", "b", "final_eval", [1, 2, 3], [0, 0.5, 1.5])
+    assert c["verdict"] == "reproduced" and c["n"] == 3 and c["ci"][0] > 0
+    json.dumps(c)
+    nd = claim("x beats y", "x", "y", "m", [1, 0, 1], [0, 1, 0.5])
+    text = report.verdict_summary({"claims": [c, nd]})
+    assert text.startswith("Reproduced") and "a beats b (+1.33" in text
+    assert "Not distinguishable at this scale: x beats y" in text
+
+
+def test_parse_seeds():
+    assert parse_seeds("0-5") == [0, 1, 2, 3, 4, 5]
+    assert parse_seeds("0,2,7-8") == [0, 2, 7, 8]
+    for bad in ["", "3-1", "1,1"]:
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+
+
+def test_report_puts_each_preset_under_its_paper_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "PRESETS", {})
+    for name, paper in [("b-theory", "theory"), ("a-sat", "sat")]:
+        registry.register(registry.Preset(
+            name=name, paper=paper, summary=f"{name} summary", cpu_minutes=1.0,
+            run=lambda ctx: {}, render=lambda r: report.claims_table(r)))
+        d = tmp_path / "lab" / name
+        d.mkdir(parents=True)
+        res = {"preset": name, "paper": paper, "commit": "abc", "seeds": [0, 1, 2],
+               "cpu_seconds": 60, "machine": {"cpu": "TestCPU", "torch": "x", "threads": 1},
+               "cells": [], "claims": [claim(f"{name} claim", "x", "y", "m", [1, 2, 3],
+                                             [0, 1, 2.5])]}
+        (d / "results.json").write_text(json.dumps(res))
+        (d / "rerun").mkdir()
+        (d / "rerun" / "results.json").write_text(json.dumps({**res, "seeds": [6, 7, 8]}))
+    (tmp_path / "lab" / "extra" / "sat").mkdir(parents=True)
+    (tmp_path / "lab" / "extra" / "sat" / "bench.md").write_text("### SAT bench by hand\n")
+    (tmp_path / "lab" / "extra" / "old.md").write_text("### Old grid\n")
+    out = report.write_report(tmp_path / "lab", registry.PRESETS)
+    text = out.read_text()
+    assert out == tmp_path / "lab.md"
+    assert text.index("## SAT") < text.index("a-sat claim") < text.index("## Theory") \
+        < text.index("b-theory claim")
+    assert text.index("a-sat claim") < text.index("SAT bench by hand") < text.index("## ESTR")
+    assert text.index("## Other measurements") < text.index("### Old grid")
+    assert "verdict, seeds 6-8 |" in text and "| reproduced (+0.83 [" in text
+    assert "TestCPU" in text and "seeds 0-2" in text
+    assert "_No committed results yet" in text  # the ESTR section, for one
+    with pytest.raises(ValueError):
+        registry.register(registry.Preset("a-sat", "sat", "again", 1, lambda c: {}, str))
+    with pytest.raises(ValueError):
+        registry.register(registry.Preset("z", "nopaper", "", 1, lambda c: {}, str))
+
+
+def test_a_results_directory_not_named_after_its_preset_is_a_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "PRESETS", {})
+    registry.register(registry.Preset("p", "sat", "s", 1.0, lambda c: {}, report.claims_table))
+    for d, seeds, b in [("p", [0, 1, 2], [0, 1, 2.5]), ("p-seeds-6-8", [6, 7, 8], [2, 2, 2])]:
+        (tmp_path / "lab" / d).mkdir(parents=True)
+        (tmp_path / "lab" / d / "results.json").write_text(json.dumps(
+            {"preset": "p", "paper": "sat", "seeds": seeds, "cells": [],
+             "claims": [claim("p claim", "x", "y", "m", [1, 2, 3], b)]}))
+    text = report.render_report(tmp_path / "lab", registry.PRESETS)
+    assert text.count("### `p`") == 1 and "verdict, seeds 6-8 |" in text
+    assert "not distinguishable (+0.00 [" in text
