@@ -722,6 +722,70 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ rows_json */
+
+/* rows_json(lps_text, ids_text, k) -> bytes: SGLang's logprob rows written from the two
+ * columns' JSON texts (orjson's "[a,b,...]" of the flat logprobs and ids, n > 0 numbers
+ * each): k == 0 gives [[lp,id,null],...], k > 0 rows of k entries [[[lp,id,null],...],...].
+ * Exactly LogprobRows.to_json's bytes (the same number texts, joined here instead of
+ * through a Python list of one bytes object per number). None when the texts do not hold
+ * the same count of numbers, n is not a multiple of k, or a text is not "[...]". */
+static PyObject *
+rows_json(PyObject *self, PyObject *args)
+{
+    Py_buffer a, b;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "y*y*n", &a, &b, &k)) return NULL;
+    PyObject *res = NULL;
+    const char *x = a.buf, *y = b.buf;
+    Py_ssize_t nx = a.len, ny = b.len;
+    if (k < 0 || nx < 3 || ny < 3 || x[0] != '[' || x[nx - 1] != ']' || y[0] != '[' ||
+        y[ny - 1] != ']') {
+        res = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t n = 1, m = 1;
+    for (Py_ssize_t i = 1; i < nx - 1; i++) n += x[i] == ',';
+    for (Py_ssize_t i = 1; i < ny - 1; i++) m += y[i] == ',';
+    if (n != m || (k > 0 && n % k)) { res = Py_NewRef(Py_None); goto done; }
+    /* numbers, their separators, per entry "[" "," ",null]" and "," (+ row brackets) */
+    Py_ssize_t size = (nx - 2) + (ny - 2) + n * 9 + 4 + (k > 0 ? 3 * (n / k) + 2 : 0);
+    res = PyBytes_FromStringAndSize(NULL, size);
+    if (res == NULL) goto done;
+    char *o = PyBytes_AS_STRING(res);
+    Py_ssize_t pos = 0, xi = 1, yi = 1;
+    o[pos++] = '[';
+    for (Py_ssize_t e = 0; e < n; e++) {
+        if (k > 0 && e % k == 0) {
+            if (e) o[pos++] = ',';
+            o[pos++] = '[';
+        } else if (e) {
+            o[pos++] = ',';
+        }
+        o[pos++] = '[';
+        Py_ssize_t xe = xi;
+        while (xe < nx - 1 && x[xe] != ',') xe++;
+        memcpy(o + pos, x + xi, (size_t)(xe - xi));
+        pos += xe - xi;
+        xi = xe + 1;
+        o[pos++] = ',';
+        Py_ssize_t ye = yi;
+        while (ye < ny - 1 && y[ye] != ',') ye++;
+        memcpy(o + pos, y + yi, (size_t)(ye - yi));
+        pos += ye - yi;
+        yi = ye + 1;
+        memcpy(o + pos, ",null]", 6);
+        pos += 6;
+        if (k > 0 && e % k == k - 1) o[pos++] = ']';
+    }
+    o[pos++] = ']';
+    if (_PyBytes_Resize(&res, pos) < 0) res = NULL;
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return res;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef methods[] = {
@@ -730,6 +794,8 @@ static PyMethodDef methods[] = {
     {"cut_columns", cut_columns, METH_O,
      "cut_columns(body) -> (ids | None, token rows | None, top rows | None) | None: "
      "output_ids, output_token_logprobs and output_top_logprobs as columns."},
+    {"rows_json", rows_json, METH_VARARGS,
+     "rows_json(lps_text, ids_text, k) -> bytes | None: logprob rows written from columns."},
     {"experts", experts, METH_VARARGS,
      "experts(buf, start, end, num_experts) -> (ids bytes | None, end): routed experts."},
     {NULL, NULL, 0, NULL},

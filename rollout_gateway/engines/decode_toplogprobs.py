@@ -106,6 +106,11 @@ class LogprobRows:
         n = self.logprobs.size
         if n == 0:
             return orjson.dumps(self.to_rows())
+        if native.impl is not None:  # the same number texts, joined in C
+            got = native.impl.rows_json(_text(self.logprobs), _text(self.ids),
+                                        self.k if self.logprobs.ndim == 2 else 0)
+            if got is not None:
+                return got
         k = max(self.k, 1)
         seps = [b",null],["] * n  # between two entries
         if self.logprobs.ndim == 2:
@@ -143,11 +148,14 @@ def cut_top(rows: LogprobRows | list, k: int) -> LogprobRows | list:
     return [r[:k] if r is not None else None for r in rows]
 
 
+def _text(arr: np.ndarray) -> bytes:
+    """The flat array's JSON, as orjson writes it (floats: shortest repr, -inf null)."""
+    return orjson.dumps(np.ascontiguousarray(arr).reshape(-1), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def _numbers(arr: np.ndarray) -> list[bytes]:
     """Each element's JSON text, as orjson writes it (floats: shortest repr, -inf null)."""
-    text = orjson.dumps(np.ascontiguousarray(arr).reshape(-1),
-                        option=orjson.OPT_SERIALIZE_NUMPY)
-    return text[1:-1].split(b",")
+    return _text(arr)[1:-1].split(b",")
 
 
 def parse_top_segment(seg: bytes) -> LogprobRows | None:

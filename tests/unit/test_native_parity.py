@@ -334,3 +334,33 @@ def test_cut_columns_on_every_truncation_and_duplicate_keys():
     mark = body[:-1] + b',"output_ids":"#col:0000000000000000i"}'  # a guessed mark: no effect
     (ka, a), (kb, b) = both(decode_generate, mark)
     assert ka == kb == "EngineError" and a == b
+
+
+# ------------------------------------------------------------------ rows_json (the writer)
+
+@FAST
+@given(t=st.integers(0, 6), k=st.integers(0, 4), two_d=st.booleans(),
+       values=st.lists(st.floats(allow_nan=True, allow_infinity=True) | st.just(-0.0),
+                       min_size=24, max_size=24),
+       ids=st.lists(st.integers(0, (1 << 31) - 1), min_size=24, max_size=24))
+def test_rows_written_from_columns_are_the_same_bytes(t, k, two_d, values, ids):
+    from rollout_gateway.engines.decode_toplogprobs import LogprobRows
+    shape = (t, k) if two_d else (t,)
+    size = t * k if two_d else t
+    rows = LogprobRows(np.array(values[:size], np.float64).reshape(shape),
+                       np.array(ids[:size], np.int64).reshape(shape))
+    (ka, a), (kb, b) = both(rows.to_json)
+    assert ka == kb == "ok" and a == b
+    assert orjson.loads(b) == orjson.loads(orjson.dumps(rows.to_rows()))
+
+
+def test_rows_json_declines_mismatched_texts():
+    rj = native.compiled().rows_json
+    assert rj(b"[1.5,2.5]", b"[1,2]", 0) == b"[[1.5,1,null],[2.5,2,null]]"
+    assert rj(b"[1.5,2.5]", b"[1,2]", 2) == b"[[[1.5,1,null],[2.5,2,null]]]"
+    assert rj(b"[1.5,2.5]", b"[1,2]", 1) == b"[[[1.5,1,null]],[[2.5,2,null]]]"
+    for args in [(b"[1.5]", b"[1,2]", 0), (b"[1,2,3]", b"[1,2,3]", 2), (b"[]", b"[]", 0),
+                 (b"1,2", b"[1,2]", 0), (b"[1,2]", b"[1,2]", -1)]:
+        assert rj(*args) is None
+    with pytest.raises(TypeError):
+        rj("[1]", b"[1]", 0)
