@@ -4,6 +4,7 @@ and the simulator's mechanics (exact lag, same-rate masks, held-out score)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from rollout_demo.lab import sim
 from rollout_demo.lab.__main__ import main
 from rollout_demo.lab.registry import RunContext, load_presets
 
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ("regime", "sat-anchor", "sat-small-lag", "estr-entropy")
 
 
@@ -94,3 +96,23 @@ def test_committed_lab_md_is_what_report_renders_from_the_committed_results(monk
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the text names the path given
     root = Path("docs/lab")
     assert render_report(root, load_presets()) == Path("docs/lab.md").read_text()
+
+
+def _poolable_results() -> list[str]:
+    """The committed results of every preset that states a ``claims`` function."""
+    presets = load_presets()
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "lab").glob(
+        "**/results.json") if presets[json.loads(p.read_text())["preset"]].claims)
+
+
+@pytest.mark.parametrize("path", _poolable_results())
+def test_a_presets_claims_function_restates_its_committed_claims(path):
+    """The report pools two seed sets' cells with the preset's ``claims``: on one set's
+    committed cells it must give exactly the claims that run stated."""
+    res = json.loads((ROOT / path).read_text())
+    got = load_presets()[res["preset"]].claims(res)
+    assert [c["claim"] for c in got] == [c["claim"] for c in res["claims"]]
+    for g, c in zip(got, res["claims"]):
+        assert g["verdict"] == c["verdict"] and g["n"] == c["n"]
+        assert g["mean_diff"] == pytest.approx(c["mean_diff"], abs=1e-12)
+        assert g["ci"] == pytest.approx(c["ci"], abs=1e-12)
