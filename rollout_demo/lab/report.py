@@ -53,8 +53,9 @@ def replicate(results: dict, rerun: dict,
     A claim keeps its verdict where the re-run states the same one. Where they differ, its
     verdict becomes :data:`NOT_ROBUST` and it gains ``seed_sets`` (each set's seeds, mean
     difference, CI and verdict) and ``pooled`` (the paired CI over both sets' seeds:
-    ``pool``, the preset's claims from its cells, on both sets' cells concatenated, which is
-    ``stats.paired_ci`` of the concatenated per-seed differences). Its ``mean_diff`` and
+    ``pool``, the preset's claims from its cells, on both sets' cells concatenated and their
+    per-seed maps merged, which is ``stats.paired_ci`` of the concatenated per-seed
+    differences). Its ``mean_diff`` and
     ``ci`` stay those of ``results``' own seeds.
     """
     again = {c["claim"]: c for c in rerun.get("claims", [])}
@@ -73,6 +74,12 @@ def replicate(results: dict, rerun: dict,
                          f"and {other}")
     both = {**results, "seeds": seeds + other,
             "cells": results.get("cells", []) + rerun.get("cells", [])}
+    for key, mine in results.items():  # per-seed records keyed by seed (estr's ``probe``)
+        theirs = rerun.get(key)
+        if (isinstance(mine, dict) and isinstance(theirs, dict)
+                and set(mine) == {str(x) for x in seeds}
+                and set(theirs) == {str(x) for x in other}):
+            both[key] = {**mine, **theirs}
     pooled = {c["claim"]: c for c in pool(both)}
     claims = []
     for c in results["claims"]:

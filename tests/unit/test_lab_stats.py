@@ -161,6 +161,13 @@ def test_a_claim_whose_seed_sets_disagree_is_not_robust_with_both_cis_and_the_po
     assert "Not robust (the two seed sets' verdicts differ): p claim (seeds 0-2: " in summary
     assert "reproduced; seeds 6-8: " in summary and "pooled seeds 0-2,6-8 (n 6): " in summary
     assert summary.startswith("Reproduced (95% CI excludes zero): q claim")
+    # per-seed records keyed by seed (e.g. estr's probe) reach the pool merged
+    seen: list[dict] = []
+    report.replicate({**a, "probe": {"0": 1, "1": 2, "2": 3}},
+                     {**b, "probe": {"6": 4, "7": 5, "8": 6}},
+                     lambda res: seen.append(res) or _cells_claims(res))
+    assert seen[0]["probe"] == {"0": 1, "1": 2, "2": 3, "6": 4, "7": 5, "8": 6}
+    assert len(seen[0]["cells"]) == len(a["cells"]) + len(b["cells"])
     # no flip: nothing pooled, no pooled column
     same = report.replicate(a, {**a, "seeds": [6, 7, 8]}, None)
     assert same["claims"] == a["claims"] and "pooled" not in report.claims_table(same)
