@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
+from redis.exceptions import RedisClusterException
 
 from learner_client.buffers import BufferPool
 from learner_client.errors import TrajectoryClientError
@@ -100,7 +101,8 @@ class StoreReader:
         for attempt in range(_CLUSTER_TRIES if self.cluster else 1):
             try:
                 return self._fetch(refs)
-            except (RespError, redis.RedisError, OSError, ValueError) as exc:
+            except (RespError, redis.RedisError, RedisClusterException, OSError,
+                    ValueError) as exc:
                 moved = isinstance(exc, RespError) and str(exc).startswith(_MOVED)
                 broken = isinstance(exc, (redis.ConnectionError, OSError, ConnectionError))
                 if not self.cluster or not (moved or broken) or attempt == _CLUSTER_TRIES - 1:
@@ -108,7 +110,7 @@ class StoreReader:
                 self._drop()
                 try:  # the slot map again (a failover promoted a replica)
                     self._r.nodes_manager.initialize()
-                except redis.RedisError:
+                except (redis.RedisError, RedisClusterException):
                     pass
         raise AssertionError("unreachable")
 
@@ -134,7 +136,7 @@ class StoreReader:
             code = "PERMISSION_DENIED" if str(exc).startswith("NOPERM") else "UNAVAILABLE"
             raise TrajectoryClientError(code, f"reading trajectories from the store: "
                                         f"{exc}") from None
-        except (redis.RedisError, OSError, ValueError) as exc:
+        except (redis.RedisError, RedisClusterException, OSError, ValueError) as exc:
             self._drop()
             raise TrajectoryClientError("UNAVAILABLE", f"reading trajectories from the "
                                         f"store failed: {exc}") from None

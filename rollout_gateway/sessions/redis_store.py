@@ -19,7 +19,7 @@ import time
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from rollout_gateway.core import trajectory_codec
 from rollout_gateway.errors import StoreError
@@ -171,7 +171,8 @@ class RedisSessionStore(SessionStore):
     async def _io(self, what: str):
         try:
             yield
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:  # the latter: a slot no node
+            # serves yet (a master died, its replica not promoted): retryable, 503
             raise StoreError(f"redis session {what} failed: {exc}") from exc
 
     async def claim(self, key, owner, lease_s, have):

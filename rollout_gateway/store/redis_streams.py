@@ -672,7 +672,7 @@ class RedisStore(TrajectoryStore):
                               idle=int(self.config.lease_seconds * 1000) + 1, retrycount=0,
                               justid=True)
             self._claim_cursor[(group, sh.index)] = "0-0"
-        except RedisError as exc:  # the lease still expires
+        except (RedisError, RedisClusterException) as exc:  # the lease still expires
             log.warning("could not release %d abandoned reads: %s", len(ids), exc)
 
     async def _require_group(self, group: str) -> None:

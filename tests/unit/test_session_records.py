@@ -111,3 +111,18 @@ async def test_memory_session_store_locks_leases_and_bounds():
     got = await st.claim(key, "e", 5, None)
     assert got.status == "ended" and got.ended_by == "end"
     assert await st.tenants_of("s") == ["t"] and await st.open_counts() == {}
+
+
+async def test_a_slot_no_node_serves_is_a_retryable_store_error():
+    """redis-py's cluster errors without a node (SlotNotCoveredError during a failover) are
+    not RedisErrors; the session store maps them to StoreError (503), not a 500."""
+    import pytest
+    from redis.exceptions import SlotNotCoveredError
+
+    from rollout_gateway.errors import StoreError
+    from rollout_gateway.sessions.redis_store import RedisSessionStore
+
+    store = RedisSessionStore.__new__(RedisSessionStore)  # _io needs no connection
+    with pytest.raises(StoreError, match="slot 7"):
+        async with store._io("claim"):
+            raise SlotNotCoveredError("slot 7 is not covered by the cluster")
