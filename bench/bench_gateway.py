@@ -59,6 +59,7 @@ from rollout_gateway.engines.decode import (  # noqa: E402
     decode_one,
 )
 from rollout_gateway.engines.decode_entropy import topk_entropy  # noqa: E402
+from rollout_gateway import native  # noqa: E402
 from rollout_gateway.engines import decode as decode_mod  # noqa: E402
 from rollout_gateway.engines import decode_experts  # noqa: E402
 from rollout_gateway.engines.decode_experts import decode_routed_experts  # noqa: E402
@@ -122,7 +123,8 @@ def decode_without_fast_paths(body: bytes, opts: DecodeOptions) -> Decoded:
     decode_mod.splice_top = lambda b, *_: (b, [])
     decode_experts._PY_CHUNK = 1 << 40
     try:
-        return decode_one(body, opts)
+        with native.using("python"):
+            return decode_one(body, opts)
     finally:
         decode_mod.splice_top, decode_experts._PY_CHUNK = saved
 
@@ -171,6 +173,10 @@ def part_a(rounds: int) -> list[dict[str, Any]]:
         def ours(b: bytes) -> None:
             stamp(decode_one(b, opt_of[id(b)]), f"t{next(it)}")
 
+        def python_plane(b: bytes) -> None:
+            with native.using("python"):
+                stamp(decode_one(b, opt_of[id(b)]), f"t{next(it)}")
+
         def base(b: bytes) -> None:
             stamp(naive_decode(b, opt_of[id(b)]), f"t{next(it)}")
 
@@ -181,8 +187,11 @@ def part_a(rounds: int) -> list[dict[str, Any]]:
             x = stamp(decode_one(b, opt_of[id(b)]), "a")
             y = stamp(naive_decode(b, opt_of[id(b)]), "b")
             z = stamp(decode_without_fast_paths(b, opt_of[id(b)]), "c")
+            with native.using("python"):
+                w = stamp(decode_one(b, opt_of[id(b)]), "d")
             for col in ("token_ids", "logprobs", "entropy"):  # fast paths: bit-identical
                 assert getattr(x.tokens, col).tobytes() == getattr(z.tokens, col).tobytes()
+                assert getattr(x.tokens, col).tobytes() == getattr(w.tokens, col).tobytes()
             assert (x.routed_experts is None
                     or x.routed_experts.data.tobytes() == z.routed_experts.data.tobytes())
             assert np.array_equal(x.tokens.token_ids, y.tokens.token_ids)
@@ -191,10 +200,12 @@ def part_a(rounds: int) -> list[dict[str, Any]]:
             assert (x.routed_experts is None) == (y.routed_experts is None)
             if x.routed_experts is not None:
                 assert np.array_equal(x.routed_experts.data, y.routed_experts.data)
-        t_ours, t_slow, t_naive, t_parse, t_copy = _best(
-            [ours, slow, base, orjson.loads, lambda b: bytes(bytearray(b))], bodies, rounds)
-        rows.append({"scenario": name, "MB": mb, "tokens": tokens,
-                     "ours_tok_s": tokens / t_ours, "slow_tok_s": tokens / t_slow,
+        t_ours, t_py, t_slow, t_naive, t_parse, t_copy = _best(
+            [ours, python_plane, slow, base, orjson.loads, lambda b: bytes(bytearray(b))],
+            bodies, rounds)
+        rows.append({"scenario": name, "MB": mb, "tokens": tokens, "plane": native.data_plane(),
+                     "ours_tok_s": tokens / t_ours, "python_tok_s": tokens / t_py,
+                     "slow_tok_s": tokens / t_slow,
                      "naive_tok_s": tokens / t_naive,
                      "parse_tok_s": tokens / t_parse, "memcpy_tok_s": tokens / t_copy})
     return rows
@@ -220,6 +231,9 @@ def part_a_wire(rounds: int) -> list[tuple[str, float, float]]:
         finally:
             decode_experts.USE_PYBASE64 = decode_experts.pybase64 is not None
 
+    def native_c(b: bytes) -> None:
+        assert native.compiled().experts(b, 0, len(b), EXPERTS)[0] is not None
+
     def binascii_i32(b: bytes) -> None:
         flat = np.frombuffer(binascii.a2b_base64(b), "<i4")
         assert flat.min() >= 0 and flat.max() < EXPERTS
@@ -237,6 +251,8 @@ def part_a_wire(rounds: int) -> list[tuple[str, float, float]]:
     for name, fn, data in [
             ("int32 base64 (SGLang): engines.decode (pybase64)", ours, b64_i32),
             ("int32 base64 (SGLang): numpy fallback path", ours_numpy, b64_i32),
+            *([("int32 base64 (SGLang): native C (used without pybase64)", native_c, b64_i32)]
+              if native.built() else []),
             ("int32 base64 (SGLang): stdlib binascii+astype", binascii_i32, b64_i32),
             ("uint8 base64 (if an engine sent it)", b64_uint8, b64_u8),
             ("uint8 raw bytes (binary side channel)", raw_uint8, raw_u8)]:
@@ -260,7 +276,11 @@ def print_a(rows: list[dict[str, Any]], rep=None) -> None:
     if rep is not None:
         for r in rows:
             sec = "A. hot path on one core (decode + stamp + Trajectory), stamped tok per CPU-s"
-            rep.row(sec, f"{r['scenario']}: engines.decode", r["ours_tok_s"], "tok/CPU-s")
+            rep.row(sec, f"{r['scenario']}: engines.decode ({r['plane']} data plane)",
+                    r["ours_tok_s"], "tok/CPU-s")
+            rep.row(sec, f"{r['scenario']}: engines.decode (python data plane)",
+                    r["python_tok_s"], "tok/CPU-s", ratio=r["ours_tok_s"] / r["python_tok_s"],
+                    ratio_to=f"{r['plane']} / python")
             rep.row(sec, f"{r['scenario']}: straightforward decoder", r["naive_tok_s"],
                     "tok/CPU-s", ratio=r["ours_tok_s"] / r["naive_tok_s"],
                     ratio_to="engines.decode / this")
@@ -269,13 +289,18 @@ def print_a(rows: list[dict[str, Any]], rep=None) -> None:
                          unit="tok/CPU-s")
     print("\nA. hot path on one core: decode + stamp + Trajectory, output tokens per CPU-second "
           f"(mix {MIX}, {LAYERS} layers x top-{TOPK})")
-    print(f"{'scenario':40s} {'MB':>6s} {'ours':>10s} {'no fast':>10s} {'x':>6s} "
+    print(f"{'scenario':40s} {'MB':>6s} {'ours':>10s} {'python':>10s} {'x':>6s} "
+          f"{'no fast':>10s} {'x':>6s} "
           f"{'naive':>10s} {'x naive':>8s} {'parse':>10s} {'memcpy':>10s}")
     for r in rows:
         print(f"{r['scenario']:40s} {r['MB']:6.1f} {r['ours_tok_s'] / 1e6:9.2f}M "
+              f"{r['python_tok_s'] / 1e6:9.2f}M {r['ours_tok_s'] / r['python_tok_s']:5.2f}x "
               f"{r['slow_tok_s'] / 1e6:9.2f}M {r['ours_tok_s'] / r['slow_tok_s']:5.2f}x "
               f"{r['naive_tok_s'] / 1e6:9.2f}M {r['ours_tok_s'] / r['naive_tok_s']:7.2f}x "
               f"{r['parse_tok_s'] / 1e6:9.2f}M {r['memcpy_tok_s'] / 1e6:9.2f}M")
+    print(f"  ours = engines.decode on the {rows[0]['plane'] if rows else '?'} data plane; "
+          "python = the same on the pure-Python data plane (ROLLOUT_GATEWAY_DATA_PLANE=python; "
+          "results bit-identical)")
     print("  ours/naive = engines.decode / a straightforward decoder (orjson + numpy on parsed "
           "lists + b64decode), each + core.stamping + Trajectory; no fast = engines.decode with "
           "its byte-level fast paths off (top-k cut + flat parse, routed experts decoded in "
@@ -391,14 +416,17 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
         _wait_http(engine + "/health", procs[0])
         targets: dict[str, tuple[str, subprocess.Popen | None]] = {"direct": (engine, None)}
         for name, streamed, fast in (("streamed", True, True), ("non-streamed", False, True),
-                                     ("streamed, asyncio+h11", True, False)):
+                                     ("streamed, asyncio+h11", True, False),
+                                     ("streamed, python data plane", True, True)):
             g_port = _free_port()
+            plane = "python" if "python data plane" in name else "auto"
             gw = subprocess.Popen(
                 [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
                  "--port", str(g_port), "--grpc-host", "127.0.0.1", "--grpc-port", "0",
                  "--engine", f"replay={engine}", "--log-level", "warning"],
                 env=dict(env, ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(streamed).lower(),
-                         ROLLOUT_GATEWAY_FAST_IO=str(fast).lower()),
+                         ROLLOUT_GATEWAY_FAST_IO=str(fast).lower(),
+                         ROLLOUT_GATEWAY_DATA_PLANE=plane),
                 stdout=subprocess.DEVNULL)
             procs.append(gw)
             targets[name] = (f"http://127.0.0.1:{g_port}", gw)
@@ -453,6 +481,8 @@ B_LABELS = {"direct": "direct to replay engine",
             "streamed": "gateway /generate, engines read streamed (default)",
             "non-streamed": "gateway /generate, engines read non-streamed",
             "streamed, asyncio+h11": "gateway /generate, streamed, fast_io off (asyncio + h11)",
+            "streamed, python data plane": "gateway /generate, streamed, python data plane "
+                                           "(ROLLOUT_GATEWAY_DATA_PLANE=python)",
             "v1/rollouts": "gateway /v1/rollouts (default settings: streamed, top-5)"}
 
 

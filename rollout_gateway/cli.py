@@ -30,9 +30,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         description="Rollout middleware for asynchronous RL (per-token provenance, hot-swap, "
         "trajectory streaming).",
     )
-    from rollout_gateway import __version__
+    from rollout_gateway import __version__, native
 
-    parser.add_argument("--version", action="version", version=f"rollout-gateway {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"rollout-gateway {__version__}; {native.describe()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():

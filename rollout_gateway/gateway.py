@@ -12,6 +12,7 @@ import os
 import socket
 import time
 
+from rollout_gateway import native
 from rollout_gateway.aio import cancel_and_wait
 from rollout_gateway.auth import Authenticator
 from rollout_gateway.engines.discovery import DnsDiscovery, Resolver
@@ -49,6 +50,7 @@ class Gateway:
                  registry: VersionRegistry | None = None,
                  resolver: Resolver | None = None) -> None:
         s = self.settings = settings
+        native.select(s.data_plane)  # the engine-answer parsers (raises if native is missing)
         self.auth = Authenticator.from_settings(s)
         # ---- state shared by every replica: trajectories, versions ----
         self._own_store, self._own_registry = store is None, registry is None

@@ -14,7 +14,7 @@ import os
 import tomllib
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -356,6 +356,13 @@ class GatewaySettings(BaseSettings):
         default=True, description="Serve on the uvloop event loop with uvicorn's httptools "
         "HTTP parser (both C; base dependencies). false: the stdlib asyncio loop and h11, "
         "e.g. to compare (bench/bench_gateway.py measures both side by side).")
+    data_plane: Literal["auto", "native", "python"] = Field(
+        default="auto", description="Which parsers decode engine answers: the compiled ones "
+        "(rollout_gateway/_native.c, built by pip install with the machine's C compiler) or "
+        "the pure-Python reference (same results, slower). auto: native when built (a failed "
+        "build falls back silently at install; --version and status say which runs); "
+        "python: force the reference, e.g. to debug or compare; native: refuse to start "
+        "without the compiled module.")
     health_interval_s: float = Field(default=2.0, gt=0, le=3600,
                                      description="Seconds between engine health probes.")
     unhealthy_after: int = Field(default=2, ge=1, le=100,

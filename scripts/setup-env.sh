@@ -13,3 +13,6 @@ fi
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[${extras}]"
+# the compiled data plane (setup.py builds rollout_gateway/_native.c; a failed build leaves
+# the pure-Python one, with the same results): say which one this install runs
+python -c 'from rollout_gateway import native; print("rollout-gateway", native.describe())'

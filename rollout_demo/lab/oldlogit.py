@@ -265,10 +265,9 @@ def run_preset(ctx: RunContext) -> dict:
 
 def verdict_text(res: dict) -> str:
     """One sentence per claim from its own CI, then the EWMA reset count."""
-    out = []
-    for c in res["claims"]:
-        out.append(f"{c['claim']}: {c['mean_diff']:+.3f} [{c['ci'][0]:+.3f}, "
-                   f"{c['ci'][1]:+.3f}], **{c['verdict']}**")
+    from rollout_demo.lab.report import claim_numbers
+
+    out = [f"{c['claim']}: {claim_numbers(c, 3)}, **{c['verdict']}**" for c in res["claims"]]
     resets = [c["diagnostics"]["resets"] for c in res["cells"] if c["method"] == "ewma"]
     steps = res["settings"]["steps"]
     txt = "; ".join(out) + "."
@@ -343,4 +342,5 @@ register(Preset(
     name="old-logits", paper="old_logits",
     summary="exact pi_old vs RevisedPPOEWMA vs log-linear vs current vs bypass, "
             "mixed-version rollouts",
-    cpu_minutes=1.5, run=run_preset, render=render))
+    cpu_minutes=1.5, run=run_preset, render=render,
+    claims=lambda res: old_logit_claims(res["cells"], res["seeds"], res["settings"]["lags"])))

@@ -33,17 +33,23 @@ def run(ctx: RunContext) -> dict:
     if ctx.quick:
         cfgs = [sim.quick(c) for c in (cfgs[len(LAGS)], cfgs[-1])]
     cells = sim.grid([GRPO], cfgs, ctx.seeds, ctx.progress)
-    claims = []
+    return {"cells": cells, "claims": claims({"cells": cells}), "settings": {
+            "lags": list(LAGS), "lrs": list(LRS),
+            "base": {k: v for k, v in vars(BASE).items() if k != "task"},
+            "method": vars(GRPO)}}
+
+
+def claims(res: dict) -> list[dict]:
+    """The preset's paired claims from ``res["cells"]`` (lag 0 against each lag, per lr)."""
+    cells, out = res["cells"], []
     for lr in LRS:
         for s in LAGS[1:]:
             a = sim.values(cells, method="grpo", lag=0, lr=lr)
             b = sim.values(cells, method="grpo", lag=s, lr=lr)
             if a and b:
-                claims.append(claim(f"staleness hurts GRPO at lr {lr:g}: lag 0 beats lag {s}",
-                                    "lag 0", f"lag {s}", "final held-out reward", a, b))
-    return {"cells": cells, "claims": claims, "settings": {"lags": list(LAGS),
-            "lrs": list(LRS), "base": {k: v for k, v in vars(BASE).items() if k != "task"},
-            "method": vars(GRPO)}}
+                out.append(claim(f"staleness hurts GRPO at lr {lr:g}: lag 0 beats lag {s}",
+                                 "lag 0", f"lag {s}", "final held-out reward", a, b))
+    return out
 
 
 def render(res: dict) -> str:
@@ -69,4 +75,4 @@ def render(res: dict) -> str:
 
 register(Preset(name="regime", paper="regime",
                 summary="GRPO (no KL) at lags 0/4/16 and two learning rates: where staleness hurts",
-                cpu_minutes=1.2, run=run, render=render))
+                cpu_minutes=1.2, run=run, render=render, claims=claims))

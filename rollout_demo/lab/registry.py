@@ -65,6 +65,10 @@ class Preset:
     render: Callable[[dict], str]  # markdown section body for docs/lab.md from results
     #: the default seeds of a committed run (the statistics rule asks for 6 or more)
     default_seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
+    #: the claims of a results dict recomputed from its ``cells`` (and ``seeds``,
+    #: ``settings``), the same as ``run`` states them; the report calls it on two seed sets'
+    #: cells concatenated to pool a claim that flips between them (None: not poolable)
+    claims: Callable[[dict], list[dict]] | None = None
 
 
 PRESETS: dict[str, Preset] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from rollout_demo.lab.registry import PAPERS, Preset
@@ -17,6 +18,8 @@ RESULTS = "results.json"
 PLOT = "curves.png"
 #: ``<preset>/rerun/results.json``: the preset run again on other seeds (verdict check)
 RERUN = "rerun"
+#: the stated verdict of a claim whose two seed sets give different verdicts
+NOT_ROBUST = "not robust (flips between seed sets)"
 
 HEADER = """# The staleness lab
 
@@ -32,12 +35,78 @@ when it excludes zero in the other, and **not distinguishable at this scale** ot
 Scores are held-out evaluations of the current policy, never the (stale) training batch.
 Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`, or a
 directory `{root}/<preset>-...` holding the same preset's results), its claims table shows
-that run's verdicts beside.
+that run's verdicts beside, and a claim keeps its verdict only where both seed sets give the
+same one: where they disagree it is stated as **{not_robust}**, with both
+sets' CIs and the paired CI pooled over both sets' seeds (the per-seed differences of the
+two sets together, computed from the committed cells).
 Hand-written sections (measurements that are no preset) live in `{root}/extra/`.
 Each section names the CPU that ran it; only one CPU kind was at hand for these runs, so
 whether the verdicts hold on another CPU kind is not checked (the runs are seeded and
 deterministic on one kind; float results may differ on another).
 """
+
+
+def replicate(results: dict, rerun: dict,
+              pool: Callable[[dict], list[dict]] | None) -> dict:
+    """``results`` under the replication rule, given ``rerun`` (the same preset on other seeds).
+
+    A claim keeps its verdict where the re-run states the same one. Where they differ, its
+    verdict becomes :data:`NOT_ROBUST` and it gains ``seed_sets`` (each set's seeds, mean
+    difference, CI and verdict) and ``pooled`` (the paired CI over both sets' seeds:
+    ``pool``, the preset's claims from its cells, on both sets' cells concatenated and their
+    per-seed maps merged, which is ``stats.paired_ci`` of the concatenated per-seed
+    differences). Its ``mean_diff`` and
+    ``ci`` stay those of ``results``' own seeds.
+    """
+    again = {c["claim"]: c for c in rerun.get("claims", [])}
+    flips = [c["claim"] for c in results.get("claims", [])
+             if c["claim"] in again and again[c["claim"]]["verdict"] != c["verdict"]]
+    out = {**results, "rerun": rerun}
+    if not flips:
+        return out
+    name = results.get("preset", "?")
+    if pool is None:
+        raise SystemExit(f"preset {name!r}: claims {flips} flip between seed sets and the "
+                         "preset has no `claims` function to pool its cells")
+    seeds, other = list(results.get("seeds", [])), list(rerun.get("seeds", []))
+    if not seeds or not other or set(seeds) & set(other):
+        raise SystemExit(f"preset {name!r}: a re-run must use other seeds, got {seeds} "
+                         f"and {other}")
+    both = {**results, "seeds": seeds + other,
+            "cells": results.get("cells", []) + rerun.get("cells", [])}
+    for key, mine in results.items():  # per-seed records keyed by seed (estr's ``probe``)
+        theirs = rerun.get(key)
+        if (isinstance(mine, dict) and isinstance(theirs, dict)
+                and set(mine) == {str(x) for x in seeds}
+                and set(theirs) == {str(x) for x in other}):
+            both[key] = {**mine, **theirs}
+    pooled = {c["claim"]: c for c in pool(both)}
+    claims = []
+    for c in results["claims"]:
+        if c["claim"] in flips:
+            o, p = again[c["claim"]], pooled[c["claim"]]
+            c = {**c, "verdict": NOT_ROBUST,
+                 "seed_sets": [{"seeds": s, "mean_diff": x["mean_diff"], "ci": x["ci"],
+                                "n": x["n"], "verdict": x["verdict"]}
+                               for s, x in ((seeds, c), (other, o))],
+                 "pooled": {"seeds": seeds + other, "mean_diff": p["mean_diff"],
+                            "ci": p["ci"], "n": p["n"], "verdict": p["verdict"]}}
+        claims.append(c)
+    return {**out, "claims": claims}
+
+
+def claim_numbers(c: dict, digits: int = 2) -> str:
+    """A claim's mean difference and CI; for a :data:`NOT_ROBUST` claim each seed set's with
+    its verdict, then the pooled CI."""
+    def ci(x: dict) -> str:
+        return f"{fmt(x['mean_diff'], digits)} [{fmt(x['ci'][0], digits)}, " \
+               f"{fmt(x['ci'][1], digits)}]"
+    if c["verdict"] != NOT_ROBUST:
+        return ci(c)
+    sets = "; ".join(f"seeds {_seed_span(s['seeds'])}: {ci(s)} {s['verdict']}"
+                     for s in c["seed_sets"])
+    p = c["pooled"]
+    return f"{sets}; pooled seeds {_seed_span(p['seeds'])} (n {p['n']}): {ci(p)}"
 
 
 def cell(text: str) -> str:
@@ -54,18 +123,30 @@ def claims_table(results: dict) -> str:
     a re-run on other seeds attached (``rerun``, see :func:`render_report`), its verdict too."""
     rerun = results.get("rerun")
     again = {c["claim"]: c for c in (rerun or {}).get("claims", [])}
+    pooled = [c["pooled"] for c in results.get("claims", []) if c["verdict"] == NOT_ROBUST]
     extra = f" verdict, seeds {_seed_span(rerun['seeds'])} |" if rerun else ""
+    if pooled:
+        extra += f" pooled, seeds {_seed_span(pooled[0]['seeds'])} |"
     rows = ["| claim | a - b | metric | mean diff | 95% CI | n | verdict |" + extra,
-            "|---|---|---|---|---|---|---|" + ("---|" if rerun else "")]
+            "|---|---|---|---|---|---|---|" + ("---|" if rerun else "")
+            + ("---|" if pooled else "")]
     for c in results.get("claims", []):
         lo, hi = c["ci"]
+        verdict = c["verdict"]
+        if verdict == NOT_ROBUST:  # the claim's own seeds' verdict stays visible
+            verdict += f"; seeds {_seed_span(c['seed_sets'][0]['seeds'])}: " \
+                       f"{c['seed_sets'][0]['verdict']}"
         row = (f"| {cell(c['claim'])} | {cell(c['a'])} - {cell(c['b'])} | {cell(c['metric'])} | "
                f"{fmt(c['mean_diff'])} | [{fmt(lo)}, {fmt(hi)}] | {c['n']} | "
-               f"**{c['verdict']}** |")
+               f"**{verdict}** |")
         if rerun:
             o = again.get(c["claim"])
             row += (f" {o['verdict']} ({fmt(o['mean_diff'], 2)} [{fmt(o['ci'][0], 2)}, "
                     f"{fmt(o['ci'][1], 2)}]) |" if o else " - |")
+        if pooled:
+            p = c.get("pooled")
+            row += (f" {fmt(p['mean_diff'], 2)} [{fmt(p['ci'][0], 2)}, {fmt(p['ci'][1], 2)}]"
+                    f", n {p['n']} |" if p else " - |")
         rows.append(row)
     return "\n".join(rows) + "\n"
 
@@ -79,9 +160,14 @@ def provenance(results: dict) -> str:
 
 
 def _seed_span(seeds: list[int]) -> str:
-    if seeds and seeds == list(range(seeds[0], seeds[-1] + 1)):
-        return f"{seeds[0]}-{seeds[-1]}"
-    return ",".join(map(str, seeds))
+    """``[0, 1, 2, 6, 7, 8]`` -> ``"0-2,6-8"`` (runs of consecutive seeds as ranges)."""
+    runs: list[list[int]] = []
+    for s in seeds:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
 
 
 def collect(root: Path) -> list[dict]:
@@ -100,7 +186,7 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
     primary = {r["preset"] for r in found if r["_dir"] == r["preset"]}
     reruns = {r["preset"]: r for r in found if r["_dir"] != r["preset"] and r["preset"] in primary}
     found = [r for r in found if r["_dir"] == r["preset"] or r["preset"] not in primary]
-    parts = [HEADER.format(root=root.as_posix())]
+    parts = [HEADER.format(root=root.as_posix(), not_robust=NOT_ROBUST)]
     closing = []
     for paper, title in PAPERS.items():
         mine = [r for r in found if presets[r["preset"]].paper == paper]
@@ -110,14 +196,16 @@ def render_report(root: Path, presets: dict[str, Preset]) -> str:
         for r in mine:
             p = presets[r["preset"]]
             rerun = root / p.name / RERUN / RESULTS
-            if rerun.exists():  # the same preset on other seeds: its verdicts beside
-                r = {**r, "rerun": json.loads(rerun.read_text())}
+            if rerun.exists():  # the same preset on other seeds: the replication rule
+                r = replicate(r, json.loads(rerun.read_text()), p.claims)
             elif p.name in reruns:
-                r = {**r, "rerun": reruns[p.name]}
+                r = replicate(r, reruns[p.name], p.claims)
             closing.append(_rerun_line(r))
             parts.append(f"### `{p.name}`: {p.summary}\n")
             parts.append(provenance(r))
             parts.append(p.render(r).rstrip() + "\n")
+            if r.get("rerun"):
+                parts.append("**Replication.** " + _rerun_line(r)[2:] + "\n")
             plot = root / r["_dir"] / PLOT
             if not plot.exists():  # results committed without their plot: draw it
                 plot_curves(r, plot)
@@ -140,17 +228,24 @@ def _rerun_line(r: dict) -> str:
         return f"- `{r['preset']}`: not re-run on other seeds."
     again = {c["claim"]: c["verdict"] for c in rerun.get("claims", [])}
     same = [c for c in r.get("claims", []) if again.get(c["claim"]) == c["verdict"]]
-    differ = [c["claim"] for c in r.get("claims", []) if c["claim"] in again
+    differ = [c for c in r.get("claims", []) if c["claim"] in again
               and again[c["claim"]] != c["verdict"]]
     line = (f"- `{r['preset']}`: re-run on seeds {_seed_span(rerun.get('seeds', []))}: "
             f"{len(same)} of {len(r.get('claims', []))} verdicts the same")
-    return line + (f"; differ: {'; '.join(differ)}." if differ else ".")
+    if not differ:
+        return line + "."
+    return line + (f"; {len(differ)} stated as {NOT_ROBUST} (both sets' CIs and the pooled "
+                   f"CI in the section's verdict): " + "; ".join(c["claim"] for c in differ)
+                   + ".")
 
 
 def _extras(folder: Path) -> list[str]:
     """Where a preset was run again on other seeds (`{root}/<preset>/rerun/results.json`, or a
 directory `{root}/<preset>-...` holding the same preset's results), its claims table shows
-that run's verdicts beside.
+that run's verdicts beside, and a claim keeps its verdict only where both seed sets give the
+same one: where they disagree it is stated as **{not_robust}**, with both
+sets' CIs and the paired CI pooled over both sets' seeds (the per-seed differences of the
+two sets together, computed from the committed cells).
 Hand-written sections kept beside the generated ones: ``extra/<paper>/*.md`` under
     that paper's section, ``extra/*.md`` at the end (measurements that are no preset)."""
     return [f.read_text().rstrip() + "\n" for f in sorted(folder.glob("*.md"))]
@@ -243,9 +338,9 @@ def verdict_summary(results: dict, keys: tuple[str, ...] | None = None) -> str:
     out = []
     for v, word in [("reproduced", "Reproduced (95% CI excludes zero)"),
                     ("not reproduced", "Not reproduced (CI excludes zero the other way)"),
-                    ("not distinguishable", "Not distinguishable at this scale")]:
-        sel = [f"{c['claim']} ({fmt(c['mean_diff'], 2)} [{fmt(c['ci'][0], 2)}, "
-               f"{fmt(c['ci'][1], 2)}])" for c in cs if c["verdict"] == v]
+                    ("not distinguishable", "Not distinguishable at this scale"),
+                    (NOT_ROBUST, "Not robust (the two seed sets' verdicts differ)")]:
+        sel = [f"{c['claim']} ({claim_numbers(c)})" for c in cs if c["verdict"] == v]
         if sel:
             out.append(f"{word}: " + "; ".join(sel) + ".")
     return " ".join(out) if out else "No claims."

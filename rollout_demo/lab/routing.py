@@ -276,20 +276,25 @@ def run(ctx: RunContext) -> dict:
                                  f"|log pi - log mu| {c['diagnostics']['mismatch_mean']:.4f}")
     finally:
         shutil.rmtree(ctx.out / ".ckpt-v0", ignore_errors=True)
-    claims = []
+    res = {"settings": asdict(s), "cells": cells}
+    return {**res, "claims": claims({**res, "seeds": ctx.seeds})}
+
+
+def claims(res: dict) -> list[dict]:
+    """The preset's paired claims from ``res["cells"]``: R3 on against off, per learner."""
+    cells, seeds, steps, out = res["cells"], res["seeds"], res["settings"]["steps"], []
     for kind in LEARNERS:
         on, off = f"{kind} R3 on", f"{kind} R3 off"
-        claims.append(claim(
+        out.append(claim(
             f"{kind} learner: R3 removes the routing part of the train-inference mismatch",
             off, on, "mean abs(log pi - log mu) before each step",
-            _values(cells, off, "mismatch_mean", ctx.seeds),
-            _values(cells, on, "mismatch_mean", ctx.seeds)))
-        claims.append(claim(
-            f"{kind} learner: with R3 the deployed policy learns more in {s.steps} steps",
-            on, off, f"held-out expected reward after {s.steps} steps",
-            _values(cells, on, "final_eval", ctx.seeds),
-            _values(cells, off, "final_eval", ctx.seeds)))
-    return {"settings": asdict(s), "cells": cells, "claims": claims}
+            _values(cells, off, "mismatch_mean", seeds),
+            _values(cells, on, "mismatch_mean", seeds)))
+        out.append(claim(
+            f"{kind} learner: with R3 the deployed policy learns more in {steps} steps",
+            on, off, f"held-out expected reward after {steps} steps",
+            _values(cells, on, "final_eval", seeds), _values(cells, off, "final_eval", seeds)))
+    return out
 
 
 def _mean_ci(values: list[float]) -> str:
@@ -365,4 +370,4 @@ than a production engine's; only lag 0 (routing alone), one loss, one bias scale
 register(Preset(
     name="routing-replay", paper="routing",
     summary="R3 on vs off under a biased inference router, torch and Megatron learners",
-    cpu_minutes=3.5, run=run, render=render))
+    cpu_minutes=3.5, run=run, render=render, claims=claims))

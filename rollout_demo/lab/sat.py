@@ -44,16 +44,22 @@ def run(ctx: RunContext, lags: tuple[int, ...] = LAGS, lr: float = LR,
     if ctx.quick:
         cfgs, methods = [sim.quick(cfgs[-1])], [m for m in methods if m.label != "grpo"][:2]
     cells = sim.grid(methods, cfgs, ctx.seeds, ctx.progress)
-    claims = []
-    for s in lags:
+    settings = {"lags": list(lags), "lr": lr, "eps": EPS,
+                "base": {k: v for k, v in vars(BASE).items() if k != "task"}}
+    return {"cells": cells, "claims": claims({"cells": cells, "settings": settings}),
+            "settings": settings}
+
+
+def claims(res: dict) -> list[dict]:
+    """The preset's paired claims from ``res["cells"]``: each pair of :data:`PAIRS` per lag."""
+    cells, out = res["cells"], []
+    for s in res["settings"]["lags"]:
         for a, b in PAIRS:
             va, vb = (sim.values(cells, method=m, lag=s) for m in (a, b))
             if va and vb:
-                claims.append(claim(f"{a} beats {b} at lag {s}", a, b,
-                                    "final held-out reward", va, vb))
-    return {"cells": cells, "claims": claims,
-            "settings": {"lags": list(lags), "lr": lr, "eps": EPS,
-                         "base": {k: v for k, v in vars(BASE).items() if k != "task"}}}
+                out.append(claim(f"{a} beats {b} at lag {s}", a, b,
+                                 "final held-out reward", va, vb))
+    return out
 
 
 def render(res: dict) -> str:
@@ -112,7 +118,7 @@ def run_small(ctx: RunContext) -> dict:
 register(Preset(name="sat-small-lag", paper="sat",
                 summary="SAT vs bypass, SAT-GSPO vs GSPO at lag 1 and lr 1e-2, where q can "
                         "fall below log(1 + eps)",
-                cpu_minutes=0.8, run=run_small, render=render))
+                cpu_minutes=0.8, run=run_small, render=render, claims=claims))
 register(Preset(name="sat-anchor", paper="sat",
                 summary="SAT vs bypass PPO, SAT-GSPO vs GSPO (anchor mu, eps 0.2, no KL), lag 4/16",
-                cpu_minutes=2.0, run=run, render=render))
+                cpu_minutes=2.0, run=run, render=render, claims=claims))

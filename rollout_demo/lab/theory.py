@@ -126,21 +126,11 @@ def _pick(cells: list[dict], seed: int, lag: int, eta: float) -> dict:
                 and math.isclose(c["eta"], eta))
 
 
-def run_bias(ctx: RunContext) -> dict:
-    quick = ctx.quick
-    # S*eta shared by (S, eta) pairs with different S: 4e-3 by (4, 1e-3) and (1, 4e-3),
-    # 8e-3 by (8, 1e-3) and (2, 4e-3)
-    configs = ([(1, 1e-3), (2, 1e-3), (1, 2e-3)] if quick else
-               [(1, 1e-3), (4, 1e-3), (8, 1e-3), (1, 4e-3), (2, 4e-3)])
-    lags = sorted({lag for lag, _ in configs})
-    etas = sorted({e for _, e in configs})
-    n = 3 if quick else 12
-    warm = 2 if quick else 8
-    ckpt = _checkpoint(ctx.out)
-    cells: list[dict] = []
-    for seed in ctx.seeds:
-        cells += _bias_seed(ckpt, seed, configs, n, warm, 3e-3, ctx.progress)
-    seeds = ctx.seeds
+def bias_claims(res: dict) -> list[dict]:
+    """theory-bias's paired claims from ``res["cells"]`` (``seeds``, ``settings``)."""
+    cells, seeds, st = res["cells"], res["seeds"], res["settings"]
+    lags, etas = st["lags"], st["etas"]
+    configs = [tuple(c) for c in st["configs"]]  # pairs (lists once read from JSON)
     lo_eta, hi_eta = min(etas), max(etas)
     ratio = hi_eta / lo_eta
     claims = []
@@ -167,6 +157,29 @@ def run_bias(ctx: RunContext) -> dict:
             "beyond S*eta)", f"S={s_big},eta={lo_eta:g}", f"S={s_small},eta={hi_eta:g}",
             "bias norm", [_pick(cells, s, s_big, lo_eta)["bias"] for s in seeds],
             [_pick(cells, s, s_small, hi_eta)["bias"] for s in seeds]))
+    return claims
+
+
+def run_bias(ctx: RunContext) -> dict:
+    quick = ctx.quick
+    # S*eta shared by (S, eta) pairs with different S: 4e-3 by (4, 1e-3) and (1, 4e-3),
+    # 8e-3 by (8, 1e-3) and (2, 4e-3)
+    configs = ([(1, 1e-3), (2, 1e-3), (1, 2e-3)] if quick else
+               [(1, 1e-3), (4, 1e-3), (8, 1e-3), (1, 4e-3), (2, 4e-3)])
+    lags = sorted({lag for lag, _ in configs})
+    etas = sorted({e for _, e in configs})
+    n = 3 if quick else 12
+    warm = 2 if quick else 8
+    ckpt = _checkpoint(ctx.out)
+    cells: list[dict] = []
+    for seed in ctx.seeds:
+        cells += _bias_seed(ckpt, seed, configs, n, warm, 3e-3, ctx.progress)
+    seeds = ctx.seeds
+    lo_eta = min(etas)
+    settings = {"lags": lags, "etas": etas, "configs": configs, "batches_per_arm": n,
+                "warmup_steps": warm, "warmup_lr": 3e-3, "loss": LOSS,
+                "loss_config": LOSS_CONFIG, "sampler_dtype": "float32"}
+    claims = bias_claims({"cells": cells, "seeds": seeds, "settings": settings})
     slopes = []
     for s in seeds:  # log-log slope of bias against S at the small eta (O(S eta): <= 1)
         xs = [math.log(c["s_eta"]) for c in cells if c["seed"] == s
@@ -176,10 +189,7 @@ def run_bias(ctx: RunContext) -> dict:
         slopes.append(float(np.polyfit(xs, ys, 1)[0]) if len(xs) >= 2 else float("nan"))
     finite = [x for x in slopes if math.isfinite(x)]
     slope = stats.paired_ci(finite, [0.0] * len(finite)) if len(finite) >= 2 else None
-    return {"cells": cells, "claims": claims,
-            "settings": {"lags": lags, "etas": etas, "configs": configs, "batches_per_arm": n,
-                         "warmup_steps": warm, "warmup_lr": 3e-3, "loss": LOSS,
-                         "loss_config": LOSS_CONFIG, "sampler_dtype": "float32"},
+    return {"cells": cells, "claims": claims, "settings": settings,
             "slope": ({"per_seed": slopes, "mean": slope.mean, "ci": [slope.lo, slope.hi],
                        "n": slope.n} if slope else {"per_seed": slopes})}
 
@@ -545,8 +555,10 @@ def render_etamax(res: dict) -> str:
 register(Preset(
     name="theory-bias", paper="theory",
     summary="||E g(stale) - E g(fresh)|| against S*eta at fixed checkpoints (one curve?)",
-    cpu_minutes=1.0, run=run_bias, render=render_bias))
+    cpu_minutes=1.0, run=run_bias, render=render_bias, claims=bias_claims))
 register(Preset(
     name="theory-etamax", paper="theory",
     summary="eta_max(S) on a sqrt(2) grid at two horizons, against the monitor's bound",
-    cpu_minutes=3.0, run=run_etamax, render=render_etamax, default_seeds=(0, 1, 2, 3)))
+    cpu_minutes=3.0, run=run_etamax, render=render_etamax, default_seeds=(0, 1, 2, 3),
+    claims=lambda res: etamax_claims(res["cells"], res["seeds"], res["settings"]["lags"],
+                                     res["settings"]["horizons"], res["settings"]["lr_grid"])))

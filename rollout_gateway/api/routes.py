@@ -32,7 +32,8 @@ from rollout_gateway.api.security import (
 )
 from rollout_gateway.api.serialize import dumps, trajectory_to_json
 from rollout_gateway.api.version_policy import apply_body_policy, versions_header
-from rollout_gateway.errors import HTTP_STATUS, EngineError, ErrorCode, GatewayError
+from rollout_gateway.errors import (HTTP_STATUS, EngineError, ErrorCode, GatewayError,
+                                     InvalidArgument)
 from rollout_gateway.observe.metrics import CONTENT_TYPE, render
 from rollout_gateway.redact import clean
 from rollout_gateway.registry.base import SwapStatus
@@ -136,8 +137,13 @@ async def swap_weights(req: SwapRequest, swaps: Swaps) -> Response:
     body["ok"] = rec.status is SwapStatus.SUCCEEDED
     body["results"] = rec.results()
     # a partial refit is 207 (Multi-Status) with each engine's result; only "no engine
-    # took the version" is an error status
+    # took the version" is an error status: 400 when every engine refused the source and
+    # kept its weights (the source is what to fix; a retry as is fails again), else 503
     if rec.status is SwapStatus.FAILED:
+        if rec.engines and all(o.kept_version for o in rec.engines.values()):
+            raise InvalidArgument(f"no engine took version {rec.version}: every engine "
+                                  f"refused the weight source and kept its weights: "
+                                  f"{rec.message}", details={"swap": body})
         raise EngineError(f"no engine took version {rec.version}: {rec.message}",
                           details={"swap": body})
     return ORJSONResponse(body, status_code=207 if rec.status is SwapStatus.PARTIAL else 200)

@@ -41,7 +41,8 @@ def _dist(d: dict[str, Any]) -> str:
 def render(rep: dict[str, Any]) -> str:
     lines = [f"gateway replica {rep['replica'] or '(hidden)'}  "
              f"learner version {rep['learner_version']}  "
-             f"max engine lag {rep['max_engine_lag']}  store backlog {rep['store_backlog']}", ""]
+             f"max engine lag {rep['max_engine_lag']}  store backlog {rep['store_backlog']}  "
+             f"data plane {rep.get('data_plane', '?')}", ""]
     lines += ["version cut: " + "  |  ".join(
         f"v{'?' if c['version'] is None else c['version']} (lag "
         f"{'?' if c['lag'] is None else c['lag']}): " + ", ".join(

@@ -21,6 +21,7 @@ Field shapes follow SGLang 0.5.23 ``tokenizer_manager``: ``output_token_logprobs
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from rollout_gateway import native
 from rollout_gateway.core.trajectory import EntropyKind, RoutedExperts
 from rollout_gateway.engines.decode_entropy import DEFAULT_VOCAB_UPPER, topk_entropy
 from rollout_gateway.engines.decode_experts import (
@@ -161,6 +163,52 @@ def _loads(data: bytes) -> Any:
                           f"{bytes(data[:120]).decode('utf-8', 'replace')!r}") from exc
 
 
+#: below this many bytes (~20 tokens with top-5) parsing the lists is as fast as cutting
+CUT_MIN_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """Columns the native data plane cut out of one answer object before parsing it: each
+    value was replaced by a string only this call knows (``mark``)."""
+
+    mark: str
+    output_ids: np.ndarray | None  # int32
+    token_rows: LogprobRows | None  # output_token_logprobs (1-D rows, texts all null)
+    #: output_top_logprobs when splice_top left it (below MIN_BYTES; ``raw``: its JSON)
+    top_rows: LogprobRows | None
+
+
+def _cut_columns(body: bytes) -> tuple[bytes, _Cut | None]:
+    """Native data plane: the answer's ``output_ids``, ``meta_info.output_token_logprobs``
+    and ``meta_info.output_top_logprobs`` (found by the JSON structure, canonical only) as
+    columns, their places in the body taken by marks; the Python data plane parses them as
+    lists (same results)."""
+    if native.impl is None or len(body) < CUT_MIN_BYTES:
+        return body, None
+    got = native.impl.cut_columns(body)
+    if got is None:
+        return body, None
+    ids, rows, top = got
+    mark = f"#col:{os.urandom(8).hex()}"
+    cuts = sorted((span[0], span[1], b'"%b%b"' % (mark.encode(), tag))
+                  for span, tag in ((ids, b"i"), (rows, b"r"), (top, b"t")) if span is not None)
+    parts: list[bytes] = []
+    last = 0
+    for a, b, text in cuts:
+        parts += [body[last:a], text]
+        last = b
+    parts.append(body[last:])
+    out_ids = np.frombuffer(ids[2], np.int32) if ids is not None else None
+    token_rows = (LogprobRows(np.frombuffer(rows[2], np.float64), np.frombuffer(rows[3], np.int64))
+                  if rows is not None else None)
+    top_rows = (LogprobRows(np.frombuffer(top[2], np.float64).reshape(top[4], top[5]),
+                            np.frombuffer(top[3], np.int64).reshape(top[4], top[5]),
+                            body[top[0]:top[1]])
+                if top is not None else None)
+    return b"".join(parts), _Cut(mark, out_ids, token_rows, top_rows)
+
+
 def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Decoded]:
     """Decode a /generate response body (or one SSE data payload) into Decoded outputs.
 
@@ -168,13 +216,19 @@ def decode_generate(body: bytes, opts: DecodeOptions | None = None) -> list[Deco
     malformed, including an SGLang error object (``{"error": ...}``).
     """
     opts = opts or DecodeOptions()
-    spliced, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
+    routed, regions = _splice(body, opts.routing.num_experts if opts.routing else None)
     # rows forwarded to the caller travel as columns whatever their size
-    spliced, tops = splice_top(spliced, 0 if "output_top_logprobs" in opts.passthrough
+    spliced, tops = splice_top(routed, 0 if "output_top_logprobs" in opts.passthrough
                                else None)
-    obj = _loads(spliced)
+    cut_body, cut = _cut_columns(spliced)
+    try:
+        obj = orjson.loads(cut_body)
+    except orjson.JSONDecodeError:
+        # the error (or, should a native cut ever be the cause, the value) of the body the
+        # Python data plane parses: the same message, positions included
+        obj, cut = _loads(spliced), None
     items = obj if isinstance(obj, list) else [obj]
-    return [decode_output(item, opts, regions=regions, tops=tops) for item in items]
+    return [decode_output(item, opts, regions=regions, tops=tops, cut=cut) for item in items]
 
 
 def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
@@ -187,9 +241,10 @@ def decode_one(body: bytes, opts: DecodeOptions | None = None) -> Decoded:
 
 def decode_output(item: Any, opts: DecodeOptions, *,
                   regions: list[Region] | None = None,
-                  tops: list[LogprobRows] | None = None) -> Decoded:
+                  tops: list[LogprobRows] | None = None, cut: _Cut | None = None) -> Decoded:
     """Decode one parsed output dict (``routed_experts`` and ``output_top_logprobs`` may
-    be splice placeholders, resolved through ``regions`` / ``tops``)."""
+    be splice placeholders, resolved through ``regions`` / ``tops``; ``output_ids`` and
+    ``output_token_logprobs`` marks of the native data plane through ``cut``)."""
     if not isinstance(item, dict):
         raise EngineError(f"engine output is a {type(item).__name__}, not an object")
     if "error" in item:
@@ -199,8 +254,15 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         raise EngineError("engine output has no meta_info object")
     out_ids = item.get("output_ids")
     lp_rows = meta.get("output_token_logprobs")
-    if out_ids is None and isinstance(lp_rows, list):  # older engines: no output_ids
+    if cut is not None:
+        if cut.output_ids is not None and out_ids == cut.mark + "i":
+            out_ids = cut.output_ids
+        if cut.token_rows is not None and lp_rows == cut.mark + "r":
+            lp_rows = cut.token_rows
+    if out_ids is None and isinstance(lp_rows, (list, LogprobRows)):  # older engines
         output_ids = _ids_from_rows(lp_rows, "output_token_logprobs")
+    elif isinstance(out_ids, np.ndarray):  # cut by the native data plane, validated
+        output_ids = out_ids
     else:
         output_ids = _int_array(out_ids, "output_ids")
     t = output_ids.shape[0]
@@ -209,7 +271,9 @@ def decode_output(item: Any, opts: DecodeOptions, *,
     if lp_rows is not None:
         logprobs = _logprob_column(lp_rows, t, output_ids if opts.check_logprob_ids else None)
 
-    entropy, kind, err, err_max = _entropy(meta, t, opts, tops or [])
+    top_cut = cut.top_rows if cut is not None and cut.top_rows is not None \
+        and meta.get("output_top_logprobs") == cut.mark + "t" else None
+    entropy, kind, err, err_max = _entropy(meta, t, opts, tops or [], top_cut)
     wv_raw = meta.get("weight_version")
     wv_raw = None if wv_raw is None else str(wv_raw)
     completion = _opt_int(meta, "completion_tokens")
@@ -241,13 +305,20 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         text=text if isinstance(text, str) else None, input_token_ids=input_ids,
         routed_experts=flat, routed=routed, routed_b64=b64,
         meta={k: v for k, v in meta.items() if k not in _COLUMN_KEYS},
-        extra=_passthrough(meta, opts, tops or []),
+        extra=_passthrough(meta, opts, tops or [], lp_rows, top_cut),
     )
 
 
-def _passthrough(meta: dict, opts: DecodeOptions, tops: list[LogprobRows]) -> dict[str, Any]:
-    """The forwarded meta_info values (spliced top-k rows as their columns)."""
+def _passthrough(meta: dict, opts: DecodeOptions, tops: list[LogprobRows],
+                 token_rows: Any = None, top_cut: LogprobRows | None = None
+                 ) -> dict[str, Any]:
+    """The forwarded meta_info values (spliced top-k rows as their columns; rows the
+    native data plane cut as the lists the engine sent)."""
     out = {k: meta[k] for k in opts.passthrough if meta.get(k) is not None}
+    if isinstance(token_rows, LogprobRows) and "output_token_logprobs" in out:
+        out["output_token_logprobs"] = token_rows.to_rows()
+    if top_cut is not None and "output_top_logprobs" in out:
+        out["output_top_logprobs"] = orjson.loads(top_cut.raw)
     top = out.get("output_top_logprobs")
     if top is not None:
         idx = placeholder_index(top, len(tops))
@@ -274,13 +345,17 @@ def _int_array(values: Any, name: str) -> np.ndarray:
 
 
 def _logprob_column(rows: Any, t: int, ids: np.ndarray | None) -> np.ndarray:
-    if not isinstance(rows, list) or len(rows) != t:
-        n = len(rows) if isinstance(rows, list) else type(rows).__name__
+    if not isinstance(rows, (list, LogprobRows)) or len(rows) != t:
+        n = len(rows) if isinstance(rows, (list, LogprobRows)) else type(rows).__name__
         raise EngineError(f"output_token_logprobs has {n} entries for {t} output tokens")
-    try:
-        col = np.fromiter(map(_lp, rows), dtype=np.float64, count=t)
-    except (TypeError, IndexError, KeyError, ValueError) as exc:
-        raise EngineError("output_token_logprobs rows are not [logprob, id, text]") from exc
+    if isinstance(rows, LogprobRows):  # cut by the native data plane (null -> NaN)
+        col = rows.logprobs.copy()
+    else:
+        try:
+            col = np.fromiter(map(_lp, rows), dtype=np.float64, count=t)
+        except (TypeError, IndexError, KeyError, ValueError) as exc:
+            raise EngineError("output_token_logprobs rows are not [logprob, id, text]"
+                              ) from exc
     _null_to_neg_inf(col)
     if (col > 1e-4).any():
         raise EngineError("output_token_logprobs has positive logprobs")
@@ -293,14 +368,17 @@ def _logprob_column(rows: Any, t: int, ids: np.ndarray | None) -> np.ndarray:
     return col.astype(np.float32)
 
 
-def _ids_from_rows(rows: list, name: str) -> np.ndarray:
+def _ids_from_rows(rows: list | LogprobRows, name: str) -> np.ndarray:
+    if isinstance(rows, LogprobRows):
+        return rows.ids.astype(np.int32)
     try:
         return np.fromiter(map(_id, rows), dtype=np.int64, count=len(rows)).astype(np.int32)
     except (TypeError, IndexError, KeyError, ValueError, OverflowError) as exc:
         raise EngineError(f"{name} rows are not [logprob, id, text]") from exc
 
 
-def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows]
+def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows],
+             top_cut: LogprobRows | None = None
              ) -> tuple[np.ndarray, EntropyKind, np.ndarray | None, float]:
     exact = meta.get("output_token_entropy")
     if exact is not None:
@@ -316,7 +394,11 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows]
     top = meta.get("output_top_logprobs")
     if top and t:
         idx = placeholder_index(top, len(tops))
-        if idx is None:
+        if top_cut is not None:  # cut by the native data plane (nulls are NaN)
+            if len(top_cut) != t:
+                raise EngineError(f"output_top_logprobs must have {t} rows")
+            mat = _null_to_neg_inf(top_cut.logprobs)
+        elif idx is None:
             mat = _top_matrix(top, t)
         elif len(tops[idx]) != t:
             raise EngineError(f"output_top_logprobs must have {t} rows")

@@ -17,6 +17,7 @@ import binascii
 
 import numpy as np
 
+from rollout_gateway import native
 from rollout_gateway.errors import EngineError
 
 try:
@@ -115,6 +116,17 @@ def decode_routed_experts(buf: bytes | memoryview, start: int, end: int, *,
     lie in [0, num_experts) (only >= 0 when num_experts is None, which returns int32).
     Raises EngineError on invalid base64 or out-of-range ids.
     """
+    if _use_native(num_experts) and 0 <= start <= end <= len(buf):
+        got, _ = native.impl.experts(buf, start, end, num_experts)
+        if got is not None:
+            return _native_ids(got, num_experts)
+        # declined (bad base64, an id out of range...): the Python decoder gives the error
+    return _decode_python(buf, start, end, num_experts)
+
+
+def _decode_python(buf: bytes | memoryview, start: int, end: int, num_experts: int | None
+                   ) -> np.ndarray:
+    """decode_routed_experts on the pure-Python data plane."""
     n = end - start
     if USE_PYBASE64:
         return _pybase64(memoryview(buf)[start:end], num_experts)
@@ -140,6 +152,19 @@ def decode_routed_experts(buf: bytes | memoryview, start: int, end: int, *,
     flat = _general_i32(memoryview(buf)[start:end])
     _check_range(flat, num_experts)
     return flat.astype(np.uint8) if num_experts <= 256 else flat.astype(np.int32)
+
+
+def _use_native(num_experts: int | None) -> bool:
+    """The native decoder runs when pybase64 is missing: pybase64's SIMD decode plus numpy's
+    range check and cast (~11 GB/s of base64 here) beats the scalar C one (~4 GB/s, one
+    fused pass), so with pybase64 the native data plane leaves routing to it."""
+    return (native.impl is not None and not USE_PYBASE64 and num_experts is not None
+            and 0 < num_experts <= _I32_MAX)
+
+
+def _native_ids(got: bytearray, num_experts: int) -> np.ndarray:
+    """The native decoder's output as the array the Python decoder returns."""
+    return np.frombuffer(got, np.uint8 if num_experts <= 256 else np.int32)
 
 
 def decode_routed_experts_str(text: str, *, num_experts: int | None) -> np.ndarray:
@@ -211,6 +236,16 @@ def decode_routed_experts_quoted(buf: bytes, start: int, *, num_experts: int | N
     the caller uses them; index of the closing quote). Raises EngineError only when there
     is no closing quote.
     """
+    if _use_native(num_experts) and 0 <= start <= len(buf):
+        got, end = native.impl.experts(buf, start, -1, num_experts)
+        if end < 0:
+            raise EngineError("engine response has an unterminated routed_experts string")
+        if got is not None:
+            return _native_ids(got, num_experts), end
+        try:  # declined: the Python decoder on the same text gives the exact error
+            return _decode_python(buf, start, end, num_experts), end
+        except EngineError as exc:
+            return exc, end
     if not USE_PYBASE64 or num_experts is None:
         end = buf.find(b'"', start)
         if end < 0:

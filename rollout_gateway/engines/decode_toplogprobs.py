@@ -28,6 +28,8 @@ from functools import lru_cache
 import numpy as np
 import orjson
 
+from rollout_gateway import native
+
 _KEY = b'"output_top_logprobs":[[['
 _PLACEHOLDER = "#tk:"  # never valid as a top-logprobs value, so never confused with one
 _STRUCT = b"[],"
@@ -104,6 +106,11 @@ class LogprobRows:
         n = self.logprobs.size
         if n == 0:
             return orjson.dumps(self.to_rows())
+        if native.impl is not None:  # the same number texts, joined in C
+            got = native.impl.rows_json(_text(self.logprobs), _text(self.ids),
+                                        self.k if self.logprobs.ndim == 2 else 0)
+            if got is not None:
+                return got
         k = max(self.k, 1)
         seps = [b",null],["] * n  # between two entries
         if self.logprobs.ndim == 2:
@@ -141,11 +148,14 @@ def cut_top(rows: LogprobRows | list, k: int) -> LogprobRows | list:
     return [r[:k] if r is not None else None for r in rows]
 
 
+def _text(arr: np.ndarray) -> bytes:
+    """The flat array's JSON, as orjson writes it (floats: shortest repr, -inf null)."""
+    return orjson.dumps(np.ascontiguousarray(arr).reshape(-1), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def _numbers(arr: np.ndarray) -> list[bytes]:
     """Each element's JSON text, as orjson writes it (floats: shortest repr, -inf null)."""
-    text = orjson.dumps(np.ascontiguousarray(arr).reshape(-1),
-                        option=orjson.OPT_SERIALIZE_NUMPY)
-    return text[1:-1].split(b",")
+    return _text(arr)[1:-1].split(b",")
 
 
 def parse_top_segment(seg: bytes) -> LogprobRows | None:
@@ -153,8 +163,16 @@ def parse_top_segment(seg: bytes) -> LogprobRows | None:
 
     ``seg`` is the whole JSON value, starting with ``[[[``. None means "not canonical":
     the caller must then use the general JSON path. Canonical also means: every text is
-    null and every id an integer in [0, 2^31).
+    null and every id an integer in [0, 2^31). The native data plane parses it in one
+    pass (``_native.top_rows``, same results); this function is the pure-Python reference.
     """
+    if native.impl is not None:
+        got = native.impl.top_rows(seg)
+        if got is None:
+            return None
+        lps, ids, t, k = got
+        return LogprobRows(np.frombuffer(lps, np.float64).reshape(t, k),
+                           np.frombuffer(ids, np.int64).reshape(t, k), seg)
     if len(seg) < 10 or not seg.startswith(b"[[[") or not seg.endswith(b"]]]"):
         return None
     if b'"' in seg:  # text strings may hold brackets and commas

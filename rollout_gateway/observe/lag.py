@@ -20,6 +20,7 @@ import time
 
 from pydantic import BaseModel, Field
 
+from rollout_gateway import native
 from rollout_gateway.core.staleness import lag
 from rollout_gateway.core.swap_mode import SwapMode
 from rollout_gateway.observe.tracker import in_flight_tokens
@@ -193,6 +194,9 @@ class LagReport(BaseModel):
     fleet: Fleet
     store_backlog: int
     groups: list[GroupLag]
+    data_plane: str = Field(default_factory=native.data_plane, description="the parsers "
+                            "decoding engine answers on this replica: native (compiled) or "
+                            "python (the reference; settings.data_plane)")
     history: list[dict] = Field(default_factory=list, description="dashboard time series: "
                                 "{t, learner_version, engines: {id: {version, state}}, tokens, "
                                 "samples, in_flight_samples}, oldest first")

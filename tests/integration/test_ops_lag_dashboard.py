@@ -188,6 +188,7 @@ def test_status_command_prints_the_lag_table(ops):
     assert f"{rep['delivered']['tokens']} tokens" in next(
         ln for ln in lines if ln.startswith("delivered"))
     assert "ops-learner" in out
+    assert rep["data_plane"] in ("native", "python") and f"data plane {rep['data_plane']}" in out
     # an unreachable gateway: exit 1 and a message, no traceback
     p = subprocess.run([sys.executable, "-m", "rollout_gateway", "status", "--url",
                         "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60,

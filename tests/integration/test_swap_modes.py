@@ -213,9 +213,10 @@ def test_failed_load_keeps_the_old_weights_serving_and_a_retry_works(cluster, ck
     bad.mkdir()
     v = versions_now(gw)["learner_version"]
     r, trajs, _ = swap_round(gw, disk(bad, v + 1, "in_place", engines=["e1"]), 6, 0)
-    assert r.status_code == 503, r.text
+    assert r.status_code == 400, r.text  # the one engine refused the source: fix the source
     err = r.json()["error"]
-    assert f"no engine took version {v + 1}" in err["message"]
+    assert err["code"] == "INVALID_ARGUMENT"
+    assert f"no engine took version {v + 1}: every engine refused" in err["message"]
     outcome = err["details"]["swap"]["engines"]["e1"]
     assert not outcome["ok"] and outcome["error"]
     # e1 answered that it kept its weights: it keeps serving them

@@ -4,6 +4,7 @@ and the simulator's mechanics (exact lag, same-rate masks, held-out score)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from rollout_demo.lab import sim
 from rollout_demo.lab.__main__ import main
 from rollout_demo.lab.registry import RunContext, load_presets
 
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ("regime", "sat-anchor", "sat-small-lag", "estr-entropy")
 
 
@@ -82,3 +84,29 @@ def test_task_reward_and_held_out_score_agree_on_a_perfect_policy():
     perfect = good.float().argmax(-1)  # the echo, then the class's first symbol
     assert torch.all(task.reward(prompts, perfect) == 1.0)
     assert good[:, task.echo:].sum(-1).eq(task.symbols // task.classes).all()
+
+
+def test_committed_lab_md_is_what_report_renders_from_the_committed_results(monkeypatch):
+    """docs/lab.md matches docs/lab/**/results.json (regenerate with
+    ``python -m rollout_demo.lab --report docs/lab``)."""
+    from pathlib import Path
+
+    from rollout_demo.lab.report import render_report
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the text names the path given
+    root = Path("docs/lab")
+    assert render_report(root, load_presets()) == Path("docs/lab.md").read_text()
+
+
+@pytest.mark.parametrize("path", sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "lab").glob("**/results.json")))
+def test_a_presets_claims_function_restates_its_committed_claims(path):
+    """The report pools two seed sets' cells with the preset's ``claims`` (every preset has
+    one): on one set's committed cells it must give exactly the claims that run stated."""
+    res = json.loads((ROOT / path).read_text())
+    got = load_presets()[res["preset"]].claims(res)
+    assert [c["claim"] for c in got] == [c["claim"] for c in res["claims"]]
+    for g, c in zip(got, res["claims"]):
+        assert g["verdict"] == c["verdict"] and g["n"] == c["n"]
+        assert g["mean_diff"] == pytest.approx(c["mean_diff"], abs=1e-12)
+        assert g["ci"] == pytest.approx(c["ci"], abs=1e-12)

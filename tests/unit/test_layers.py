@@ -14,7 +14,7 @@ PACKAGES = ("rollout_gateway", "learner_client", "reference_engine", "rollout_pr
 #: rollout_gateway's layers, bottom first, by the first name under the package ("" is the
 #: package itself). A module imports from its own layer or below, never above.
 LAYERS = (
-    {"", "errors", "aio", "redact", "proc", "heaptrim", "auth", "settings", "core"},
+    {"", "errors", "aio", "redact", "proc", "heaptrim", "auth", "settings", "core", "native"},
     {"engines", "store", "registry"},
     {"rollouts", "swap", "old_logits", "sessions", "observe"},
     {"transport", "api"},

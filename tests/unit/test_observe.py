@@ -107,6 +107,7 @@ def test_status_table_renders_a_report():
     assert "10 tokens, mean lag 0.30, max 1  [lag:tokens 0:7 1:3]" in out
     assert "version cut: v3 (lag 0): e1  |  v2 (lag 1): e0, e2 (out)  |  v? (lag ?): e3" in out
     assert np.isfinite(rep.unconsumed.mean_lag)
+    assert rep.data_plane in ("native", "python") and f"data plane {rep.data_plane}" in out
 
 
 async def test_get_status_reports_lag_or_says_why_not():
