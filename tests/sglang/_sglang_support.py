@@ -17,7 +17,7 @@ docs/gateway.md "Real SGLang in the test bed").
 
 Launch flags (see :meth:`SGLangServer.command`): ``--device cpu --attention-backend torch_native
 --disable-cuda-graph --dtype float32 --max-total-tokens 65536 --enable-return-routed-experts
---weight-version V``, plus per server: ``--disable-overlap-schedule`` (default: SGLang's overlap
+--weight-version V --sleep-on-idle``, plus per server: ``--disable-overlap-schedule`` (default: SGLang's overlap
 scheduler), ``--skip-tokenizer-init``, ``--incremental-streaming-output``, ``extra_args``.
 """
 
@@ -311,7 +311,10 @@ class SGLangServer:
                "--host", self.host, "--port", str(self.port),
                "--attention-backend", "torch_native", "--disable-cuda-graph",
                "--dtype", "float32", "--max-total-tokens", "65536",
-               "--enable-return-routed-experts", "--weight-version", str(self.weight_version)]
+               "--enable-return-routed-experts", "--weight-version", str(self.weight_version),
+               # idle, the scheduler waits on its sockets instead of spinning a core (several
+               # servers sit idle beside the rest of the suite on a 2-core machine)
+               "--sleep-on-idle"]
         if not self.overlap_schedule:
             cmd.append("--disable-overlap-schedule")
         if self.skip_tokenizer_init:
