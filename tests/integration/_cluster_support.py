@@ -98,7 +98,8 @@ class LocalCluster:
         raise RuntimeError(f"redis-server on {port} did not start")
 
     def nodes(self) -> list[dict]:
-        """CLUSTER NODES as seen by a live node: port, role, failed, slots."""
+        """CLUSTER NODES as seen by a live node: id, port, role, failed, the master's id
+        (``of``, replicas), slots."""
         for p in self.ports:
             if self.procs[p].poll() is None:
                 out = _cli(p, "cluster", "nodes")
@@ -107,14 +108,21 @@ class LocalCluster:
         rows = []
         for line in out.strip().splitlines():
             f = line.split()
-            rows.append({"port": int(f[1].split("@")[0].rsplit(":", 1)[1]),
+            rows.append({"id": f[0], "port": int(f[1].split("@")[0].rsplit(":", 1)[1]),
                          "master": "master" in f[2], "failed": "fail" in f[2],
-                         "slots": f[8:]})
+                         "of": f[3], "slots": f[8:]})
         return rows
 
     def masters(self) -> list[int]:
         return sorted(r["port"] for r in self.nodes()
                       if r["master"] and not r["failed"] and r["slots"])
+
+    def replicas_of(self, port: int) -> int:
+        """How many live replicas the master on ``port`` has now."""
+        rows = self.nodes()
+        mid = next(r["id"] for r in rows if r["port"] == port)
+        return sum(r["of"] == mid and not r["master"] and not r["failed"]
+                   and self.procs[r["port"]].poll() is None for r in rows)
 
     def master_of(self, key: str) -> int:
         """The port of the master serving ``key``'s slot now."""
@@ -153,6 +161,16 @@ class LocalCluster:
         proc = self.procs[port]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again on its port and directory: it rejoins (its master's
+        slots now served by the promoted replica, it becomes that one's replica) and the
+        cluster is whole again (every replica synced)."""
+        if self.procs[port].poll() is None:
+            raise RuntimeError(f"node {port} is running")
+        self._spawn(port)
+        self._wait_ping(port)
+        self.wait_ok()
 
     def wait_promoted(self, dead: int, timeout: float = 30.0) -> None:
         """The dead master's slots are served by a live master again."""

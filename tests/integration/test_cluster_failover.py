@@ -18,9 +18,10 @@ import uuid
 from collections import Counter
 
 import httpx
+import numpy as np
 import pytest
 from _cluster_support import LocalCluster
-from _gateway_support import GatewayProcess, wait_for
+from _gateway_support import GatewayProcess, pull_ids, wait_for
 
 from learner_client import TrajectoryClient
 from learner_client.errors import TrajectoryClientError
@@ -208,7 +209,8 @@ def test_a_redis_master_dies_under_load_and_nothing_acknowledged_is_lost(cluster
               f"deliveries of {len(dups)} ids more than once), missing {len(missing)}; "
               f"client errors {dict(load.errors)}; learner errors {dict(learner.errors)}")
         assert not missing, (sorted(missing)[:10], a.log_tail(), b.log_tail())
-        assert not load.bad and not learner.bad, (load.bad[:5], learner.bad[:5])
+        assert not load.bad and not learner.bad, (load.bad[:5], learner.bad[:5],
+                                                  a.log_tail(), b.log_tail())
         assert len(load.acked) >= 24
 
 
@@ -239,3 +241,131 @@ def test_a_gateway_replica_dies_mid_rollout_and_nothing_acknowledged_is_lost(clu
         assert not missing, (sorted(missing)[:10], a.log_tail())
         assert not load.bad and not learner.bad, (load.bad[:5], learner.bad[:5])
         assert len(load.acked) >= 24
+
+
+class Session:
+    """One agent session's client (``/v1/chat/completions`` with ``x-session-id``): a turn
+    is posted to the first replica of the list and, while the answer says retry (409 or 503
+    with ``Retry-After``), again with the same messages; a connection a dead replica dropped
+    moves it to the next replica. Kept: the model tokens of every answered turn, and every
+    error the client saw."""
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        self.messages: list[dict] = [{"role": "user", "content": "hello"}]
+        self.acked: list[list[int]] = []  # the model tokens of every answered turn
+        self.errors: Counter[str] = Counter()
+        self.bad: list[str] = []
+
+    def body(self, **kw) -> dict:
+        return {"model": "reference", "messages": self.messages, "max_tokens": 4, **kw}
+
+    def turn(self, urls: list[str], timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        k = 0
+        with httpx.Client(timeout=60) as http:
+            while time.monotonic() < deadline:
+                try:
+                    r = http.post(urls[k % len(urls)] + "/v1/chat/completions",
+                                  json=self.body(), headers={"x-session-id": self.sid})
+                except httpx.TransportError as exc:
+                    self.errors[f"connection:{type(exc).__name__}"] += 1
+                    k += 1
+                    continue
+                if r.status_code in (409, 503):
+                    ra = r.headers.get("retry-after")
+                    self.errors[str(r.status_code)] += 1
+                    if not ra:
+                        self.bad.append(f"{r.status_code} without Retry-After: {r.text[:300]}")
+                    time.sleep(min(float(ra or 1), 0.2))  # the client's backoff
+                    continue
+                if r.status_code != 200:
+                    self.bad.append(f"{r.status_code}: {r.text[:300]}")
+                    raise AssertionError(self.bad[-1])
+                return self.answered(r.json())
+        raise AssertionError(f"turn {len(self.acked)} unanswered for {timeout} s: "
+                             f"{dict(self.errors)} {self.bad[:3]}")
+
+    def answered(self, answer: dict) -> dict:
+        choice = answer["choices"][0]
+        self.acked.append(choice["rollout"]["token_ids"])
+        self.messages += [{"role": "assistant", "content": choice["message"]["content"]},
+                          {"role": "user", "content": "go"}]
+        return choice["rollout"]
+
+
+def _session_on_a_master_with_a_replica(cluster: LocalCluster, layout: KeyLayout) -> str:
+    """A session id whose keys live on a master that has a live replica to promote."""
+    from rollout_gateway.sessions.redis_store import RedisKeys
+    from rollout_gateway.settings import DEFAULT_TENANT
+
+    for _ in range(64):
+        sid = f"s-{uuid.uuid4().hex[:8]}"
+        head = RedisKeys(layout).session((DEFAULT_TENANT, sid))[0]
+        if cluster.replicas_of(cluster.master_of(head)):
+            return sid
+    raise AssertionError("no master with a live replica")
+
+
+def test_a_session_outlives_a_dead_gateway_replica_and_a_dead_redis_master(cluster,
+                                                                             make_engine):
+    """An agent session on the cluster: its turns alternate between two replicas; the
+    replica serving a turn is SIGKILLed mid-turn and the session continues on the other
+    (409 + Retry-After until the dead one's lock lapses); then the master holding the
+    session's keys is SIGKILLed and the session continues once its replica is promoted.
+    Every answered turn is in the published trajectory, token for token; clients saw only
+    retryable errors."""
+    from rollout_gateway.sessions.redis_store import RedisKeys
+    from rollout_gateway.settings import DEFAULT_TENANT
+
+    slow = make_engine(seed=1, step_delay_ms=20)  # a turn still running when its replica dies
+    prefix, store, registry = _urls(cluster)
+    layout = KeyLayout(prefix, shards=SHARDS, cluster=True)
+    engines = {"e0": slow.url}
+    env = {"ROLLOUT_GATEWAY_SESSION_LEASE_S": "1"}  # a dead replica's lock lapses in 1 s
+    s = Session(_session_on_a_master_with_a_replica(cluster, layout))
+    b = GatewayProcess(engines, store_url=store, registry_url=registry, env=env)
+    with GatewayProcess(engines, store_url=store, registry_url=registry, env=env) as a:
+        b.start()
+        try:
+            for gw in (a, b, a):  # each turn on the other replica
+                s.turn([gw.url])
+            # replica A dies mid-turn: its client's connection drops, the turn is not recorded
+            with httpx.stream("POST", a.url + "/v1/chat/completions", timeout=60,
+                              headers={"x-session-id": s.sid},
+                              json=s.body(max_tokens=200, stream=True)) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                a.proc.kill()
+                a.proc.wait(10)
+                with pytest.raises(httpx.HTTPError):
+                    for _ in lines:
+                        pass
+            s.errors["connection:dropped-mid-stream"] += 1
+            s.turn([b.url])  # the same turn on B: 409 until A's lock lapses, then served
+
+            # the master holding the session dies; its replica is promoted
+            head = RedisKeys(layout).session((DEFAULT_TENANT, s.sid))[0]
+            dead = cluster.master_of(head)
+            assert cluster.replicas_of(dead) >= 1
+            cluster.kill(dead)
+            try:
+                s.turn([b.url])  # during the failover: 503 + Retry-After until promoted
+                cluster.wait_promoted(dead)
+                s.turn([b.url])
+                assert cluster.master_of(head) != dead
+                r = httpx.post(f"{b.url}/v1/sessions/{s.sid}/end", json={"reward": 1.0},
+                               timeout=30)
+                assert r.status_code == 200 and r.json()["published"], r.text
+                tid = r.json()["trajectory_id"]
+                t = pull_ids(b, {tid})[tid]
+            finally:
+                cluster.restart(dead)  # the cluster whole again for the module's other tests
+        finally:
+            b.stop()
+    print(f"\nsession: {len(s.acked)} turns answered; client errors {dict(s.errors)}")
+    assert not s.bad, s.bad
+    assert t.metadata["session_turns"] == str(len(s.acked)) == "6"
+    model = np.asarray(t.token_ids)[np.asarray(t.loss_mask) == 1].tolist()
+    assert model == [x for turn in s.acked for x in turn]  # every answered turn, in order
+    assert all(k in ("409", "503") or k.startswith("connection:") for k in s.errors), s.errors
