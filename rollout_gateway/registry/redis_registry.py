@@ -26,6 +26,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from rollout_gateway.errors import FailedPrecondition, StoreError
 from rollout_gateway.store.keys import KeyLayout
+from rollout_gateway.store.redis_client import closed_transport
 from rollout_gateway.registry.base import (
     Lease,
     SwapRecord,
@@ -157,6 +158,11 @@ class RedisRegistry(VersionRegistry):
             return await fn()
         except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
+        except RuntimeError as exc:
+            if not closed_transport(exc):
+                raise
+            raise StoreError(f"version registry (Redis) failed to {what}: connection lost "
+                             f"({exc})") from exc
 
     async def learner_version(self) -> int:
         loop = asyncio.get_running_loop()

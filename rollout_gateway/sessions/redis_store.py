@@ -26,6 +26,7 @@ from rollout_gateway.errors import StoreError
 from rollout_gateway.sessions import records as rec_codec
 from rollout_gateway.sessions.store import Claim, Head, Key, SessionStore
 from rollout_gateway.store.keys import KeyLayout
+from rollout_gateway.store.redis_client import closed_transport
 
 # KEYS: head, records, ended, outbox; ARGV: now_ms, owner, lease_ms, have_epoch, have_n
 _CLAIM = """
@@ -174,6 +175,10 @@ class RedisSessionStore(SessionStore):
         except (RedisError, RedisClusterException) as exc:  # the latter: a slot no node
             # serves yet (a master died, its replica not promoted): retryable, 503
             raise StoreError(f"redis session {what} failed: {exc}") from exc
+        except RuntimeError as exc:
+            if not closed_transport(exc):
+                raise
+            raise StoreError(f"redis session {what} failed: connection lost ({exc})") from exc
 
     async def claim(self, key, owner, lease_s, have):
         b, n = have if have is not None else (-1, 0)

@@ -74,6 +74,7 @@ from rollout_gateway.store.base import (
 from rollout_gateway.store.keys import KeyLayout
 from rollout_gateway.store.redis_client import (
     blocking_client,
+    closed_transport,
     cluster_client,
     is_cluster,
     LazySyncCluster,
@@ -304,6 +305,10 @@ class RedisStore(TrajectoryStore):
             raise StoreError(f"redis {what} failed: {exc}") from exc
         except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
             raise StoreError(f"redis {what} failed: {exc}") from exc
+        except RuntimeError as exc:
+            if not closed_transport(exc):
+                raise
+            raise StoreError(f"redis {what} failed: connection lost ({exc})") from exc
 
     async def _idempotent(self, call):
         """A write that is safe to apply twice (publish: by trajectory id; ack): on a

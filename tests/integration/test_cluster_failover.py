@@ -197,11 +197,14 @@ def test_a_redis_master_dies_under_load_and_nothing_acknowledged_is_lost(cluster
                 dead = cluster.master_of(KeyLayout(prefix, shards=SHARDS, cluster=True)
                                          .shard_key(0, "stream"))
                 cluster.kill(dead)
-                before = load.count()
-                cluster.wait_promoted(dead)
-                promoted_at = load.count()
-                wait_for(lambda: load.count() >= promoted_at + 12, 60,
-                         "load after the promotion", every=0.05)
+                try:
+                    before = load.count()
+                    cluster.wait_promoted(dead)
+                    promoted_at = load.count()
+                    wait_for(lambda: load.count() >= promoted_at + 12, 60,
+                             "load after the promotion", every=0.05)
+                finally:  # the cluster whole again for the module's other tests
+                    cluster.restart(dead)
             missing = _drained(load, learner)  # the learner still pulling
         dups = {t: n for t, n in learner.delivered.items() if n > 1}
         print(f"\nmaster kill: acknowledged {len(load.acked)} (before kill {before}), "

@@ -126,3 +126,32 @@ async def test_a_slot_no_node_serves_is_a_retryable_store_error():
     with pytest.raises(StoreError, match="slot 7"):
         async with store._io("claim"):
             raise SlotNotCoveredError("slot 7 is not covered by the cluster")
+
+
+async def test_a_write_on_a_connection_a_dead_node_closed_is_a_retryable_store_error():
+    """uvloop raises RuntimeError('... the handler is closed') where asyncio raises a
+    ConnectionError (redis-py writing to a transport its peer closed); any other
+    RuntimeError stays a bug (not hidden)."""
+    import pytest
+
+    from rollout_gateway.errors import StoreError
+    from rollout_gateway.sessions.redis_store import RedisSessionStore
+    from rollout_gateway.store.redis_client import through_failover
+
+    store = RedisSessionStore.__new__(RedisSessionStore)
+    closed = RuntimeError("unable to perform operation on <TCPTransport closed=True "
+                          "reading=False 0x55>; the handler is closed")
+    with pytest.raises(StoreError, match="connection lost"):
+        async with store._io("claim"):
+            raise closed
+    with pytest.raises(RuntimeError, match="a bug"):
+        async with store._io("claim"):
+            raise RuntimeError("a bug")
+    tries = []
+
+    async def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise closed
+        return "ok"
+    assert await through_failover(flaky, wait_s=5) == "ok" and len(tries) == 3
