@@ -41,11 +41,14 @@ def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
 class LocalCluster:
     """``with LocalCluster() as c: c.url`` -> ``redis+cluster://127.0.0.1:p1,...``."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 1, *, persist: bool = False) -> None:
+        """``persist``: each node keeps an append-only file (``appendfsync always``), so
+        :meth:`restart_all` brings back what it had acknowledged."""
         for tool in ("redis-server", "redis-cli"):
             if shutil.which(tool) is None:
                 raise RuntimeError(f"{tool} not found (scripts/setup-env.sh installs Redis)")
         self.n_masters, self.replicas = masters, replicas
+        self.persist = persist
         self.dir = tempfile.mkdtemp(prefix="rg-cluster-")
         self.ports: list[int] = []
         self.procs: dict[int, subprocess.Popen] = {}
@@ -85,8 +88,10 @@ class LocalCluster:
              # a replica takes over however long ago it last heard from its master
              "--cluster-replica-validity-factor", "0",
              # the first full sync at once (the default waits 5 s for more replicas)
-             "--repl-diskless-sync-delay", "0", "--save", "", "--appendonly",
-             "no", "--dir", d, "--logfile", os.path.join(d, "redis.log")],
+             "--repl-diskless-sync-delay", "0", "--save", "",
+             *(("--appendonly", "yes", "--appendfsync", "always") if self.persist
+               else ("--appendonly", "no")),
+             "--dir", d, "--logfile", os.path.join(d, "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _wait_ping(self, port: int, timeout: float = 10.0) -> None:
@@ -186,6 +191,21 @@ class LocalCluster:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"no replica took over from master {dead}")
+
+    def restart_all(self, timeout: float = 60.0) -> None:
+        """Every node stopped (SIGTERM: each writes its files and exits) and started again
+        on its port and directory; waits until the cluster is whole (``persist`` keeps the
+        data)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.wait(timeout=30)
+        for p in self.ports:
+            self._spawn(p)
+        for p in self.ports:
+            self._wait_ping(p)
+        self.wait_ok(timeout=timeout)
 
     def stop(self) -> None:
         for proc in self.procs.values():

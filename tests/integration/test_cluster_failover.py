@@ -372,3 +372,52 @@ def test_a_session_outlives_a_dead_gateway_replica_and_a_dead_redis_master(clust
     model = np.asarray(t.token_ids)[np.asarray(t.loss_mask) == 1].tolist()
     assert model == [x for turn in s.acked for x in turn]  # every answered turn, in order
     assert all(k in ("409", "503") or k.startswith("connection:") for k in s.errors), s.errors
+
+
+def test_everything_restarts_and_nothing_acknowledged_is_lost(engine):
+    """Gateway replicas and every Redis node stopped (SIGTERM) and started again on the
+    same ports and data (append-only files, ``appendfsync always``): every trajectory
+    acknowledged before is delivered after (the consumer group and what it had not acked
+    survive); clients and learners saw only retryable errors."""
+    with LocalCluster(masters=3, replicas=1, persist=True) as c:
+        prefix, store, registry = _urls(c)
+        engines = {"e0": engine.url}
+
+        def replicas() -> list[GatewayProcess]:
+            return [GatewayProcess(engines, store_url=store, registry_url=registry).start()
+                    for _ in range(2)]
+
+        before = replicas()
+        try:
+            c0 = TrajectoryClient(f"127.0.0.1:{before[0].grpc_port}", group="job")
+            c0.create_group()  # the learner's group, nothing pulled before the restart
+            c0.close()
+            with Load([g.url for g in before]) as load:
+                wait_for(lambda: load.count() >= 16, 60, "load before the restart",
+                         every=0.05)
+        finally:
+            for g in before:
+                g.stop()
+        c.restart_all()
+        after = replicas()
+        try:
+            with Learner([f"127.0.0.1:{g.grpc_port}" for g in after], "job") as late:
+                want = set(load.acked)
+                try:
+                    wait_for(lambda: want <= late.ids(), 60,
+                             "every acknowledged trajectory delivered", every=0.1)
+                except AssertionError:
+                    missing = want - late.ids()
+                    raise AssertionError(
+                        f"{len(missing)} of {len(want)} acknowledged trajectories not "
+                        f"delivered after the restart: {sorted(missing)[:5]}; learner errors "
+                        f"{dict(late.errors)} {late.bad[:3]}; "
+                        f"{after[0].log_tail(3000)}") from None
+        finally:
+            for g in after:
+                g.stop()
+    print(f"\nrestart everything: acknowledged {len(load.acked)}, delivered after the "
+          f"restart {len(late.ids())}; client errors {dict(load.errors)}; learner errors "
+          f"{dict(late.errors)}")
+    assert not load.bad and not late.bad, (load.bad, late.bad)
+    assert len(load.acked) >= 16
