@@ -26,7 +26,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from rollout_gateway.errors import FailedPrecondition, StoreError
 from rollout_gateway.store.keys import KeyLayout
-from rollout_gateway.store.redis_client import closed_transport
+from rollout_gateway.store.redis_client import redis_failures
 from rollout_gateway.registry.base import (
     Lease,
     SwapRecord,
@@ -154,15 +154,8 @@ class RedisRegistry(VersionRegistry):
                    **kw)
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        try:
+        async with redis_failures(f"version registry (Redis) failed to {what}"):
             return await fn()
-        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
-            raise StoreError(f"version registry (Redis) failed to {what}: {exc}") from exc
-        except RuntimeError as exc:
-            if not closed_transport(exc):
-                raise
-            raise StoreError(f"version registry (Redis) failed to {what}: connection lost "
-                             f"({exc})") from exc
 
     async def learner_version(self) -> int:
         loop = asyncio.get_running_loop()

@@ -19,14 +19,13 @@ import time
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError
 
 from rollout_gateway.core import trajectory_codec
-from rollout_gateway.errors import StoreError
 from rollout_gateway.sessions import records as rec_codec
 from rollout_gateway.sessions.store import Claim, Head, Key, SessionStore
 from rollout_gateway.store.keys import KeyLayout
-from rollout_gateway.store.redis_client import closed_transport
+from rollout_gateway.store.redis_client import redis_failures
 
 # KEYS: head, records, ended, outbox; ARGV: now_ms, owner, lease_ms, have_epoch, have_n
 _CLAIM = """
@@ -170,15 +169,8 @@ class RedisSessionStore(SessionStore):
 
     @asynccontextmanager
     async def _io(self, what: str):
-        try:
+        async with redis_failures(f"redis session {what} failed"):
             yield
-        except (RedisError, RedisClusterException) as exc:  # the latter: a slot no node
-            # serves yet (a master died, its replica not promoted): retryable, 503
-            raise StoreError(f"redis session {what} failed: {exc}") from exc
-        except RuntimeError as exc:
-            if not closed_transport(exc):
-                raise
-            raise StoreError(f"redis session {what} failed: connection lost ({exc})") from exc
 
     async def claim(self, key, owner, lease_s, have):
         b, n = have if have is not None else (-1, 0)

@@ -12,9 +12,15 @@ idempotent, and an entry a retried read leased twice is redelivered after its le
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisClusterException, RedisError
+
+from rollout_gateway.errors import StoreError
 
 #: defaults when a caller gives none (the gateway passes its ``redis`` settings)
 MAX_CONNECTIONS = 256
@@ -45,6 +51,22 @@ def closed_transport(exc: BaseException) -> bool:
     the handler is closed")`` where asyncio's own loop would give a ConnectionError. It is
     a lost connection (seen as a 500 in the Redis Cluster master-kill test)."""
     return isinstance(exc, RuntimeError) and "the handler is closed" in str(exc)
+
+
+@asynccontextmanager
+async def redis_failures(failed: str) -> AsyncIterator[None]:
+    """Redis failing under the block becomes ``StoreError(f"{failed}: ...")`` (503,
+    retryable): a ``RedisError``, a ``RedisClusterException`` (not a RedisError: e.g. a slot
+    no node serves while a dead master's replica is not yet promoted) or a write on a
+    connection a dead node closed (:func:`closed_transport`). Any other error passes."""
+    try:
+        yield
+    except (RedisError, RedisClusterException) as exc:
+        raise StoreError(f"{failed}: {exc}") from exc
+    except RuntimeError as exc:
+        if not closed_transport(exc):
+            raise
+        raise StoreError(f"{failed}: connection lost ({exc})") from exc
 
 
 async def through_failover(call, *, wait_s: float = FAILOVER_WAIT_S):

@@ -74,10 +74,10 @@ from rollout_gateway.store.base import (
 from rollout_gateway.store.keys import KeyLayout
 from rollout_gateway.store.redis_client import (
     blocking_client,
-    closed_transport,
     cluster_client,
     is_cluster,
     LazySyncCluster,
+    redis_failures,
     through_failover,
 )
 from rollout_proto.resp import Replies, RespError, Skipped
@@ -297,18 +297,14 @@ class RedisStore(TrajectoryStore):
     async def _io(self, what: str):
         if self._closed:
             raise StoreError("store is closed")
-        try:
-            yield
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
-                raise NotFound(f"consumer group does not exist ({what}); create it first") from None
-            raise StoreError(f"redis {what} failed: {exc}") from exc
-        except (RedisError, RedisClusterException) as exc:  # the latter: no node reachable
-            raise StoreError(f"redis {what} failed: {exc}") from exc
-        except RuntimeError as exc:
-            if not closed_transport(exc):
+        async with redis_failures(f"redis {what} failed"):
+            try:
+                yield
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    raise NotFound(f"consumer group does not exist ({what}); "
+                                   "create it first") from None
                 raise
-            raise StoreError(f"redis {what} failed: connection lost ({exc})") from exc
 
     async def _idempotent(self, call):
         """A write that is safe to apply twice (publish: by trajectory id; ack): on a
