@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import EXPERTS, LAYERS, TOPK, _free_port, _load, _stop, _wait_http
-from bench_workers import tree_cpu_seconds
+from bench_gateway import LAYERS, TOPK, _free_port, _load, _stop, _wait_http
+from bench_workers import generate_body, start_redis_and_replay, tree_cpu_seconds
 
 SETUPS = {"1 replica": 1, "3 replicas": 3}
 
@@ -60,28 +60,11 @@ async def _spread(urls: list[str], body: dict, out: int, concurrency: int,
 
 
 def run(concurrency: int, duration: float, rounds: int, prompt: int, out: int) -> dict:
-    redis = shutil.which("redis-server")
-    if redis is None:
-        raise SystemExit("redis-server not found (scripts/setup-env.sh installs it)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
-               ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
-    body = {"input_ids": list(range(1, prompt + 1)),
-            "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
-            "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
+    body = generate_body(prompt, out)
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="bench-replicas-")
     try:
-        r_port = _free_port()
-        procs.append(subprocess.Popen(
-            [redis, "--port", str(r_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL))
-        e_port = _free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
-             "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
-            env=env, stdout=subprocess.DEVNULL))
-        engine = f"http://127.0.0.1:{e_port}"
-        _wait_http(engine + "/health", procs[-1])
+        r_port, engine, env = start_redis_and_replay(procs, tmp)
         setups: dict[str, list[tuple[str, subprocess.Popen]]] = {}
         for name, n in SETUPS.items():
             url = f"redis://127.0.0.1:{r_port}/0?prefix=r{n}"

@@ -67,29 +67,41 @@ def _wait_workers(url: str, n: int, proc: subprocess.Popen, timeout: float = 120
             time.sleep(0.2)
 
 
-def run(concurrency: int, duration: float, rounds: int, prompt: int, out: int) -> dict:
+def generate_body(prompt: int, out: int) -> dict:
+    """The measured /generate request: top-5 logprobs and routed experts."""
+    return {"input_ids": list(range(1, prompt + 1)),
+            "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
+            "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
+
+
+def start_redis_and_replay(procs: list[subprocess.Popen], tmp: str) -> tuple[int, str, dict]:
+    """A private redis-server (data in ``tmp``) and a replay engine, appended to ``procs``;
+    returns (Redis port, engine URL, environment for the gateway processes)."""
     redis = shutil.which("redis-server")
     if redis is None:
         raise SystemExit("redis-server not found (scripts/setup-env.sh installs it)")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
                ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
-    body = {"input_ids": list(range(1, prompt + 1)),
-            "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
-            "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}
+    r_port = _free_port()
+    procs.append(subprocess.Popen(
+        [redis, "--port", str(r_port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL))
+    e_port = _free_port()
+    procs.append(subprocess.Popen(
+        [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
+         "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
+        env=env, stdout=subprocess.DEVNULL))
+    engine = f"http://127.0.0.1:{e_port}"
+    _wait_http(engine + "/health", procs[-1])
+    return r_port, engine, env
+
+
+def run(concurrency: int, duration: float, rounds: int, prompt: int, out: int) -> dict:
+    body = generate_body(prompt, out)
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="bench-workers-")
     try:
-        r_port = _free_port()
-        procs.append(subprocess.Popen(
-            [redis, "--port", str(r_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL))
-        e_port = _free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
-             "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
-            env=env, stdout=subprocess.DEVNULL))
-        engine = f"http://127.0.0.1:{e_port}"
-        _wait_http(engine + "/health", procs[-1])
+        r_port, engine, env = start_redis_and_replay(procs, tmp)
         targets: dict[int, tuple[str, subprocess.Popen]] = {}
         for n in (1, 2):
             g_port = _free_port()
