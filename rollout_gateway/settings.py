@@ -382,6 +382,13 @@ class GatewaySettings(BaseSettings):
         default=0.0, ge=0, le=3600, description="How long a request waits for an engine its "
         "version policy admits (e.g. one loading the learner's version) before the 503; "
         "0: answer at once.")
+    record_routing: bool = Field(
+        default=True, description="Ask engines for routed experts on every request whose "
+        "caller did not refuse them (return_routed_experts unset), so trajectories carry the "
+        "routing for the learner's routing replay (R3). false: only when the caller asks "
+        "(return_routed_experts: true); a job without routing replay then does not read "
+        "~2.3 KB per token (48 layers x top-8) it never uses. Env: "
+        "ROLLOUT_GATEWAY_RECORD_ROUTING.")
     model: ModelShape = Field(default_factory=ModelShape, description="MoE shape; overrides "
                               "what engines' config.json says (ROLLOUT_GATEWAY_MODEL__*).")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Engine call deadlines.")

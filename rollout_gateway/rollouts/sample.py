@@ -204,7 +204,8 @@ def decode_options(eng: Engine, settings: GatewaySettings, *, routing: bool = Fa
 def wants_routing(eng: Engine, req: RolloutRequest, settings: GatewaySettings) -> bool:
     """Whether to ask ``eng`` for routed experts; refuses a request that requires them
     from an engine that cannot give them (never silently absent)."""
-    if req.return_routed_experts is False:
+    if req.return_routed_experts is False or (req.return_routed_experts is None
+                                              and not settings.record_routing):
         return False
     problem = routing_problem(eng.id, eng.client.info, settings.model)
     if problem is None:

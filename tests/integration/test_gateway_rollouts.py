@@ -266,3 +266,23 @@ def test_engine_answering_garbage_is_a_clean_error(urls):
             assert r.status_code == 503 and "error" in r.json()
     finally:
         srv.shutdown()
+
+
+def test_record_routing_off_asks_for_routing_only_when_the_caller_does(engine, urls):
+    """ROLLOUT_GATEWAY_RECORD_ROUTING=false: a request that leaves return_routed_experts
+    unset gets no routing (the engine is not asked), one that says true still gets it."""
+    env = {"ROLLOUT_GATEWAY_RECORD_ROUTING": "false"}
+    with GatewayProcess({"e0": engine.url}, env=env) as gw:
+        plain = rollout(gw.url, [1, 2, 3], max_new_tokens=4)["trajectories"][0]
+        assert "routed_experts" not in plain and plain["num_tokens"] == 4
+        asked = rollout(gw.url, [1, 2, 3], max_new_tokens=4,
+                        return_routed_experts=True)["trajectories"][0]
+        assert asked["routed_experts"]["shape"] == [3 + 4 - 1, 4, 2]
+        r = httpx.post(gw.url + "/generate", json={
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "routed_experts" not in r.json()["meta_info"]
+    # the default records routing for every request the engine can give it for
+    with GatewayProcess({"e0": engine.url}) as gw:
+        t = rollout(gw.url, [1, 2, 3], max_new_tokens=4)["trajectories"][0]
+        assert t["routed_experts"]["shape"] == [3 + 4 - 1, 4, 2]
