@@ -32,7 +32,11 @@ import orjson
 
 from rollout_gateway import native
 from rollout_gateway.core.trajectory import EntropyKind, RoutedExperts
-from rollout_gateway.engines.decode_entropy import DEFAULT_VOCAB_UPPER, topk_entropy
+from rollout_gateway.engines.decode_entropy import (
+    DEFAULT_VOCAB_UPPER,
+    check_top_logprobs,
+    topk_entropy,
+)
 from rollout_gateway.engines.decode_experts import (
     decode_routed_experts_quoted,
     decode_routed_experts_str,
@@ -75,6 +79,11 @@ class DecodeOptions:
     passthrough: frozenset[str] = frozenset()
     vocab_size: int = DEFAULT_VOCAB_UPPER  # an upper bound keeps the entropy bound valid
     check_logprob_ids: bool = True
+    #: a top-k entropy estimate is left for :meth:`StreamDecoder.result` to compute once
+    #: over the whole output (the rows are checked here, so a bad chunk still fails where
+    #: it arrives): a stream whose deltas nobody reads one by one pays the ~25 numpy calls
+    #: of the estimate once, not per chunk. Same bits (the estimate is row by row).
+    defer_entropy: bool = False
 
 
 @dataclass(slots=True)
@@ -106,6 +115,9 @@ class Decoded:
     meta: dict[str, Any] = field(default_factory=dict)  # the rest of meta_info
     extra: dict[str, Any] = field(default_factory=dict)  # DecodeOptions.passthrough values
     offset: int = 0  # index of output_ids[0] in the whole output (streaming deltas)
+    #: DecodeOptions.defer_entropy: the checked top-k logprob rows (float64 [T, k], -inf
+    #: for nulls) whose estimate is still to come; ``entropy`` is NaN until then
+    entropy_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -273,7 +285,7 @@ def decode_output(item: Any, opts: DecodeOptions, *,
 
     top_cut = cut.top_rows if cut is not None and cut.top_rows is not None \
         and meta.get("output_top_logprobs") == cut.mark + "t" else None
-    entropy, kind, err, err_max = _entropy(meta, t, opts, tops or [], top_cut)
+    entropy, kind, err, err_max, pending = _entropy(meta, t, opts, tops or [], top_cut)
     wv_raw = meta.get("weight_version")
     wv_raw = None if wv_raw is None else str(wv_raw)
     completion = _opt_int(meta, "completion_tokens")
@@ -305,7 +317,7 @@ def decode_output(item: Any, opts: DecodeOptions, *,
         text=text if isinstance(text, str) else None, input_token_ids=input_ids,
         routed_experts=flat, routed=routed, routed_b64=b64,
         meta={k: v for k, v in meta.items() if k not in _COLUMN_KEYS},
-        extra=_passthrough(meta, opts, tops or [], lp_rows, top_cut),
+        extra=_passthrough(meta, opts, tops or [], lp_rows, top_cut), entropy_rows=pending,
     )
 
 
@@ -379,7 +391,8 @@ def _ids_from_rows(rows: list | LogprobRows, name: str) -> np.ndarray:
 
 def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows],
              top_cut: LogprobRows | None = None
-             ) -> tuple[np.ndarray, EntropyKind, np.ndarray | None, float]:
+             ) -> tuple[np.ndarray, EntropyKind, np.ndarray | None, float, np.ndarray | None]:
+    """(entropy, kind, per-token error bound, max bound, rows whose estimate is deferred)."""
     exact = meta.get("output_token_entropy")
     if exact is not None:
         if not isinstance(exact, list) or len(exact) != t:
@@ -390,7 +403,7 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows],
             raise EngineError("output_token_entropy holds non-numbers") from exc
         if col.ndim != 1 or np.isnan(col).any() or (col < -1e-4).any():
             raise EngineError("output_token_entropy has NaN or negative values")
-        return col, EntropyKind.EXACT, None, 0.0
+        return col, EntropyKind.EXACT, None, 0.0, None
     top = meta.get("output_top_logprobs")
     if top and t:
         idx = placeholder_index(top, len(tops))
@@ -404,9 +417,12 @@ def _entropy(meta: dict, t: int, opts: DecodeOptions, tops: list[LogprobRows],
             raise EngineError(f"output_top_logprobs must have {t} rows")
         else:  # already parsed from the raw bytes (decode_toplogprobs); nulls are NaN
             mat = _null_to_neg_inf(tops[idx].logprobs)
+        if opts.defer_entropy:
+            check_top_logprobs(mat, opts.vocab_size)
+            return np.full(t, np.nan, np.float32), EntropyKind.TOPK_ESTIMATE, None, 0.0, mat
         est, err = topk_entropy(mat, opts.vocab_size)
-        return est, EntropyKind.TOPK_ESTIMATE, err, float(err.max())
-    return np.full(t, np.nan, np.float32), EntropyKind.NONE, None, float("inf")
+        return est, EntropyKind.TOPK_ESTIMATE, err, float(err.max()), None
+    return np.full(t, np.nan, np.float32), EntropyKind.NONE, None, float("inf"), None
 
 
 def _top_matrix(top: Any, t: int) -> np.ndarray:

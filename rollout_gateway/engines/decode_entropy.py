@@ -45,26 +45,14 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
     the same element-wise operations on the same values, without the fancy-indexing
     copies that dominate small (streamed) inputs.
     """
-    lp = np.asarray(top_logprobs, dtype=np.float64)
-    if lp.ndim != 2:
-        raise EngineError(f"top logprobs must be [T, k], got shape {lp.shape}")
-    t, k = lp.shape
-    if t == 0:
+    checked = _checked(top_logprobs, vocab_size)
+    if checked is None:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
-    if k == 0:
-        raise EngineError("top logprobs rows are empty")
-    if not (lp <= 1e-6).all():  # NaN compares false
-        raise EngineError("top logprobs contain NaN or positive values")
-    if vocab_size < k:
-        raise EngineError(f"vocab_size {vocab_size} is smaller than top-k {k}")
-    lp = np.minimum(lp, 0.0)
-    p = np.exp(lp)
+    lp, p, total = checked
+    t, k = lp.shape
     p_pos = p > 0
     nlogp = -lp if p_pos.all() else np.where(p_pos, -lp, 0.0)  # -log p, with 0 log 0 = 0
     h_top = (p * nlogp).sum(axis=1)
-    total = p.sum(axis=1)
-    if (total > 1.0 + _SUM_TOLERANCE).any():
-        raise EngineError(f"top logprobs sum to {float(total.max()):.4f} > 1")
     r = np.clip(1.0 - total, 0.0, 1.0)
     c = p.min(axis=1)
     m = float(vocab_size - k)
@@ -111,3 +99,36 @@ def topk_entropy(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
     est32 = estimate.astype(np.float32)
     bound = bound + np.abs(est32.astype(np.float64) - estimate)
     return est32, np.nextafter(bound.astype(np.float32), np.float32(np.inf))
+
+
+def check_top_logprobs(top_logprobs: np.ndarray, vocab_size: int = DEFAULT_VOCAB_UPPER
+                       ) -> None:
+    """Raise EngineError exactly where :func:`topk_entropy` would, without estimating:
+    a streamed answer's rows are checked as each chunk arrives and their entropy computed
+    once for the whole output (``DecodeOptions.defer_entropy``). The estimate is row by
+    row, so computing it over the concatenated rows gives the same bits."""
+    _checked(top_logprobs, vocab_size)
+
+
+def _checked(top_logprobs: np.ndarray, vocab_size: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(logprobs clipped at 0, their probabilities, each row's sum), or None when there
+    are no rows; raises EngineError on rows no distribution can have."""
+    lp = np.asarray(top_logprobs, dtype=np.float64)
+    if lp.ndim != 2:
+        raise EngineError(f"top logprobs must be [T, k], got shape {lp.shape}")
+    t, k = lp.shape
+    if t == 0:
+        return None
+    if k == 0:
+        raise EngineError("top logprobs rows are empty")
+    if not (lp <= 1e-6).all():  # NaN compares false
+        raise EngineError("top logprobs contain NaN or positive values")
+    if vocab_size < k:
+        raise EngineError(f"vocab_size {vocab_size} is smaller than top-k {k}")
+    lp = np.minimum(lp, 0.0)
+    p = np.exp(lp)
+    total = p.sum(axis=1)
+    if (total > 1.0 + _SUM_TOLERANCE).any():
+        raise EngineError(f"top logprobs sum to {float(total.max()):.4f} > 1")
+    return lp, p, total

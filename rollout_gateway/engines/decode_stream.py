@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rollout_gateway.engines.decode import Decoded, DecodeOptions, decode_generate
+from rollout_gateway.engines.decode_entropy import topk_entropy
 from rollout_gateway.engines.decode_toplogprobs import LogprobRows
 from rollout_gateway.engines.sse import SSEPayloads
 from rollout_gateway.errors import EngineError
@@ -87,6 +88,8 @@ class StreamDecoder:
         if d.logprobs is not None:
             d.logprobs = _tail(d.logprobs, st.seen, new, total, "output_token_logprobs")
         d.entropy = _tail(d.entropy, st.seen, new, total, "entropy")
+        if d.entropy_rows is not None:
+            d.entropy_rows = _tail(d.entropy_rows, st.seen, new, total, "output_top_logprobs")
         for k in OUTPUT_ROW_KEYS:
             rows = d.extra.get(k)
             if rows is not None:  # forwarded: rows or LogprobRows, cut like the columns
@@ -116,7 +119,14 @@ class StreamDecoder:
         st = self._states.get(key)
         if st is None or not st.parts:
             return None
-        return replace(merge(st.parts), text=st.text)
+        out = replace(merge(st.parts), text=st.text)
+        if out.entropy_rows is not None:  # DecodeOptions.defer_entropy: once, for all rows
+            if out.num_tokens:
+                out.entropy, out.entropy_error = topk_entropy(out.entropy_rows,
+                                                              self.opts.vocab_size)
+                out.entropy_error_bound = float(out.entropy_error.max())
+            out.entropy_rows = None
+        return out
 
 
 def _tail(col, seen: int, new: int, total: int, name: str):
@@ -149,6 +159,11 @@ def merge(parts: list[Decoded]) -> Decoded:
     if len(kinds) > 1:
         raise EngineError(f"engine stream mixed entropy kinds {sorted(k.value for k in kinds)}")
     err = cat("entropy_error")
+    # deferred top-k estimates: the rows of every part that has tokens (an empty delta of
+    # an incremental stream carries no top-k rows)
+    pending = [p.entropy_rows for p in parts if p.num_tokens]
+    rows = np.concatenate(pending) if pending and all(r is not None for r in pending) \
+        else None
     bound = max(p.entropy_error_bound for p in parts if p.num_tokens) if kinds else \
         last.entropy_error_bound
     extra = dict(last.extra)
@@ -162,5 +177,6 @@ def merge(parts: list[Decoded]) -> Decoded:
             extra[k] = first
     return replace(last, output_ids=cat("output_ids"), logprobs=cat("logprobs"), extra=extra,
                    entropy=cat("entropy"), entropy_error=err, entropy_error_bound=bound,
+                   entropy_rows=rows,
                    entropy_kind=next(iter(kinds)) if kinds else last.entropy_kind,
                    offset=parts[0].offset)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -331,7 +331,9 @@ class SampleRunner:
             except _GARBAGE as exc:
                 raise RequestFailed(_unreadable(eng, exc)) from exc
         if eng.client.info.incremental_stream or on_delta is not None:
-            sd = StreamDecoder(opts, keep=True)
+            # nobody reads the deltas' entropy one by one: estimate it once at the end
+            sd = StreamDecoder(opts if on_delta is not None
+                               else replace(opts, defer_entropy=True), keep=True)
             err: GatewayError | None = None
             try:
                 async for data in eng.client.generate_stream(payload, patience=eng.patience):

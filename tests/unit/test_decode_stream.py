@@ -175,3 +175,61 @@ def test_feed_payload_takes_unframed_data(incremental):
     assert dec.result().output_ids.tolist() == IDS
     with pytest.raises(EngineError, match="boom"):
         StreamDecoder().feed_payload(b'{"error": {"message": "boom"}}')
+
+
+def _top_chunks(rows: np.ndarray, cuts: list[int], incremental: bool) -> list[bytes]:
+    """SGLang-shaped payloads carrying top-k rows (no exact entropy): one per cut."""
+    out, prev = [], 0
+    t = rows.shape[0]
+    for i, end in enumerate([*cuts, t]):
+        lo = prev if incremental else 0
+        top = [[[None if lp == -np.inf else float(lp), 100 + j, None]
+                for j, lp in enumerate(r)] for r in rows[lo:end]]
+        meta = {"id": "r1", "prompt_tokens": 3, "completion_tokens": end,
+                "finish_reason": {"type": "length", "length": t} if end == t else None,
+                "output_top_logprobs": top,
+                "output_token_logprobs": [[min(float(r[0]), -0.01), 100, None]
+                                          for r in rows[lo:end]]}
+        out.append(orjson.dumps({"output_ids": [100] * (end - lo), "meta_info": meta}))
+        prev = end
+    return out
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_deferred_entropy_is_the_per_chunk_estimate_bit_for_bit(incremental, seed):
+    """DecodeOptions.defer_entropy (one estimate over the whole output at result()) gives
+    the same entropy, per-token bounds and max bound as estimating every chunk; a chunk
+    with impossible rows still fails where it arrives."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(seed)
+    t, k = int(rng.integers(1, 300)), int(rng.integers(1, 8))
+    p = rng.dirichlet(np.ones(k + int(rng.integers(0, 50))), t)[:, :k]
+    rows = -np.sort(-np.log(p.astype(np.float32)), axis=1).astype(np.float64)
+    if seed % 3 == 0:
+        rows[rng.integers(0, t), -1] = -np.inf  # a probability-0 entry (null)
+    cuts = sorted(set(rng.integers(1, t, int(rng.integers(0, 6))).tolist())) if t > 1 else []
+    payloads = _top_chunks(rows, cuts, incremental)
+    opts = DecodeOptions(vocab_size=1000)
+    results = []
+    for o in (opts, replace(opts, defer_entropy=True)):
+        dec = StreamDecoder(o, keep=True)
+        for pl in payloads:
+            dec.feed_payload(pl)
+        results.append(dec.result())
+    now, later = results
+    assert later.entropy_kind == now.entropy_kind == EntropyKind.TOPK_ESTIMATE
+    assert later.entropy.tobytes() == now.entropy.tobytes()
+    assert later.entropy_error.tobytes() == now.entropy_error.tobytes()
+    assert later.entropy_error_bound == now.entropy_error_bound
+    assert later.entropy_rows is None and not np.isnan(later.entropy).any()
+    # rows no distribution has (probabilities summing to 2) fail at their chunk
+    bad = rows.copy()
+    bad[-1, :] = np.log(2.0 / k) if k > 1 else 0.5
+    dec = StreamDecoder(replace(opts, defer_entropy=True), keep=True)
+    *good, last = _top_chunks(bad, cuts, incremental)
+    for pl in good:
+        dec.feed_payload(pl)
+    with pytest.raises(EngineError, match="NaN or positive|sum to"):
+        dec.feed_payload(last)
