@@ -51,6 +51,14 @@ def json_default(obj: Any) -> Any:
 def dumps(obj: Any) -> bytes:
     """JSON of an answer; each :class:`RawString` is spliced into orjson's output by a
     placeholder (a per-call nonce that no content can guess), in one join."""
+    parts = dumps_parts(obj)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def dumps_parts(obj: Any) -> list[bytes | memoryview]:
+    """:func:`dumps` as the pieces that joined make it: orjson's output between the
+    :class:`RawString` values, and those values (views, not copies). A response sends them
+    as they are: a multi-MB routed-experts text is not copied once more to join it."""
     raws: list[bytes | memoryview] = []
     nonce = secrets.token_hex(8)
 
@@ -62,16 +70,17 @@ def dumps(obj: Any) -> bytes:
 
     out = orjson.dumps(obj, default=default, option=JSON_OPTS)
     if not raws:
-        return out
+        return [out]
     parts: list[bytes | memoryview] = []
+    view = memoryview(out)
     pos = 0
     for i, data in enumerate(raws):
         mark = b'"\\u0000%b:%d"' % (nonce.encode(), i)
         at = out.find(mark, pos)
-        parts += [out[pos:at], b'"', data, b'"']
-        pos = at + len(mark)
-    parts.append(out[pos:])
-    return b"".join(parts)
+        parts += [view[pos:at + 1], data]  # up to and with the opening quote, the text
+        pos = at + len(mark) - 1  # the closing quote starts the next piece
+    parts.append(view[pos:])
+    return parts
 
 
 def segment_to_json(s: Segment) -> dict[str, Any]:

@@ -61,3 +61,32 @@ def test_raw_strings_are_spliced_once_and_text_that_looks_like_a_placeholder_sta
     # with plain orjson and the shared default: the same JSON
     assert orjson.loads(orjson.dumps(obj, default=json_default,
                                      option=orjson.OPT_SERIALIZE_NUMPY)) == orjson.loads(out)
+
+
+def test_the_answer_is_sent_as_its_parts_with_the_whole_length():
+    """ORJSONResponse sends dumps_parts' pieces (the engine's text as a view, never joined)
+    under one Content-Length; what arrives is exactly dumps(obj)."""
+    import asyncio
+
+    from rollout_gateway.api.errors import ORJSONResponse
+    from rollout_gateway.api.serialize import RawString, dumps
+
+    body = b'{"routed_experts":"' + b"QUJD" * 5000 + b'"}'
+    text = memoryview(body)[19:-2]
+    obj = {"meta_info": {"routed_experts": RawString(text), "id": "r"}, "text": "x"}
+    resp = ORJSONResponse(obj, headers={"x-a": "1"})
+    sent: list[dict] = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    asyncio.run(resp({"type": "http"}, None, send))
+    start, *bodies = sent
+    headers = dict(start["headers"])
+    whole = b"".join(bytes(m["body"]) for m in bodies)
+    assert whole == dumps(obj) and int(headers[b"content-length"]) == len(whole)
+    assert headers[b"x-a"] == b"1" and headers[b"content-type"] == b"application/json"
+    assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+    assert any(m["body"] is text for m in bodies)  # the engine's text itself, not a copy
+    assert all(k != b"content-length"
+               for k, _ in ORJSONResponse({"a": 1}, status_code=204).raw_headers)
