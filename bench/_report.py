@@ -3,7 +3,7 @@ and writes one document through :func:`write`.
 
 A document: ``{"bench": name, "title": ..., "command": [...], "params": {...},
 "rows": [{"section", "name", "value", "unit", "ratio", "ratio_to"}],
-"goals": [{"name", "target", "value", "op", "unit"}], "notes": [...]}``. ``ratio`` is
+"goals": [{"name", "target", "value", "op", "unit", "floor"}], "notes": [...]}``. ``ratio`` is
 measured side by side in the same run against the row named ``ratio_to``.
 """
 
@@ -26,10 +26,11 @@ class Report:
                                  "unit": unit, "ratio": ratio, "ratio_to": ratio_to, **extra})
 
     def goal(self, name: str, value: float, target: float, op: str = ">=",
-             unit: str = "") -> None:
-        """A goal of issue 13's list: ``value op target``."""
+             unit: str = "", floor: str = "") -> None:
+        """A goal of issue 13's or 24's list: ``value op target``; ``floor``: what the
+        physical floor of the measured thing is on this machine (text, shown beside it)."""
         self.doc["goals"].append({"name": name, "value": value, "target": target, "op": op,
-                                  "unit": unit})
+                                  "unit": unit, "floor": floor})
 
     def note(self, text: str) -> None:
         self.doc["notes"].append(text)

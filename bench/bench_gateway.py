@@ -26,7 +26,6 @@ import asyncio
 import base64
 import binascii
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -310,9 +309,11 @@ def print_a(rows: list[dict[str, Any]], rep=None) -> None:
 
 # ------------------------------------------------------------------------- part B
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range (an OS-chosen one can be taken by an
+    outgoing connection before the server binds it)."""
+    from rollout_gateway.commands.engine_process import free_port
+
+    return free_port()
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -342,17 +343,22 @@ _JSON = {"content-type": "application/json"}
 
 
 async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency: int,
-                duration: float, rid: bool = True) -> tuple[float, int, int]:
-    """Closed loop: ``concurrency`` workers post for ``duration`` s. (tok/s, ok, errors)."""
+                duration: float, rid: bool = True,
+                stats: dict[str, float] | None = None) -> tuple[float, int, int]:
+    """Closed loop: ``concurrency`` workers post for ``duration`` s. (tok/s, ok, errors).
+    ``stats``: ``bytes`` (answer bytes received) and ``cpu`` (this process's CPU seconds,
+    i.e. the client's) are added to it."""
     import httpx
 
     ok = err = 0
+    nbytes = 0
+    cpu0 = time.process_time()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
         stop = time.perf_counter() + duration
 
         async def worker() -> None:
-            nonlocal ok, err
+            nonlocal ok, err, nbytes
             while time.perf_counter() < stop:
                 b = dict(body, rid=f"b{uuid.uuid4().hex[:12]}") if rid else body
                 try:
@@ -364,6 +370,7 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
                     continue
                 if r.status_code == 200 and r.content:
                     ok += 1
+                    nbytes += len(r.content)
                 else:
                     err += 1
                     if err <= 3:
@@ -372,6 +379,9 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
+    if stats is not None:
+        stats["bytes"] = stats.get("bytes", 0.0) + nbytes
+        stats["cpu"] = stats.get("cpu", 0.0) + time.process_time() - cpu0
     return ok * tokens_per_req / elapsed, ok, err
 
 
@@ -383,6 +393,36 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def _floor_speeds() -> dict[str, float]:
+    """This machine's memory speed (bytes/s, copying 64 MiB once, best of 5) and base64
+    decode speed (text bytes/s, pybase64 if installed, best of 5): the physical floor."""
+    import binascii
+
+    buf = bytearray(os.urandom(1 << 20) * 64)
+    text = binascii.b2a_base64(bytes(buf[: 3 << 20]), newline=False)
+    b64 = decode_experts.pybase64.b64decode if decode_experts.pybase64 else binascii.a2b_base64
+
+    def best(fn, n: int) -> float:
+        t = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+        return n / min(t)
+
+    dst = bytearray(len(buf))  # copy into memory already touched: no page faults
+    view = memoryview(dst)
+    return {"memcpy": best(lambda: view.__setitem__(slice(None), buf), len(buf)),
+            "b64decode": best(lambda: b64(text), len(text))}
+
+
+def floor_us(answer_bytes: float, routed_bytes: float, speeds: dict[str, float]) -> float:
+    """The physical floor of the gateway's work per token, in microseconds: read the
+    engine's answer once, write the answer back once (memory speed), base64-decode the
+    routing text (``routed_bytes`` of it per token)."""
+    return (2 * answer_bytes / speeds["memcpy"] + routed_bytes / speeds["b64decode"]) * 1e6
 
 
 def part_b(concurrency: int, duration: float, prompt: int, out: int,
@@ -417,16 +457,19 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
         targets: dict[str, tuple[str, subprocess.Popen | None]] = {"direct": (engine, None)}
         for name, streamed, fast in (("streamed", True, True), ("non-streamed", False, True),
                                      ("streamed, asyncio+h11", True, False),
-                                     ("streamed, python data plane", True, True)):
+                                     ("streamed, python data plane", True, True),
+                                     ("streamed, record_routing off", True, True)):
             g_port = _free_port()
             plane = "python" if "python data plane" in name else "auto"
+            record = "false" if "record_routing off" in name else "true"
             gw = subprocess.Popen(
                 [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
                  "--port", str(g_port), "--grpc-host", "127.0.0.1", "--grpc-port", "0",
                  "--engine", f"replay={engine}", "--log-level", "warning"],
                 env=dict(env, ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=str(streamed).lower(),
                          ROLLOUT_GATEWAY_FAST_IO=str(fast).lower(),
-                         ROLLOUT_GATEWAY_DATA_PLANE=plane),
+                         ROLLOUT_GATEWAY_DATA_PLANE=plane,
+                         ROLLOUT_GATEWAY_RECORD_ROUTING=record),
                 stdout=subprocess.DEVNULL)
             procs.append(gw)
             targets[name] = (f"http://127.0.0.1:{g_port}", gw)
@@ -445,33 +488,53 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
         warm = min(2.0, duration / 4)
         for url, _ in targets.values():
             asyncio.run(_load(url + "/generate", topk, out, concurrency, warm))
-        keys = [(b, t) for b in bodies for t in targets]
+        # record_routing off only changes what a caller who does not ask for routing costs
+        keys = [(b, t) for b in bodies for t in targets
+                if "record_routing off" not in t or "no routing" in b]
         # /v1/rollouts on the default gateway: the gateway's own API (top-k from settings)
         targets["v1/rollouts"] = targets["streamed"]
         rollouts_body = {"input_ids": topk["input_ids"],
                          "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
                          "return_routed_experts": True}
         keys.insert(len(targets) - 1, ("top-5 logprobs + routing", "v1/rollouts"))
-        acc = {k: [0.0, 0, 0, 0.0] for k in keys}  # seconds, ok, errors, cpu
+        # seconds, ok, errors, gateway CPU, client CPU, engine CPU, answer bytes
+        acc = {k: [0.0, 0, 0, 0.0, 0.0, 0.0, 0.0] for k in keys}
+        e_pid = procs[0].pid
         for _ in range(rounds):
             for bname, name in keys:
                 url, proc = targets[name]
                 c0 = _cpu_seconds(proc.pid) if proc else 0.0
+                e0 = _cpu_seconds(e_pid)
+                st: dict[str, float] = {}
                 t0 = time.perf_counter()
                 if name == "v1/rollouts":
                     _, ok, err = asyncio.run(_load(url + "/v1/rollouts", rollouts_body, out,
-                                                   concurrency, duration / rounds, rid=False))
+                                                   concurrency, duration / rounds, rid=False,
+                                                   stats=st))
                 else:
                     _, ok, err = asyncio.run(_load(url + "/generate", bodies[bname], out,
-                                                   concurrency, duration / rounds))
+                                                   concurrency, duration / rounds, stats=st))
                 a = acc[(bname, name)]
                 a[0] += time.perf_counter() - t0
                 a[1] += ok
                 a[2] += err
                 a[3] += (_cpu_seconds(proc.pid) - c0) if proc else 0.0
-        res = {k: (ok * out / secs, ok, err, cpu) for k, (secs, ok, err, cpu) in acc.items()}
-        return {"results": res, "prompt": prompt, "out": out, "concurrency": concurrency,
-                "duration": duration, "rounds": rounds, "bodies": list(bodies)}
+                a[4] += st["cpu"]
+                a[5] += _cpu_seconds(e_pid) - e0
+                a[6] += st["bytes"]
+        res = {k: (ok * out / secs, ok, err, cpu) for k, (secs, ok, err, cpu, *_) in acc.items()}
+        # per output token: client / engine / gateway CPU microseconds, answer bytes
+        per_tok = {k: tuple(x / max(ok * out, 1) * f for x, f in ((cc, 1e6), (ec, 1e6),
+                                                                   (gc, 1e6), (nb, 1.0)))
+                   for k, (_, ok, _, gc, cc, ec, nb) in acc.items()}
+        # engine answer bytes per token as the gateway reads them (the caller's body with
+        # routing; the gateway records routing whenever the engine can give it)
+        engine_bytes = {b: per_tok[(b, "direct")][3] for b in bodies}
+        engine_bytes["top-5 logprobs, no routing"] = engine_bytes["top-5 logprobs + routing"]
+        return {"results": res, "per_tok": per_tok, "engine_bytes": engine_bytes,
+                "speeds": _floor_speeds(), "prompt": prompt, "out": out,
+                "concurrency": concurrency, "duration": duration, "rounds": rounds,
+                "bodies": list(bodies)}
     finally:
         _stop(procs)
 
@@ -483,46 +546,97 @@ B_LABELS = {"direct": "direct to replay engine",
             "streamed, asyncio+h11": "gateway /generate, streamed, fast_io off (asyncio + h11)",
             "streamed, python data plane": "gateway /generate, streamed, python data plane "
                                            "(ROLLOUT_GATEWAY_DATA_PLANE=python)",
+            "streamed, record_routing off": "gateway /generate, streamed, record_routing off "
+                                            "(ROLLOUT_GATEWAY_RECORD_ROUTING=false)",
             "v1/rollouts": "gateway /v1/rollouts (default settings: streamed, top-5)"}
+
+#: the gateway variants whose ratio to direct is a goal of issue 24 (per body)
+B_GOALS = ("streamed", "non-streamed", "v1/rollouts", "streamed, record_routing off")
 
 
 def print_b(r: dict[str, Any], rep=None) -> None:
-    res = r["results"]
+    res, per_tok, speeds = r["results"], r["per_tok"], r["speeds"]
+    out = r["out"]
+    routed_b = (r["prompt"] + out - 1) / out * LAYERS * TOPK * 4 * 4 / 3  # base64 int32
     print(f"\nB. end to end, closed loop, {r['concurrency']} concurrent, {r['duration']:.0f} s "
           f"per target in {r['rounds']} interleaved rounds, prompt {r['prompt']} + output "
-          f"{r['out']} tokens, routed experts {LAYERS}x{TOPK}")
+          f"{out} tokens, routed experts {LAYERS}x{TOPK}")
+    print(f"   this machine: memcpy {speeds['memcpy'] / 1e9:.1f} GB/s, base64 decode "
+          f"{speeds['b64decode'] / 1e9:.2f} GB/s; CPU microseconds per output token: "
+          f"client / engine / gateway")
+    floors: dict[str, tuple[float, float]] = {}
+    for bname in r["bodies"]:
+        eb = r["engine_bytes"][bname]
+        fl = floor_us(eb, routed_b, speeds)
+        floors[bname] = (fl, eb)
+        print(f"  [{bname}] engine answer {eb / 1e3:.2f} KB/token as the gateway reads it; "
+              f"floor {fl:.2f} us/token ({1e6 / fl / 1e3:.0f}k tok/CPU-s)")
+    if rep is not None:
+        rep.row("B. the physical floor", "memcpy (64 MiB, best of 5)", speeds["memcpy"] / 1e9,
+                "GB/s")
+        rep.row("B. the physical floor", "base64 decode (pybase64)", speeds["b64decode"] / 1e9,
+                "GB/s")
+        for bname, (fl, eb) in floors.items():
+            rep.row("B. the physical floor", f"[{bname}] engine answer bytes per output token "
+                    "(what the gateway reads)", eb / 1e3, "KB/tok")
+            rep.row("B. the physical floor", f"[{bname}] gateway floor: read it + write the "
+                    "answer once + base64-decode the routing", fl, "us/tok")
     for (bname, name), (tps, ok, err, cpu) in res.items():
         d = res[(bname, "direct")][0]
+        cc, ec, gc, nb = per_tok[(bname, name)]
         label = f"[{bname}] {B_LABELS[name]}"
         line = f"  {label:70s} {tps / 1e3:8.1f}k tok/s  ({ok} requests, {err} errors)"
-        per_cpu = ok * r["out"] / cpu if cpu > 0 and name.startswith(("streamed", "non-", "v1")) \
+        per_cpu = ok * out / cpu if cpu > 0 and name.startswith(("streamed", "non-", "v1")) \
             else None
         if name != "direct":
             line += f"  ratio {tps / d if d else float('nan'):.3f}"
         if per_cpu:
             line += f"  {per_cpu / 1e3:.1f}k tok per gateway CPU-s"
+        line += f"  cpu {cc:.2f}/{ec:.2f}/{gc:.2f} us/tok"
         print(line)
-        if rep is not None:
-            sec = f"B. end to end, {bname}"
-            label = B_LABELS[name]
-            if name == "sglang-router" and "no routing" not in bname:
-                label += " [drops return_routed_experts: not like for like]"
-            rep.row(sec, label + (f" ({err} errors)" if err else ""), tps, "tok/s",
-                    ratio=tps / d if d and name != "direct" else None,
-                    ratio_to="direct" if name != "direct" else None)
-            if per_cpu:
-                rep.row("B. stamped output tokens per gateway CPU-second", f"[{bname}] "
-                        + B_LABELS[name], per_cpu, "tok/CPU-s")
-            if name == "v1/rollouts":
-                rep.goal("gateway /v1/rollouts (default) vs direct /generate",
-                         tps / d if d else 0.0, 0.9)
-            if name == "streamed":
-                rep.goal(f"gateway /generate ({bname}, default) vs direct",
-                         tps / d if d else 0.0, 0.9)
-                rep.goal(f"stamped tok per gateway CPU-s e2e ({bname})", per_cpu or 0.0,
-                         500_000, unit="tok/CPU-s")
+        if rep is None:
+            continue
+        fl, eb = floors[bname]
+        routed = True  # the gateway records routing whenever the engine can give it
+        if name == "streamed, record_routing off":  # reads only what the caller gets
+            eb = per_tok[(bname, "direct")][3]
+            fl, routed = floor_us(eb, 0.0, speeds), False
+        dc, de = per_tok[(bname, "direct")][:2]
+        # on cores the processes saturate, throughput ~ 1 / (CPU per token of all of them):
+        # a gateway at its floor would reach (c+e) / (c+e+floor) of direct
+        ceiling = (dc + de) / (dc + de + fl) if dc + de > 0 else float("nan")
+        sec = f"B. end to end, {bname}"
+        label = B_LABELS[name]
+        if name == "sglang-router" and "no routing" not in bname:
+            label += " [drops return_routed_experts: not like for like]"
+        rep.row(sec, label + (f" ({err} errors)" if err else ""), tps, "tok/s",
+                ratio=tps / d if d and name != "direct" else None,
+                ratio_to="direct" if name != "direct" else None)
+        rep.row(f"B. CPU per output token, {bname} (client / engine / gateway)",
+                B_LABELS[name], gc if name != "direct" else cc + de, "us/tok",
+                client_us=cc, engine_us=ec)
+        if per_cpu:
+            rep.row("B. stamped output tokens per gateway CPU-second", f"[{bname}] "
+                    + B_LABELS[name], per_cpu, "tok/CPU-s")
+        floor_txt = (f"{fl:.2f} us/tok ({eb / 1e3:.1f} KB/tok read, written back"
+                     + (", routing base64-decoded" if routed else "")
+                     + f"); a gateway at it: {ceiling:.2f} of direct (direct's client + "
+                     f"engine: {dc + de:.2f} us/tok)")
+        if name in B_GOALS:
+            what = {"v1/rollouts": "gateway /v1/rollouts (default)",
+                    "streamed": "gateway /generate, engines read streamed (default)",
+                    "non-streamed": "gateway /generate, engines read non-streamed",
+                    "streamed, record_routing off": "gateway /generate, streamed, "
+                                                    "record_routing off"}[name]
+            rep.goal(f"{what} vs direct [{bname}]", tps / d if d else 0.0, 0.9,
+                     floor=floor_txt)
+        if name == "streamed":
+            rep.goal(f"stamped tok per gateway CPU-s e2e, streamed [{bname}]", per_cpu or 0.0,
+                     500_000, unit="tok/CPU-s",
+                     floor=f"{fl:.2f} us/tok = {1e6 / fl / 1e3:.0f}k tok/CPU-s "
+                           f"(measured: {gc:.2f} us/tok)")
     print(f"  gateway = stamped + published to the embedded store; all processes share "
-          f"{os.cpu_count()} cores (client, 3 gateways, SGLang's router, replay engine)")
+          f"{os.cpu_count()} cores (client, the gateways, SGLang's router, replay engine)")
 
 
 def main(argv: list[str] | None = None) -> int:
