@@ -73,10 +73,17 @@ class SparseMoe(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (out [N, H], top-k expert ids [N, k])."""
+    def forward(self, x: torch.Tensor, route: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (out [N, H], top-k expert ids [N, k]). ``route`` [N, k] replays given
+        expert ids instead of the router's choice (weights: the router's probabilities of
+        those experts), as routing replay (R3) does."""
         probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if route is None:
+            top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            top_i = route.to(torch.long)
+            top_w = probs.gather(-1, top_i)
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
         top_w = top_w.to(x.dtype)
@@ -235,8 +242,11 @@ class Qwen3MoeLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def forward_chunks(self, ids: list[torch.Tensor], caches: list[KVCache]) -> ChunkOutput:
-        """Append ``ids[i]`` (1-D int64) to sequence i, whose past is ``caches[i]`` (updated)."""
+    def forward_chunks(self, ids: list[torch.Tensor], caches: list[KVCache],
+                       routing: torch.Tensor | None = None) -> ChunkOutput:
+        """Append ``ids[i]`` (1-D int64) to sequence i, whose past is ``caches[i]`` (updated).
+        ``routing`` [N, layers, k] (N: all tokens of ``ids``) replays those experts in the
+        MoE layers (see SparseMoe.forward)."""
         cfg = self.config
         lens = [int(t.numel()) for t in ids]
         offsets = [0]
@@ -261,7 +271,7 @@ class Qwen3MoeLM(nn.Module):
             x = x + att.o_proj(attend(q, k, v, lens, offsets, caches, li))
             h = layer.post_attention_layernorm(x)
             if layer.is_moe:
-                y, ti = layer.mlp(h)
+                y, ti = layer.mlp(h, None if routing is None else routing[:, li])
                 topk[:, li] = ti
             else:
                 y = layer.mlp(h)
@@ -271,7 +281,8 @@ class Qwen3MoeLM(nn.Module):
         return ChunkOutput(hidden=self.model.norm(x), topk=topk, offsets=offsets)
 
     @torch.no_grad()
-    def forward_full(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_full(self, ids: torch.Tensor, routing: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole sequence from scratch: (logits [T, V] float32, router top-k [T, L, k])."""
-        out = self.forward_chunks([ids], [KVCache()])
+        out = self.forward_chunks([ids], [KVCache()], routing)
         return self.logits(out.hidden), out.topk

@@ -48,24 +48,31 @@ def _score(logits: torch.Tensor, topk: torch.Tensor, ids: torch.Tensor, start: i
                   routed_experts=topk[:-1].numpy().astype(np.int32))
 
 
-def score(model: Qwen3MoeLM, ids: list[int], start: int, temperature: float = 1.0) -> Scored:
-    """Full forward over ``ids`` under ``model``; scores positions ``start..len(ids)-1``."""
+def score(model: Qwen3MoeLM, ids: list[int], start: int, temperature: float = 1.0,
+          routing: np.ndarray | None = None) -> Scored:
+    """Full forward over ``ids`` under ``model``; scores positions ``start..len(ids)-1``.
+    ``routing`` [len(ids), layers, k]: replay those experts instead of the router's."""
     if not 1 <= start <= len(ids):
         raise ValueError("start must be in [1, len(ids)]")
     t = torch.tensor(ids, dtype=torch.long)
-    logits, topk = model.forward_full(t)
+    logits, topk = model.forward_full(t, _routes(routing))
     return _score(logits, topk, t, start, temperature)
 
 
 def score_mixed(old: Qwen3MoeLM, new: Qwen3MoeLM, ids: list[int], switch: int, start: int,
-                temperature: float = 1.0) -> Scored:
+                temperature: float = 1.0, routing: np.ndarray | None = None) -> Scored:
     """Like :func:`score`, but positions ``< switch`` are computed by ``old`` (their KV and
     routing stay old) and positions ``>= switch`` by ``new`` attending to the old KV: what an
     in-place weight swap produces."""
     t = torch.tensor(ids, dtype=torch.long)
     cache = KVCache()
-    a = old.forward_chunks([t[:switch]], [cache])
-    b = new.forward_chunks([t[switch:]], [cache])
+    r = _routes(routing)
+    a = old.forward_chunks([t[:switch]], [cache], None if r is None else r[:switch])
+    b = new.forward_chunks([t[switch:]], [cache], None if r is None else r[switch:])
     logits = torch.cat((old.logits(a.hidden), new.logits(b.hidden)))
     topk = torch.cat((a.topk, b.topk))
     return _score(logits, topk, t, start, temperature)
+
+
+def _routes(routing: np.ndarray | None) -> torch.Tensor | None:
+    return None if routing is None else torch.as_tensor(np.asarray(routing, dtype=np.int64))

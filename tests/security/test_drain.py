@@ -104,7 +104,9 @@ def test_sigterm_drains_within_drain_grace_s(slow_engine):
     gw = GatewayProcess({"e0": slow_engine.url}, store_url=url, registry_url=url, env=env)
     try:
         gw.start()
-        body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2000}}  # ~100 s
+        # ~100 s, and no end of sequence before the drain cuts it (sampling could stop it)
+        body = {"input_ids": [4, 5, 6],
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
         with httpx.Client(timeout=60) as client:
             resp, lines, first = _open_stream(client, gw.url, A, body)
             t0 = time.monotonic()

@@ -72,3 +72,32 @@ def test_seeded_init_is_deterministic():
     c = build_model(ModelConfig(), seed=6).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+def test_replaying_the_routing_is_the_router_and_another_route_changes_the_logits():
+    """forward_full(routing=...) (R3 replay): the router's own choice gives the same bits,
+    another expert for one token in one layer changes that token's logits and after."""
+    import numpy as np
+
+    from reference_engine.reference import score
+
+    cfg = ModelConfig()
+    model = build_model(cfg, 3)
+    logits, topk = model.forward_full(IDS)
+    same, top2 = model.forward_full(IDS, routing=topk)
+    assert torch.equal(same, logits) and torch.equal(top2, topk)
+    other = topk.clone()
+    li = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    row = other[5, li]
+    spare = next(e for e in range(cfg.num_experts) if e not in row.tolist())
+    other[5, li, 0] = spare
+    moved, got = model.forward_full(IDS, routing=other)
+    assert torch.equal(got, other)
+    # earlier tokens: the same up to float order (an expert's batch of tokens changed)
+    assert torch.allclose(moved[:5], logits[:5], atol=1e-5)
+    assert (moved[5] - logits[5]).abs().max() > 1e-3
+    ids = IDS.tolist()
+    a = score(model, ids, 3)
+    b = score(model, ids, 3, routing=np.concatenate([a.routed_experts,
+                                                    topk[-1:].numpy().astype(np.int32)]))
+    assert np.array_equal(a.logprobs, b.logprobs)
