@@ -202,6 +202,14 @@ def scatter_(x: Tensor, index: Tensor, values: Tensor) -> None:
         x.index_copy_(0, index, values)
 
 
+def compress(x: Tensor, keep: Tensor) -> Tensor:
+    """x[keep] for 1-D x and a bool ``keep`` of its length; CPU tensors go through numpy's
+    compress (~6x faster than torch's boolean indexing at 100k entries)."""
+    if x.device.type == "cpu" and keep.device.type == "cpu" and not x.requires_grad:
+        return torch.from_numpy(np.compress(keep.numpy(), x.numpy()))
+    return x[keep]
+
+
 def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = None
                       ) -> tuple[Tensor, Tensor]:
     """(q-quantile over the active tokens, indices of the tokens with xm > quantile) for

@@ -4,6 +4,8 @@ segment helpers."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -62,6 +64,54 @@ def test_sat_fused_zero_quantile_is_ppo():
     b = compute_loss("ppo_clip", LossInputs(**kw))
     assert a[0].item() == pytest.approx(b[0].item(), rel=1e-12)
     assert a[1]["gate_rate"].item() == 0.0 and a[1]["sat_q"].item() == 0.0
+
+
+SAT_TAIL_CASES = [{}, {"dual_clip": 1.1}, {"dual_clip": 3.0}, {"kernel_power": 1.0},
+                  {"eps_low": 0.1, "eps_high": 0.28}, {"quantile": 0.5},
+                  {"kl_coef": 0.1, "aggregation": "seq_mean_token_mean"}]
+
+
+def _sat_tail_batch(n, dtype, seed=0, scale=0.03, wild=False, zero_q=False):
+    """Log-ratios small enough for SAT's tail-only clipping (q below clip_free_bound)."""
+    lp, mu, _, adv, mask, _ = _batch(n=n, seed=seed, scale=scale, dtype=dtype, p_mask=0.1)
+    lp = lp.clone()
+    if zero_q:  # q = 0: the tail is every active token with d != 0, no contraction
+        lp = mu.clone()
+        lp[::23] += 0.3
+    if wild:  # active and inactive tokens past the e^20 ratio clamp
+        lp[::37] += 25.0
+        lp[5::41] -= 30.0
+    seq = torch.arange(n) // 100
+    return dict(logprobs=lp, rollout_logprobs=mu, advantages=adv, loss_mask=mask,
+                seq_ids=seq, ref_logprobs=mu - 0.01)
+
+
+@pytest.mark.parametrize("cfg", SAT_TAIL_CASES)
+@pytest.mark.parametrize("n,dtype", [(600, torch.float64), (600, torch.float32),
+                                     (150_000, torch.float32)])
+@pytest.mark.parametrize("kind", ["plain", "wild", "zero_q"])
+def test_sat_tail_only_clipping_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
+    """The tail-only form (q <= clip_free_bound: clipping computed on the tail only, the
+    gradient given as the loss with zeros) gives the dense kernel's loss, gradient and
+    metrics bit for bit, and equals the reference."""
+    fused_sat = importlib.import_module("learner_client.corrections.fused.sat")
+    kw = _sat_tail_batch(n, dtype, wild=kind == "wild", zero_q=kind == "zero_q")
+    spec = LOSSES["sat"]
+    tail = _run((spec.fused, spec), kw, cfg)
+    q = tail[2]["sat_q"].item()
+    assert q <= fused_sat.clip_free_bound(spec.config(cfg))  # the tail-only form ran
+    assert (q == 0.0) == (kind == "zero_q")
+    assert tail[2]["clipfrac"].item() > 0  # some tail tokens on the clipped branch
+    if "dual_clip" in cfg and kind == "wild":
+        assert tail[2]["dual_clipfrac"].item() > 0
+    monkeypatch.setattr(fused_sat, "TAIL_ONLY_CLIP", False)
+    dense = _run((spec.fused, spec), kw, cfg)
+    assert torch.equal(tail[0], dense[0]) and torch.equal(tail[1], dense[1])
+    assert set(tail[2]) == set(dense[2])
+    for k in tail[2]:
+        assert torch.equal(tail[2][k], dense[2][k]), k
+    if dtype == torch.float64:
+        _assert_same(tail, _run((spec.reference, spec), kw, cfg))
 
 
 @pytest.mark.parametrize("cfg", [{"tau": 0.05, "target_mask_rate": None},

@@ -37,29 +37,47 @@ from ..ops import LOG_RATIO_CLAMP
 Kernel = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
+@dataclass(frozen=True)
+class GradIsLoss:
+    """A kernel's derivative given as "d pg/dx = pg, except 0 at ``zero``" (long indices).
+
+    PPO's unclipped branch has pg = r*nA = exp(x - base)*nA, whose derivative is pg itself:
+    a kernel whose clipped tokens are few and known (SAT's tail) returns this instead of a
+    dense [N] gradient, and the backward multiplies the saved loss (no [N] buffer for it)."""
+
+    zero: Tensor
+
+
 class _FusedTokenLoss(torch.autograd.Function):
-    """pg = kernel(x)[0] with elementwise derivative kernel(x)[1] (saved, [N])."""
+    """pg = kernel(x)[0] with elementwise derivative kernel(x)[1] (saved, [N]; or
+    ``GradIsLoss``: pg itself with zeros at a few indices)."""
 
     @staticmethod
     def forward(ctx, x, kernel):  # type: ignore[override]
         pg, grad = kernel(x)
-        ctx.save_for_backward(grad)
+        ctx.grad_is_loss = isinstance(grad, GradIsLoss)
+        ctx.save_for_backward(*((pg, grad.zero) if ctx.grad_is_loss else (grad,)))
         return pg
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        (grad,) = ctx.saved_tensors
+        grad = ctx.saved_tensors[0]
         if grad_out.dim() == 1 and grad_out.stride() == (0,) and grad_out.numel() > 0:
             # expanded scalar (the usual sum() upstream): one multiply by a 0-dim tensor
-            return grad * grad_out[0], None
-        return grad_out * grad, None
+            g = grad * grad_out[0]
+        else:
+            g = grad_out * grad
+        if ctx.grad_is_loss:
+            g.index_fill_(0, ctx.saved_tensors[1], 0.0)
+        return g, None
 
 
 def fused_token_loss(x: Tensor, kernel: Kernel) -> Tensor:
     """Per-token loss [N] = kernel(x)[0] whose gradient w.r.t. x is grad_out * kernel(x)[1].
 
     ``kernel`` runs without autograd on x's values and must return (loss [N], dloss/dx [N]),
-    both fresh tensors. Valid only when loss_t depends on x_t alone.
+    both fresh tensors, or (loss, ``GradIsLoss(zero)``) where dloss/dx is the loss itself
+    except 0 at the indices ``zero``. Valid only when loss_t depends on x_t alone.
     """
     return _FusedTokenLoss.apply(x, kernel)
 
@@ -103,17 +121,19 @@ ClampFix = Callable[[Tensor, Tensor], None]  # (clip(r) in place, r) -> None
 def ppo_surrogate(d: Tensor, adv: Tensor, m: Tensor, lo: float, hi: float,
                   weight: Tensor | None = None, dual_clip: float | None = None,
                   fix_clamp: ClampFix | None = None, nA: Tensor | None = None,
-                  own_d: bool = False, kl_sum: Tensor | None = None) -> Surrogate:
+                  own_d: bool = False, kl_sum: Tensor | None = None,
+                  bounds: tuple[float, float] | None = None) -> Surrogate:
     """PPO's surrogate on log-ratios d [N] (no autograd; call inside a kernel).
 
     ``weight`` (detached, >= 0) multiplies the per-token loss (folded into nA = -A*m*w).
     ``fix_clamp(rc, r)`` may edit clip(r) in place before it meets the advantage (SAT's
     per-token bounds on a subset). ``own_d``: d may be overwritten (saves a copy).
-    ``kl_sum``: sum_t m_t d_t when the caller already has it.
+    ``kl_sum``: sum_t m_t d_t when the caller already has it. ``bounds``: d's (min, max)
+    or any interval holding d, when known (skips safe_exp_'s aminmax pass).
     """
     if kl_sum is None:
         kl_sum = torch.dot(d, m)
-    r, outside = safe_exp_(d if own_d else d.clone())
+    r, outside = safe_exp_(d if own_d else d.clone(), bounds)
     ratio_sum = torch.dot(r, m)
     if nA is None:
         if weight is None:
