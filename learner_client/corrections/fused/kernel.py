@@ -26,13 +26,14 @@ Pure PyTorch, [N] tensors only (no N x vocab); CPU or any device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..ops import LOG_RATIO_CLAMP
+from ..ops import LOG_RATIO_CLAMP, compress, gather, scatter_
 
 Kernel = Callable[[Tensor], tuple[Tensor, Tensor]]
 
@@ -157,6 +158,80 @@ def ppo_surrogate(d: Tensor, adv: Tensor, m: Tensor, lo: float, hi: float,
         pg = torch.where(capped, cap, pg)
         grad.masked_fill_(capped, 0.0)
     return Surrogate(pg, grad, clipped, r, kl_sum, ratio_sum, capped)
+
+
+def clip_free_bound(eps_low: float, eps_high: float, dual_clip: float | None) -> float:
+    """A log-ratio bound b such that |d| <= b puts r = exp(d) inside PPO's interval
+    [1 - eps_low, 1 + eps_high] and below the dual clip c: such a token's loss is the
+    unclipped r*nA, whose derivative is r*nA too. A relative 1e-4 below the exact bound
+    (float exp is within an ulp, ~1e-7, of the true value), so the float ratio is inside."""
+    b = min(math.log1p(eps_high), -math.log1p(-eps_low))
+    if dual_clip is not None:
+        b = min(b, math.log(dual_clip))
+    return b * (1.0 - 1e-4)
+
+
+@dataclass
+class SubsetClip:
+    """Results of ``ppo_on_subset``."""
+
+    pg: Tensor  # [N] -S(r, A) * w, 0 at the dropped entries
+    grad: GradIsLoss  # pg, with zeros where clipped, dual-capped, clamped or dropped
+    n_clipped: Tensor  # 0-dim long: entries on the clipped branch (as Surrogate.clipped)
+    n_capped: Tensor  # 0-dim long: entries the dual clip binds (0 without one)
+
+
+def ppo_on_subset(r: Tensor, nA: Tensor, idx: Tensor, lo: float | Tensor, hi: float | Tensor,
+                  dual_clip: float | None = None, outside: Tensor | None = None,
+                  drop: Tensor | None = None) -> SubsetClip:
+    """PPO's surrogate over N when only the entries ``idx`` (long, [K]) can be clipped: every
+    other entry's ratio is inside [lo, hi] and below the dual clip (e.g. its |log-ratio| <=
+    ``clip_free_bound``), so its loss is the unclipped r*nA and its derivative that same
+    value. One product over N (into nA's buffer, in place); the clip, the dual clip and
+    the clip counts run on the K entries and are scattered back. Equal, bit for bit, to
+    ``ppo_surrogate``'s pg and grad with the same bounds at idx (lo / hi: floats, or
+    per-entry tensors [K]).
+
+    ``outside`` (bool [K]): entries whose log-ratio passed the ratio clamp (r already
+    clamped; gradient 0). ``drop`` (bool [K]): entries whose loss and gradient are zeroed
+    (a method's mask) after the clip.
+    """
+    nA_g, r_g = gather(nA, idx), gather(r, idx)
+    pg = nA.mul_(r)
+    zero = torch.zeros(0, dtype=torch.long, device=idx.device)
+    n_clip = n_cap = torch.zeros((), dtype=torch.long, device=idx.device)
+    if idx.numel():
+        un = r_g * nA_g
+        cl = torch.clamp(r_g, lo, hi).mul_(nA_g)
+        clipped = cl > un
+        pg_g = torch.maximum(un, cl, out=cl)
+        n_clip = torch.count_nonzero(clipped)
+        if outside is not None:
+            clipped |= outside
+        if dual_clip is not None:
+            cap = nA_g * dual_clip  # -c*A*w; binds only for A < 0 (nA > 0)
+            capped = (pg_g > cap).logical_and_(nA_g > 0)
+            pg_g = torch.where(capped, cap, pg_g)
+            n_cap = torch.count_nonzero(capped)
+            clipped |= capped
+        if drop is not None:
+            pg_g.masked_fill_(drop, 0.0)
+            clipped |= drop
+        scatter_(pg, idx, pg_g)
+        zero = compress(idx, clipped)
+    return SubsetClip(pg, GradIsLoss(zero), n_clip, n_cap)
+
+
+def subset_metrics(sc: SubsetClip, kl_sum: Tensor, ratio_sum: Tensor, count: Tensor,
+                   dual_clip: float | None) -> dict[str, Tensor]:
+    """``ppo_metrics`` for ``ppo_on_subset`` (same values)."""
+    den = count.clamp_min(1.0)
+    dt = sc.pg.dtype
+    out = {"clipfrac": sc.n_clipped.to(dt) / den, "approx_kl": -kl_sum / den,
+           "ratio_mean": ratio_sum / den}
+    if dual_clip is not None:
+        out["dual_clipfrac"] = sc.n_capped.to(dt) / den
+    return out
 
 
 def ppo_metrics(s: Surrogate, count: Tensor) -> dict[str, Tensor]:

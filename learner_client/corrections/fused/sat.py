@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -12,21 +10,18 @@ from ..inputs import LossInputs
 from ..ops import LOG_RATIO_CLAMP, compress, gather, quantile_and_tail, scatter_
 from ..ppo import add_k3_kl
 from ..sat import SATConfig
-from .kernel import GradIsLoss, fused_token_loss, ppo_metrics, ppo_surrogate
+from .kernel import (
+    GradIsLoss,
+    clip_free_bound,
+    fused_token_loss,
+    ppo_metrics,
+    ppo_on_subset,
+    ppo_surrogate,
+    subset_metrics,
+)
 
 # Tail-only clipping (see ``sat``); tests switch it off to compare both forms bit for bit.
 TAIL_ONLY_CLIP = True
-
-
-def clip_free_bound(cfg: SATConfig) -> float:
-    """A log-ratio bound b such that |d| <= b puts r = exp(d) inside PPO's interval
-    [1 - eps_low, 1 + eps_high] and below the dual clip c: such a token's loss is the
-    unclipped -r*A*m. A relative 1e-4 below the exact bound (float32 exp is within an ulp,
-    ~1e-7, of the true value), so the float ratio is inside too."""
-    b = min(math.log1p(cfg.eps_high), -math.log1p(-cfg.eps_low))
-    if cfg.dual_clip is not None:
-        b = min(b, math.log(cfg.dual_clip))
-    return b * (1.0 - 1e-4)
 
 
 def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
@@ -41,7 +36,7 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     exp(d*mask): 1 on inactive tokens, whose -A*m is 0 (same loss and gradient), and every
     active |d| > q is in G, so the ratio clamp is checked on G (no aminmax pass over N).
 
-    Tail-only clipping, when q <= ``clip_free_bound`` (about 0.18 for eps 0.2): every token
+    Tail-only clipping, when q <= ``kernel.clip_free_bound`` (about 0.18 for eps 0.2): every token
     off G has |d| <= q, so its ratio is inside PPO's interval and below the dual clip; its
     loss is the unclipped -r*A*m and its derivative that same value. The work over N is
     then d, d*m, |d*m|, exp, -A*m and their product (no clamp, compare, maximum, fill or
@@ -58,7 +53,7 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     mu = inputs.flat("rollout_logprobs").detach()
     adv = inputs.flat("advantages").detach()
     el, eh, p, dual = cfg.eps_low, cfg.eps_high, cfg.kernel_power, cfg.dual_clip
-    bound = clip_free_bound(cfg)
+    bound = clip_free_bound(el, eh, dual)
     box: dict = {}
 
     def kernel(x: Tensor) -> tuple[Tensor, Tensor | GradIsLoss]:
@@ -105,40 +100,16 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
                 s.grad.index_fill_(0, compress(gate, outside), 0.0)
             box["metrics"] = ppo_metrics(s, n_act)
             return s.pg, s.grad
-        # tail-only clipping: dense -r*A*m, PPO's clipped surrogate on G
+        # tail-only clipping: -r*A*m over N, PPO's clip (contracted bounds) on G
         r = am.exp_()
         ratio_sum = torch.dot(r, m)
-        nA_g, r_g = gather(nA, gate), gather(r, gate)
-        pg = nA.mul_(r)
-        dt = pg.dtype
-        zero = torch.zeros(0, dtype=torch.long)
-        n_clip = n_cap = torch.zeros((), dtype=torch.long)
-        if gate.numel():
-            un = r_g * nA_g
-            if psi is not None:
-                rc = torch.clamp(r_g, psi.mul(-el).add_(1.0), psi.mul(eh).add_(1.0))
-            else:  # q = 0: no contraction
-                rc = torch.clamp(r_g, 1.0 - el, 1.0 + eh)
-            cl = rc.mul_(nA_g)
-            clipped = cl > un
-            pg_g = torch.maximum(un, cl, out=cl)
-            n_clip = torch.count_nonzero(clipped)
-            if outside is not None:
-                clipped |= outside
-            if dual is not None:
-                cap = nA_g * dual  # -c*A*m; binds only for A < 0 (nA > 0)
-                capped = (pg_g > cap).logical_and_(nA_g > 0)
-                pg_g = torch.where(capped, cap, pg_g)
-                n_cap = torch.count_nonzero(capped)
-                clipped |= capped
-            scatter_(pg, gate, pg_g)
-            zero = compress(gate, clipped)
-        metrics = {"clipfrac": n_clip.to(dt) / den, "approx_kl": -kl_sum / den,
-                   "ratio_mean": ratio_sum / den}
-        if dual is not None:
-            metrics["dual_clipfrac"] = n_cap.to(dt) / den
-        box["metrics"] = metrics
-        return pg, GradIsLoss(zero)
+        if psi is not None:
+            lo_b, hi_b = psi.mul(-el).add_(1.0), psi.mul(eh).add_(1.0)
+        else:  # q = 0: no contraction
+            lo_b, hi_b = 1.0 - el, 1.0 + eh
+        sc = ppo_on_subset(r, nA, gate, lo_b, hi_b, dual, outside)
+        box["metrics"] = subset_metrics(sc, kl_sum, ratio_sum, n_act, dual)
+        return sc.pg, sc.grad
 
     pg = fused_token_loss(inputs.flat("logprobs"), kernel)
     metrics = box["metrics"]
