@@ -5,6 +5,7 @@ segment helpers."""
 from __future__ import annotations
 
 import importlib
+import math
 
 import numpy as np
 import pytest
@@ -120,6 +121,76 @@ def test_sat_tail_only_clipping_equals_dense_kernel(monkeypatch, cfg, n, dtype, 
         assert torch.equal(tail[2][k], dense[2][k]), k
     if dtype == torch.float64:
         _assert_same(tail, _run((spec.reference, spec), kw, cfg))
+
+
+ESTR_SPARSE_CASES = [{}, {"dual_clip": 1.1}, {"eps_low": 0.1, "eps_high": 0.28},
+                     {"tau": 0.5}, {"tau": math.inf},
+                     {"dual_clip": 3.0, "aggregation": "seq_mean_token_mean"}]
+
+
+@pytest.mark.parametrize("cfg", ESTR_SPARSE_CASES)
+@pytest.mark.parametrize("n,dtype", [(3000, torch.float64), (3000, torch.float32),
+                                     (150_000, torch.float32)])
+@pytest.mark.parametrize("kind", ["plain", "wild", "missing"])
+def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
+    """ESTR's sparse form (fixed tau, H >= 0: score, mask and clip on S = {|d| > bound}
+    only) gives the dense kernel's loss, gradient and metrics bit for bit (approx_kl up
+    to summation order), and equals the reference."""
+    fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
+    kw = _sat_tail_batch(n, dtype, wild=kind == "wild")
+    g = torch.Generator().manual_seed(3)
+    kw["entropy"] = torch.rand(n, generator=g, dtype=dtype) * 0.05  # low H: some masked
+    act = torch.nonzero(kw["loss_mask"] > 0).reshape(-1)
+    sign = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).to(dtype)
+    lp, mu, h = kw["logprobs"], kw["rollout_logprobs"], kw["entropy"]
+    lp[act[::29]] = mu[act[::29]] + 0.3 * sign[act[::29]]  # clipped, not masked (high H)
+    h[act[::29]] = 0.5
+    lp[act[7::31]] = mu[act[7::31]] + 0.15 * sign[act[7::31]]  # masked (low H)
+    h[act[7::31]] = 0.001
+    if kind == "missing":  # NaN entropy on active tokens (never masked)
+        kw["entropy"][act[::17]] = math.nan
+    if kind == "wild":  # a -inf behavior logprob on an active token: always masked
+        kw["rollout_logprobs"][act[3]] = -math.inf
+    kw["entropy"][kw["loss_mask"] == 0] = -1.0  # harmless garbage under the mask
+    kw["entropy"] = torch.where(kw["loss_mask"] > 0, kw["entropy"], 0.0)
+    spec = LOSSES["estr"]
+    calls = []
+    real = fused_estr.ppo_on_subset
+    monkeypatch.setattr(fused_estr, "ppo_on_subset",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    sparse = _run((spec.fused, spec), kw, cfg)
+    assert calls  # the sparse form ran
+    assert sparse[2]["clipfrac"].item() > 0
+    assert (sparse[2]["mask_rate"].item() > 0) == (cfg.get("tau") != math.inf or kind == "wild")
+    monkeypatch.setattr(fused_estr, "SPARSE_CLIP", False)
+    dense = _run((spec.fused, spec), kw, cfg)
+    assert len(calls) == 1
+    assert torch.equal(sparse[0], dense[0]) and torch.equal(sparse[1], dense[1])
+    assert set(sparse[2]) == set(dense[2])
+    for k in sparse[2]:
+        assert torch.equal(sparse[2][k], dense[2][k]), k
+    if dtype == torch.float64:
+        _assert_same(sparse, _run((spec.reference, spec), kw, cfg))
+
+
+def test_estr_sparse_form_not_taken_when_it_does_not_apply(monkeypatch):
+    """Negative entropy on some token, a per-batch tau, or most tokens beyond the bound:
+    the dense kernel (same results either way)."""
+    fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
+    kw = _sat_tail_batch(3000, torch.float64)
+    kw["entropy"] = torch.rand(3000, dtype=torch.float64) * 0.05
+    calls = []
+    real = fused_estr.ppo_on_subset
+    monkeypatch.setattr(fused_estr, "ppo_on_subset",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = LOSSES["estr"]
+    neg = dict(kw, entropy=kw["entropy"] - 0.001)
+    wide = dict(kw, logprobs=kw["logprobs"] + 0.5 * torch.randn(3000, dtype=torch.float64))
+    for inp, cfg in ((neg, {}), (kw, {"target_mask_rate": 0.05}), (wide, {})):
+        _assert_same(_run((spec.fused, spec), inp, cfg), _run((spec.reference, spec), inp, cfg))
+    assert not calls
+    _run((spec.fused, spec), kw, {})
+    assert calls
 
 
 @pytest.mark.parametrize("cfg", [{"tau": 0.05, "target_mask_rate": None},

@@ -2,14 +2,60 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from ..base import TokenLoss
 from ..estr import ESTRConfig, check_entropy_exactness, version_spread
 from ..inputs import LossInputs
-from ..ops import indices_above, masked_mean, masked_quantile, quantile_and_tail
-from .kernel import fused_token_loss, ppo_metrics, ppo_surrogate
+from ..ops import (
+    LOG_RATIO_CLAMP,
+    compress,
+    gather,
+    indices_above,
+    masked_mean,
+    masked_quantile,
+    nonzero_indices,
+    quantile_and_tail,
+)
+from .kernel import (
+    GradIsLoss,
+    clip_free_bound,
+    fused_token_loss,
+    ppo_metrics,
+    ppo_on_subset,
+    ppo_surrogate,
+    subset_metrics,
+)
+
+SPARSE_CLIP = True  # the sparse form of ``estr`` (tests switch it off to compare both)
+_SPARSE_MAX_SHARE = 0.3  # above this share of tokens in S the dense kernel is cheaper
+_PROBE = 1024  # tokens of the strided probe that estimates that share
+
+
+def _sparse_bound(cfg: ESTRConfig, h: Tensor, h_min: Tensor, any_missing: bool
+                  ) -> float | None:
+    """The |d| above which a token can be clipped (``kernel.clip_free_bound``) or masked
+    (score = d^2/(H + eps_h) > tau needs d^2 > tau * eps_h when H >= 0), less a relative
+    1e-4; None when the sparse form does not apply (tau per batch, some H < 0, switched
+    off)."""
+    if not SPARSE_CLIP or cfg.tau is None or h.numel() == 0:
+        return None
+    if bool((h < 0).any()) if any_missing else bool(h_min < 0):  # NaN: never masked
+        return None
+    b = min(clip_free_bound(cfg.eps_low, cfg.eps_high, cfg.dual_clip),
+            math.sqrt(cfg.tau * cfg.eps_h) * (1.0 - 1e-4))
+    return b if b > 0.0 else None
+
+
+def _sparse_pays(x: Tensor, mu: Tensor, m: Tensor, bound: float) -> bool:
+    """Whether a strided probe of ~1k tokens puts at most _SPARSE_MAX_SHARE of them in S
+    (only the speed depends on it: both forms give the same results)."""
+    step = max(x.numel() // _PROBE, 1)
+    probe = ((x[::step] - mu[::step]) * m[::step]).abs_() > bound
+    return probe.numel() > 0 and int(probe.sum()) <= _SPARSE_MAX_SHARE * probe.numel()
 
 
 def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
@@ -25,6 +71,14 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     selection of tau on score * mask (inactive entries 0, see ops.quantile_and_tail).
     A NaN score (missing entropy, or 0/0 where an inactive token's H is -eps_h; detected
     by one sum) takes the masked-copy path for tau.
+
+    Sparse form (fixed tau, no H < 0, S below 30% of the tokens by a ~1k-token probe):
+    a token is clipped only if |d| > ``kernel.clip_free_bound`` (~0.18 for eps 0.2) and
+    masked only if d^2 > tau * (H + eps_h) >= tau * eps_h, so S = {active, |d| > the
+    smaller of the two} (one compare + flatnonzero of |d*m|) holds every token whose loss
+    is not the unclipped -r*A*m: the score, the mask and PPO's clip run on S
+    (``kernel.ppo_on_subset``), the ratio is exp(d*m) (clamp checked on S), and the work
+    over N is d, d*m, |d*m|, exp, -A*m and their product. Same values, bit for bit.
     """
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)
@@ -33,12 +87,46 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     mu = inputs.flat("rollout_logprobs").detach()
     h = inputs.flat("entropy").detach()
     adv = inputs.flat("advantages").detach()
-    any_missing = bool(torch.isnan(h.sum()))  # inf - inf also lands here; exact check below
-    missing_b = torch.isnan(h) if any_missing else None
-    any_missing = bool(missing_b.any()) if missing_b is not None else False
+    h_min = torch.amin(h) if h.numel() else torch.zeros((), dtype=h.dtype)  # NaN if any
+    missing_b = torch.isnan(h) if bool(torch.isnan(h_min)) else None
+    any_missing = missing_b is not None
     box: dict[str, Tensor] = {}
+    bound = _sparse_bound(cfg, h, h_min, any_missing)
+    clip_bound = clip_free_bound(cfg.eps_low, cfg.eps_high, cfg.dual_clip)
 
-    def kernel(x: Tensor) -> tuple[Tensor, Tensor]:
+    def sparse_kernel(x: Tensor) -> tuple[Tensor, GradIsLoss]:
+        """Fixed tau, every H >= 0: a token can be clipped or masked only if |d| > bound
+        (see ``estr``); those (S) come out of one compare, everything else is -r*A*m."""
+        d = x - mu
+        kl_sum = torch.dot(d, m)  # as the dense kernel (same bits)
+        am = torch.mul(d, m)  # d on active tokens, 0 elsewhere (never in S)
+        ab = torch.abs(am, out=d)
+        idx = indices_above(ab, bound)
+        d_s = gather(am, idx)
+        score = torch.square(d_s).div_(gather(h, idx).add_(cfg.eps_h))
+        drop = (score > cfg.tau).logical_or_(torch.isposinf(score))
+        if clip_bound > bound:  # S's clip work only where clipping can happen or a drop is
+            keep = nonzero_indices((torch.abs(d_s, out=score) > clip_bound).logical_or_(drop))
+            idx, d_s, drop = idx[keep], d_s[keep], drop[keep]
+        outside = None  # |d| past the ratio clamp: all in S (bound < 20)
+        if d_s.numel():
+            lo, hi = torch.aminmax(d_s)
+            if bool(lo < -LOG_RATIO_CLAMP) or bool(hi > LOG_RATIO_CLAMP):
+                outside = d_s.abs() > LOG_RATIO_CLAMP
+                am.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        nA = torch.mul(adv.to(x.dtype), m, out=ab).neg_()
+        r = am.exp_()  # exp(d * m): 1 on inactive tokens, whose -A*m is 0
+        ratio_sum = torch.dot(r, m)
+        sc = ppo_on_subset(r, nA, idx, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
+                           cfg.dual_clip, outside, drop)
+        box["metrics"] = subset_metrics(sc, kl_sum, ratio_sum, n_act, cfg.dual_clip)
+        box["tau"] = torch.tensor(cfg.tau, dtype=x.dtype)
+        box["drop"] = compress(idx, drop)
+        return sc.pg, sc.grad
+
+    def kernel(x: Tensor) -> tuple[Tensor, Tensor | GradIsLoss]:
+        if bound is not None and _sparse_pays(x, mu, m, bound):
+            return sparse_kernel(x)
         d = x - mu
         kl_sum = torch.dot(d, m)
         if cfg.tau is not None:
@@ -73,11 +161,11 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
                           own_d=True, kl_sum=kl_sum, dual_clip=cfg.dual_clip)
         s.pg.index_fill_(0, drop, 0.0)
         s.grad.index_fill_(0, drop, 0.0)
-        box["s"], box["tau"], box["drop"] = s, tau, drop  # type: ignore[assignment]
+        box["metrics"], box["tau"], box["drop"] = ppo_metrics(s, n_act), tau, drop
         return s.pg, s.grad
 
     pg = fused_token_loss(inputs.flat("logprobs"), kernel)
-    metrics = ppo_metrics(box["s"], n_act)  # type: ignore[arg-type]
+    metrics = box["metrics"]
     den = n_act.clamp_min(1.0)
     metrics["mask_rate"] = m.index_select(0, box["drop"]).sum() / den
     metrics["tau"] = box["tau"].detach().to(torch.float32)
