@@ -323,6 +323,7 @@ def test_flatnonzero_equals_numpy(n, share, seed, runs):
     assert torch.equal(nonzero_indices(keep), torch.nonzero(keep).reshape(-1))
     x = torch.from_numpy(rng.random(n))
     assert torch.equal(compress(x, keep), x[keep])
+    assert torch.equal(compress(x.to(torch.bfloat16), keep), x.to(torch.bfloat16)[keep])
 
 
 def test_quantile_and_tail_degenerate():

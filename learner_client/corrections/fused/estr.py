@@ -120,7 +120,7 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
         sc = ppo_on_subset(r, nA, idx, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
                            cfg.dual_clip, outside, drop)
         box["metrics"] = subset_metrics(sc, kl_sum, ratio_sum, n_act, cfg.dual_clip)
-        box["tau"] = torch.tensor(cfg.tau, dtype=x.dtype)
+        box["tau"] = torch.tensor(cfg.tau, dtype=x.dtype, device=x.device)
         box["drop"] = compress(idx, drop)
         return sc.pg, sc.grad
 
