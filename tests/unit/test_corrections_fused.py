@@ -151,8 +151,10 @@ def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
         kw["entropy"][act[::17]] = math.nan
     if kind == "wild":  # a -inf behavior logprob on an active token: always masked
         kw["rollout_logprobs"][act[3]] = -math.inf
-    kw["entropy"][kw["loss_mask"] == 0] = -1.0  # harmless garbage under the mask
-    kw["entropy"] = torch.where(kw["loss_mask"] > 0, kw["entropy"], 0.0)
+    inact = torch.nonzero(kw["loss_mask"] == 0).reshape(-1)
+    h[inact[::2]] = -1.0  # garbage under the mask: negative, and -eps_h (score 0/0)
+    h[inact[1::2]] = -0.01
+    h[act[11::97]] = -0.01  # an active H of -eps_h: score +inf, masked
     spec = LOSSES["estr"]
     calls = []
     real = fused_estr.ppo_on_subset
@@ -161,7 +163,7 @@ def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
     sparse = _run((spec.fused, spec), kw, cfg)
     assert calls  # the sparse form ran
     assert sparse[2]["clipfrac"].item() > 0
-    assert (sparse[2]["mask_rate"].item() > 0) == (cfg.get("tau") != math.inf or kind == "wild")
+    assert sparse[2]["mask_rate"].item() > 0  # (with tau = inf: the +inf scores)
     monkeypatch.setattr(fused_estr, "SPARSE_CLIP", False)
     dense = _run((spec.fused, spec), kw, cfg)
     assert len(calls) == 1
@@ -174,8 +176,8 @@ def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
 
 
 def test_estr_sparse_form_not_taken_when_it_does_not_apply(monkeypatch):
-    """Negative entropy on some token, a per-batch tau, or most tokens beyond the bound:
-    the dense kernel (same results either way)."""
+    """A per-batch tau, or most tokens beyond the clip bound: the dense kernel (same
+    results either way); negative entropy does not matter (the score is the dense one)."""
     fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
     kw = _sat_tail_batch(3000, torch.float64)
     kw["entropy"] = torch.rand(3000, dtype=torch.float64) * 0.05
@@ -186,10 +188,10 @@ def test_estr_sparse_form_not_taken_when_it_does_not_apply(monkeypatch):
     spec = LOSSES["estr"]
     neg = dict(kw, entropy=kw["entropy"] - 0.001)
     wide = dict(kw, logprobs=kw["logprobs"] + 0.5 * torch.randn(3000, dtype=torch.float64))
-    for inp, cfg in ((neg, {}), (kw, {"target_mask_rate": 0.05}), (wide, {})):
+    for inp, cfg in ((kw, {"target_mask_rate": 0.05}), (wide, {})):
         _assert_same(_run((spec.fused, spec), inp, cfg), _run((spec.reference, spec), inp, cfg))
     assert not calls
-    _run((spec.fused, spec), kw, {})
+    _assert_same(_run((spec.fused, spec), neg, {}), _run((spec.reference, spec), neg, {}))
     assert calls
 
 

@@ -15,9 +15,9 @@ from ..ops import (
     compress,
     gather,
     indices_above,
+    indices_above_any,
     masked_mean,
     masked_quantile,
-    nonzero_indices,
     quantile_and_tail,
 )
 from .kernel import (
@@ -31,28 +31,13 @@ from .kernel import (
 )
 
 SPARSE_CLIP = True  # the sparse form of ``estr`` (tests switch it off to compare both)
-_SPARSE_MAX_SHARE = 0.3  # above this share of tokens in S the dense kernel is cheaper
+_SPARSE_MAX_SHARE = 0.3  # above this share of tokens past the clip bound: the dense kernel
 _PROBE = 1024  # tokens of the strided probe that estimates that share
 
 
-def _sparse_bound(cfg: ESTRConfig, h: Tensor, h_min: Tensor, any_missing: bool
-                  ) -> float | None:
-    """The |d| above which a token can be clipped (``kernel.clip_free_bound``) or masked
-    (score = d^2/(H + eps_h) > tau needs d^2 > tau * eps_h when H >= 0), less a relative
-    1e-4; None when the sparse form does not apply (tau per batch, some H < 0, switched
-    off)."""
-    if not SPARSE_CLIP or cfg.tau is None or h.numel() == 0:
-        return None
-    if bool((h < 0).any()) if any_missing else bool(h_min < 0):  # NaN: never masked
-        return None
-    b = min(clip_free_bound(cfg.eps_low, cfg.eps_high, cfg.dual_clip),
-            math.sqrt(cfg.tau * cfg.eps_h) * (1.0 - 1e-4))
-    return b if b > 0.0 else None
-
-
 def _sparse_pays(x: Tensor, mu: Tensor, m: Tensor, bound: float) -> bool:
-    """Whether a strided probe of ~1k tokens puts at most _SPARSE_MAX_SHARE of them in S
-    (only the speed depends on it: both forms give the same results)."""
+    """Whether a strided probe of ~1k tokens puts at most _SPARSE_MAX_SHARE of them past
+    the clip bound (only the speed depends on it: both forms give the same results)."""
     step = max(x.numel() // _PROBE, 1)
     probe = ((x[::step] - mu[::step]) * m[::step]).abs_() > bound
     return probe.numel() > 0 and int(probe.sum()) <= _SPARSE_MAX_SHARE * probe.numel()
@@ -72,13 +57,14 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     A NaN score (missing entropy, or 0/0 where an inactive token's H is -eps_h; detected
     by one sum) takes the masked-copy path for tau.
 
-    Sparse form (fixed tau, no H < 0, S below 30% of the tokens by a ~1k-token probe):
-    a token is clipped only if |d| > ``kernel.clip_free_bound`` (~0.18 for eps 0.2) and
-    masked only if d^2 > tau * (H + eps_h) >= tau * eps_h, so S = {active, |d| > the
-    smaller of the two} (one compare + flatnonzero of |d*m|) holds every token whose loss
-    is not the unclipped -r*A*m: the score, the mask and PPO's clip run on S
-    (``kernel.ppo_on_subset``), the ratio is exp(d*m) (clamp checked on S), and the work
-    over N is d, d*m, |d*m|, exp, -A*m and their product. Same values, bit for bit.
+    Sparse form (fixed tau, under 30% of a ~1k-token probe past the clip bound): a
+    token's loss differs from the unclipped -r*A*m only where it is masked (score > tau)
+    or its |d| exceeds ``kernel.clip_free_bound`` (~0.18 for eps 0.2). The score over N
+    is the dense kernel's (d*m squared, / (H + eps_h)); two numpy compares and one
+    flatnonzero give that set S (~1-3% of the tokens), the mask and PPO's clip run on S
+    (``kernel.ppo_on_subset``), the ratio is exp(d*m) (clamp checked on S), and the
+    gradient is the loss with zeros (no clamp, compare, maximum, fill or count over N).
+    Same values, bit for bit.
     """
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)
@@ -87,28 +73,30 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     mu = inputs.flat("rollout_logprobs").detach()
     h = inputs.flat("entropy").detach()
     adv = inputs.flat("advantages").detach()
-    h_min = torch.amin(h) if h.numel() else torch.zeros((), dtype=h.dtype)  # NaN if any
-    missing_b = torch.isnan(h) if bool(torch.isnan(h_min)) else None
-    any_missing = missing_b is not None
+    any_missing = bool(torch.isnan(h.sum()))  # inf - inf also lands here; exact check below
+    missing_b = torch.isnan(h) if any_missing else None
+    any_missing = bool(missing_b.any()) if missing_b is not None else False
     box: dict[str, Tensor] = {}
-    bound = _sparse_bound(cfg, h, h_min, any_missing)
     clip_bound = clip_free_bound(cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    sparse = SPARSE_CLIP and cfg.tau is not None and clip_bound > 0.0
 
     def sparse_kernel(x: Tensor) -> tuple[Tensor, GradIsLoss]:
-        """Fixed tau, every H >= 0: a token can be clipped or masked only if |d| > bound
-        (see ``estr``); those (S) come out of one compare, everything else is -r*A*m."""
+        """Fixed tau: the score over N as the dense kernel, then only the tokens it masks
+        or whose |d| can reach the clip (S) see more than -r*A*m (see ``estr``)."""
         d = x - mu
         kl_sum = torch.dot(d, m)  # as the dense kernel (same bits)
-        am = torch.mul(d, m)  # d on active tokens, 0 elsewhere (never in S)
-        ab = torch.abs(am, out=d)
-        idx = indices_above(ab, bound)
+        am = torch.mul(d, m)  # d on active tokens, 0 elsewhere (score 0 or NaN: kept)
+        score = torch.square(am, out=d).div_(h + cfg.eps_h)
+        ab = torch.abs(am)
+        tau = cfg.tau
+        pairs = [(score, tau), (ab, clip_bound)]
+        if math.isinf(tau):  # score > inf never holds; +inf is masked all the same
+            pairs.append((score, torch.finfo(score.dtype).max))
+        idx = indices_above_any(*pairs)
+        s_s = gather(score, idx)
+        drop = (s_s > tau).logical_or_(torch.isposinf(s_s))
         d_s = gather(am, idx)
-        score = torch.square(d_s).div_(gather(h, idx).add_(cfg.eps_h))
-        drop = (score > cfg.tau).logical_or_(torch.isposinf(score))
-        if clip_bound > bound:  # S's clip work only where clipping can happen or a drop is
-            keep = nonzero_indices((torch.abs(d_s, out=score) > clip_bound).logical_or_(drop))
-            idx, d_s, drop = idx[keep], d_s[keep], drop[keep]
-        outside = None  # |d| past the ratio clamp: all in S (bound < 20)
+        outside = None  # |d| past the ratio clamp: all in S (clip_bound < 20)
         if d_s.numel():
             lo, hi = torch.aminmax(d_s)
             if bool(lo < -LOG_RATIO_CLAMP) or bool(hi > LOG_RATIO_CLAMP):
@@ -120,12 +108,12 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
         sc = ppo_on_subset(r, nA, idx, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
                            cfg.dual_clip, outside, drop)
         box["metrics"] = subset_metrics(sc, kl_sum, ratio_sum, n_act, cfg.dual_clip)
-        box["tau"] = torch.tensor(cfg.tau, dtype=x.dtype, device=x.device)
+        box["tau"] = torch.tensor(tau, dtype=x.dtype, device=x.device)
         box["drop"] = compress(idx, drop)
         return sc.pg, sc.grad
 
     def kernel(x: Tensor) -> tuple[Tensor, Tensor | GradIsLoss]:
-        if bound is not None and _sparse_pays(x, mu, m, bound):
+        if sparse and _sparse_pays(x, mu, m, clip_bound):
             return sparse_kernel(x)
         d = x - mu
         kl_sum = torch.dot(d, m)
