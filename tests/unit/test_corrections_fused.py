@@ -21,7 +21,13 @@ from learner_client.corrections.fused.kernel import (
     fused_token_loss,
     ppo_surrogate,
 )
-from learner_client.corrections.ops import compress, flatnonzero, nonzero_indices, quantile_and_tail
+from learner_client.corrections.ops import (
+    compress,
+    flatnonzero,
+    indices_above_any,
+    nonzero_indices,
+    quantile_and_tail,
+)
 
 
 def _batch(n=600, seed=0, scale=0.3, dtype=torch.float64, p_mask=0.1):
@@ -326,6 +332,11 @@ def test_flatnonzero_equals_numpy(n, share, seed, runs):
     x = torch.from_numpy(rng.random(n))
     assert torch.equal(compress(x, keep), x[keep])
     assert torch.equal(compress(x.to(torch.bfloat16), keep), x.to(torch.bfloat16)[keep])
+    y = torch.from_numpy(rng.random(n))
+    y[::7] = float("nan")
+    for a, b in ((x, y), (x.to(torch.bfloat16), y.to(torch.bfloat16))):  # numpy, torch
+        want = torch.nonzero((a > 0.5) | (b > 1.0 - share)).reshape(-1)
+        assert torch.equal(indices_above_any((a, 0.5), (b, 1.0 - share)), want)
 
 
 def test_quantile_and_tail_degenerate():
