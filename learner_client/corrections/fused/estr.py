@@ -86,8 +86,9 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
         d = x - mu
         kl_sum = torch.dot(d, m)  # as the dense kernel (same bits)
         am = torch.mul(d, m)  # d on active tokens, 0 elsewhere (score 0 or NaN: kept)
-        score = torch.square(am, out=d).div_(h + cfg.eps_h)
-        ab = torch.abs(am)
+        buf = h + cfg.eps_h
+        score = torch.square(am, out=d).div_(buf)
+        ab = torch.abs(am, out=buf)
         tau = cfg.tau
         pairs = [(score, tau), (ab, clip_bound)]
         if math.isinf(tau):  # score > inf never holds; +inf is masked all the same
