@@ -109,9 +109,15 @@ def test_sat_tail_only_clipping_equals_dense_kernel(monkeypatch, cfg, n, dtype, 
     gradient given as the loss with zeros) gives the dense kernel's loss, gradient and
     metrics bit for bit, and equals the reference."""
     fused_sat = importlib.import_module("learner_client.corrections.fused.sat")
+    monkeypatch.setattr(fused_sat, "TAIL_ONLY_MIN_TOKENS", 0)  # small batches too
+    calls = []
+    real = fused_sat.ppo_on_subset
+    monkeypatch.setattr(fused_sat, "ppo_on_subset",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     kw = _sat_tail_batch(n, dtype, wild=kind == "wild", zero_q=kind == "zero_q")
     spec = LOSSES["sat"]
     tail = _run((spec.fused, spec), kw, cfg)
+    assert calls  # the tail-only form ran
     q = tail[2]["sat_q"].item()
     c = spec.config(cfg)
     assert q <= clip_free_bound(c.eps_low, c.eps_high, c.dual_clip)  # the tail-only form ran
@@ -121,6 +127,7 @@ def test_sat_tail_only_clipping_equals_dense_kernel(monkeypatch, cfg, n, dtype, 
         assert tail[2]["dual_clipfrac"].item() > 0
     monkeypatch.setattr(fused_sat, "TAIL_ONLY_CLIP", False)
     dense = _run((spec.fused, spec), kw, cfg)
+    assert len(calls) == 1
     assert torch.equal(tail[0], dense[0]) and torch.equal(tail[1], dense[1])
     assert set(tail[2]) == set(dense[2])
     for k in tail[2]:
@@ -143,6 +150,7 @@ def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
     only) gives the dense kernel's loss, gradient and metrics bit for bit (approx_kl up
     to summation order), and equals the reference."""
     fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
+    monkeypatch.setattr(fused_estr, "SPARSE_MIN_TOKENS", 0)  # small batches too
     kw = _sat_tail_batch(n, dtype, wild=kind == "wild")
     g = torch.Generator().manual_seed(3)
     kw["entropy"] = torch.rand(n, generator=g, dtype=dtype) * 0.05  # low H: some masked
@@ -182,9 +190,11 @@ def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
 
 
 def test_estr_sparse_form_not_taken_when_it_does_not_apply(monkeypatch):
-    """A per-batch tau, or most tokens beyond the clip bound: the dense kernel (same
-    results either way); negative entropy does not matter (the score is the dense one)."""
+    """A per-batch tau, most tokens beyond the clip bound, or fewer tokens than
+    SPARSE_MIN_TOKENS: the dense kernel (same results either way); negative entropy does
+    not matter (the score is the dense one)."""
     fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
+    monkeypatch.setattr(fused_estr, "SPARSE_MIN_TOKENS", 0)
     kw = _sat_tail_batch(3000, torch.float64)
     kw["entropy"] = torch.rand(3000, dtype=torch.float64) * 0.05
     calls = []
@@ -198,7 +208,10 @@ def test_estr_sparse_form_not_taken_when_it_does_not_apply(monkeypatch):
         _assert_same(_run((spec.fused, spec), inp, cfg), _run((spec.reference, spec), inp, cfg))
     assert not calls
     _assert_same(_run((spec.fused, spec), neg, {}), _run((spec.reference, spec), neg, {}))
-    assert calls
+    assert len(calls) == 1
+    monkeypatch.setattr(fused_estr, "SPARSE_MIN_TOKENS", 3001)
+    _run((spec.fused, spec), neg, {})
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("cfg", [{"tau": 0.05, "target_mask_rate": None},

@@ -33,6 +33,9 @@ from .kernel import (
 SPARSE_CLIP = True  # the sparse form of ``estr`` (tests switch it off to compare both)
 _SPARSE_MAX_SHARE = 0.3  # above this share of tokens past the clip bound: the dense kernel
 _PROBE = 1024  # tokens of the strided probe that estimates that share
+# Below this many tokens the sparse form's small ops cost about what its [N] passes save
+# (measured on CPU: even at 128k tokens, ahead from 256k, 1.2 ms of ~6 at 1M)
+SPARSE_MIN_TOKENS = 262144
 
 
 def _sparse_pays(x: Tensor, mu: Tensor, m: Tensor, bound: float) -> bool:
@@ -57,14 +60,14 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
     A NaN score (missing entropy, or 0/0 where an inactive token's H is -eps_h; detected
     by one sum) takes the masked-copy path for tau.
 
-    Sparse form (fixed tau, under 30% of a ~1k-token probe past the clip bound): a
-    token's loss differs from the unclipped -r*A*m only where it is masked (score > tau)
-    or its |d| exceeds ``kernel.clip_free_bound`` (~0.18 for eps 0.2). The score over N
-    is the dense kernel's (d*m squared, / (H + eps_h)); two numpy compares and one
-    flatnonzero give that set S (~1-3% of the tokens), the mask and PPO's clip run on S
-    (``kernel.ppo_on_subset``), the ratio is exp(d*m) (clamp checked on S), and the
-    gradient is the loss with zeros (no clamp, compare, maximum, fill or count over N).
-    Same values, bit for bit.
+    Sparse form (fixed tau, N >= SPARSE_MIN_TOKENS, under 30% of a ~1k-token probe past
+    the clip bound): a token's loss differs from the unclipped -r*A*m only where it is
+    masked (score > tau) or its |d| exceeds ``kernel.clip_free_bound`` (~0.18 for eps
+    0.2). The score over N is the dense kernel's (d*m squared, / (H + eps_h)); two numpy
+    compares and one flatnonzero give that set S (~1-3% of the tokens), the mask and
+    PPO's clip run on S (``kernel.ppo_on_subset``), the ratio is exp(d*m) (clamp checked
+    on S), and the gradient is the loss with zeros (no clamp, compare, maximum, fill or
+    count over N). Same values, bit for bit.
     """
     inputs.require("entropy")
     inexact = check_entropy_exactness(inputs, cfg)
@@ -114,7 +117,7 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
         return sc.pg, sc.grad
 
     def kernel(x: Tensor) -> tuple[Tensor, Tensor | GradIsLoss]:
-        if sparse and _sparse_pays(x, mu, m, clip_bound):
+        if sparse and x.numel() >= SPARSE_MIN_TOKENS and _sparse_pays(x, mu, m, clip_bound):
             return sparse_kernel(x)
         d = x - mu
         kl_sum = torch.dot(d, m)

@@ -22,6 +22,9 @@ from .kernel import (
 
 # Tail-only clipping (see ``sat``); tests switch it off to compare both forms bit for bit.
 TAIL_ONLY_CLIP = True
+# Below this many tokens the tail's ~30 small ops cost more than the [N] passes they save
+# (measured on CPU: even at 16k-32k tokens, ahead from 64k).
+TAIL_ONLY_MIN_TOKENS = 32768
 
 
 def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
@@ -36,7 +39,8 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
     exp(d*mask): 1 on inactive tokens, whose -A*m is 0 (same loss and gradient), and every
     active |d| > q is in G, so the ratio clamp is checked on G (no aminmax pass over N).
 
-    Tail-only clipping, when q <= ``kernel.clip_free_bound`` (about 0.18 for eps 0.2): every token
+    Tail-only clipping, when q <= ``kernel.clip_free_bound`` (about 0.18 for eps 0.2) and
+    N >= TAIL_ONLY_MIN_TOKENS (smaller batches: the dense form is cheaper): every token
     off G has |d| <= q, so its ratio is inside PPO's interval and below the dual clip; its
     loss is the unclipped -r*A*m and its derivative that same value. The work over N is
     then d, d*m, |d*m|, exp, -A*m and their product (no clamp, compare, maximum, fill or
@@ -85,7 +89,7 @@ def sat(inputs: LossInputs, cfg: SATConfig) -> TokenLoss:
         # d*m is inside +-20 now, unless G is empty because q reached the cap
         bounds = ((-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
                   if gate.numel() or qf < LOG_RATIO_CLAMP else None)
-        if not (TAIL_ONLY_CLIP and qf <= bound):
+        if not (TAIL_ONLY_CLIP and qf <= bound and x.numel() >= TAIL_ONLY_MIN_TOKENS):
             fix = None
             if psi is not None:
                 def fix(rc: Tensor, r: Tensor) -> None:
