@@ -17,6 +17,13 @@ is exact) and up to float reassociation for other weights. ``clipped`` is False 
 w == 0. Like the reference, r = exp(clamp(d, -20, 20)) and the gradient is 0 where that
 clamp binds.
 
+Off the clipped branch the derivative is the loss itself (d/dlog pi of r*nA is r*nA). A
+token with |log r| <= ``clip_free_bound`` (~0.18 for eps 0.2) is never clipped, so where
+a loss knows that only a few tokens can pass it (SAT's tail when q is below it; ESTR's
+masked tokens and the few large |d|), ``ppo_on_subset`` computes r*nA over N, PPO's clip
+on those tokens only, and the gradient as ``GradIsLoss`` (the saved loss with zeros at
+the clipped entries): no clamp, compare, maximum, fill or count over N.
+
 ``fused_ppo_token_loss`` and ``fused_clipped_surrogate`` have the signatures and results of
 the readable ``ppo.ppo_token_loss`` and ``ppo.clipped_surrogate``: the losses built on them
 take the fused one as an argument (see fused/__init__.py).
