@@ -207,19 +207,20 @@ def indices_above(x: Tensor, threshold: float) -> Tensor:
     return torch.nonzero(x > threshold).squeeze(1)
 
 
-def indices_above_any(*pairs: tuple[Tensor, float]) -> Tensor:
-    """1-D long indices where any x_i [N] > t_i (NaN never is), for pairs (x_i, t_i);
-    numpy compares and ``flatnonzero`` on CPU float tensors (torch's compare to bool is
-    ~3x slower there), torch elsewhere."""
-    if all(_numpy_ok(x) for x, _ in pairs):
-        hit = np.greater(pairs[0][0].numpy(), pairs[0][1])
-        for x, t in pairs[1:]:
-            hit |= np.greater(x.numpy(), t)
-        return torch.from_numpy(flatnonzero(hit))
-    hit = pairs[0][0] > pairs[0][1]
-    for x, t in pairs[1:]:
-        hit |= x > t
-    return nonzero_indices(hit)
+def above_mask(x: Tensor, t: float) -> np.ndarray | Tensor:
+    """x > t (NaN never is) as a bool mask: a numpy array for CPU float tensors (numpy's
+    compare to bool is ~3x torch's there), a tensor elsewhere. Masks of one kind combine
+    with ``|=``; ``mask_indices`` turns one into indices."""
+    if _numpy_ok(x):
+        return np.greater(x.numpy(), t)
+    return x > t
+
+
+def mask_indices(mask: np.ndarray | Tensor) -> Tensor:
+    """1-D long indices of the True entries of an ``above_mask`` mask (``flatnonzero``)."""
+    if isinstance(mask, np.ndarray):
+        return torch.from_numpy(flatnonzero(mask))
+    return nonzero_indices(mask)
 
 
 def _numpy_ok(x: Tensor) -> bool:

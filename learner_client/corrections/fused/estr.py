@@ -12,10 +12,11 @@ from ..estr import ESTRConfig, check_entropy_exactness, version_spread
 from ..inputs import LossInputs
 from ..ops import (
     LOG_RATIO_CLAMP,
+    above_mask,
     compress,
     gather,
     indices_above,
-    indices_above_any,
+    mask_indices,
     masked_mean,
     masked_quantile,
     quantile_and_tail,
@@ -89,14 +90,17 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
         d = x - mu
         kl_sum = torch.dot(d, m)  # as the dense kernel (same bits)
         am = torch.mul(d, m)  # d on active tokens, 0 elsewhere (score 0 or NaN: kept)
+        sq = torch.square(am, out=d)
+        # |d| > clip_bound implies d^2 > this (rounding is monotone): S may hold a few
+        # tokens more, never fewer (ppo_on_subset is exact on any superset)
+        hit = above_mask(sq, (clip_bound * (1.0 - 1e-6)) ** 2)
         buf = h + cfg.eps_h
-        score = torch.square(am, out=d).div_(buf)
-        ab = torch.abs(am, out=buf)
+        score = sq.div_(buf)  # the dense kernel's score
         tau = cfg.tau
-        pairs = [(score, tau), (ab, clip_bound)]
+        hit |= above_mask(score, tau)
         if math.isinf(tau):  # score > inf never holds; +inf is masked all the same
-            pairs.append((score, torch.finfo(score.dtype).max))
-        idx = indices_above_any(*pairs)
+            hit |= above_mask(score, torch.finfo(score.dtype).max)
+        idx = mask_indices(hit)
         s_s = gather(score, idx)
         drop = (s_s > tau).logical_or_(torch.isposinf(s_s))
         d_s = gather(am, idx)
@@ -106,7 +110,7 @@ def estr(inputs: LossInputs, cfg: ESTRConfig) -> TokenLoss:
             if bool(lo < -LOG_RATIO_CLAMP) or bool(hi > LOG_RATIO_CLAMP):
                 outside = d_s.abs() > LOG_RATIO_CLAMP
                 am.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        nA = torch.mul(adv.to(x.dtype), m, out=ab).neg_()
+        nA = torch.mul(adv.to(x.dtype), m, out=buf).neg_()
         r = am.exp_()  # exp(d * m): 1 on inactive tokens, whose -A*m is 0
         ratio_sum = torch.dot(r, m)
         sc = ppo_on_subset(r, nA, idx, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high,
