@@ -169,6 +169,33 @@ def weighted_run_quantile(values: Tensor, counts: Tensor, q: float) -> Tensor:
     return lo + (at(k + 1) - lo) * frac
 
 
+def flatnonzero(b: np.ndarray) -> np.ndarray:
+    """np.flatnonzero of a 1-D bool array, at the speed of numpy's branch-free loop at any
+    density. numpy scans a bool array whose share of True is at most 10% with memchr
+    (fast when very sparse, but at 3-10% with scattered positions, one short run per hit,
+    up to ~3.5x slower than its branch-free loop: 1.3 ms vs 0.37 ms at 9% of 1M on this
+    machine). Between 2.5% and 10% this appends enough True entries to pass 10% and drops
+    their indices (one count and one copy of the N bytes)."""
+    n = b.size
+    if n < 4096:
+        return np.flatnonzero(b)
+    cnt = int(np.count_nonzero(b))
+    if not 0.025 * n < cnt <= 0.1 * n:
+        return np.flatnonzero(b)
+    padded = np.empty(n + int((0.1 * n - cnt) / 0.9) + 16, dtype=np.bool_)
+    padded[:n] = b
+    padded[n:] = True
+    return np.flatnonzero(padded)[:cnt]
+
+
+def nonzero_indices(b: Tensor) -> Tensor:
+    """1-D long indices of the True entries of a 1-D bool tensor (CPU: ``flatnonzero``,
+    several times faster than torch.nonzero; elsewhere torch.nonzero)."""
+    if b.device.type == "cpu" and b.dtype == torch.bool:
+        return torch.from_numpy(flatnonzero(b.numpy()))
+    return torch.nonzero(b).reshape(-1)
+
+
 def indices_above(x: Tensor, threshold: float) -> Tensor:
     """1-D long indices of the entries of x [N] greater than ``threshold`` (NaN never is).
 
@@ -176,8 +203,24 @@ def indices_above(x: Tensor, threshold: float) -> Tensor:
     torch.nonzero at 1M tokens); other devices/dtypes use torch.nonzero.
     """
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
-        return torch.from_numpy(np.flatnonzero(x.numpy() > threshold))
+        return torch.from_numpy(flatnonzero(x.numpy() > threshold))
     return torch.nonzero(x > threshold).squeeze(1)
+
+
+def above_mask(x: Tensor, t: float) -> np.ndarray | Tensor:
+    """x > t (NaN never is) as a bool mask: a numpy array for CPU float tensors (numpy's
+    compare to bool is ~3x torch's there), a tensor elsewhere. Masks of one kind combine
+    with ``|=``; ``mask_indices`` turns one into indices."""
+    if _numpy_ok(x):
+        return np.greater(x.numpy(), t)
+    return x > t
+
+
+def mask_indices(mask: np.ndarray | Tensor) -> Tensor:
+    """1-D long indices of the True entries of an ``above_mask`` mask (``flatnonzero``)."""
+    if isinstance(mask, np.ndarray):
+        return torch.from_numpy(flatnonzero(mask))
+    return nonzero_indices(mask)
 
 
 def _numpy_ok(x: Tensor) -> bool:
@@ -200,6 +243,18 @@ def scatter_(x: Tensor, index: Tensor, values: Tensor) -> None:
         x.numpy()[index.numpy()] = values.numpy()
     else:
         x.index_copy_(0, index, values)
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool)
+
+
+def compress(x: Tensor, keep: Tensor) -> Tensor:
+    """x[keep] for 1-D x and a bool ``keep`` of its length; CPU tensors go through numpy
+    (``flatnonzero`` and take: ~6x faster than torch's boolean indexing at 100k entries)."""
+    if (x.device.type == "cpu" and keep.device.type == "cpu" and not x.requires_grad
+            and x.dtype in _NUMPY_DTYPES and keep.dtype == torch.bool):
+        return torch.from_numpy(np.take(x.numpy(), flatnonzero(keep.numpy())))
+    return x[keep]
 
 
 def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = None
@@ -247,11 +302,14 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = N
         i_hi = math.ceil((p_hi + slack) * s)
         if i_lo > 0:
             if i_hi < s:
-                sp = np.partition(sample, [i_lo, i_hi])
-                t_lo, t_hi = sp[i_lo], sp[i_hi]
+                # two single-rank partitions: numpy's SIMD selection (x86-simd-sort) takes
+                # one kth only; a list of kth falls back to the scalar introselect (~4x)
+                sp = np.partition(sample, i_lo)
+                t_lo = sp[i_lo]
+                t_hi = np.partition(sp[i_lo + 1:], i_hi - i_lo - 1)[i_hi - i_lo - 1]
             else:
                 t_lo, t_hi = np.partition(sample, i_lo)[i_lo], None
-            cand = np.flatnonzero(a >= t_lo)
+            cand = flatnonzero(a >= t_lo)
             below = size - cand.size
             if below <= kk and top < size:
                 vals = a[cand]
@@ -279,5 +337,5 @@ def quantile_and_tail(xm: Tensor, n_active: int, q: float, cap: float | None = N
     if cap is not None and float(qv) >= cap:  # nothing of min(xm, cap) is above the cap
         return qv, torch.zeros(0, dtype=torch.long)
     above = vals > float(qv)  # ascending token order (cheap gathers later)
-    return qv, torch.from_numpy(np.flatnonzero(above) if cand is None
-                                else np.compress(above, cand))
+    return qv, torch.from_numpy(flatnonzero(above) if cand is None
+                                else np.take(cand, flatnonzero(above)))

@@ -4,14 +4,31 @@ segment helpers."""
 
 from __future__ import annotations
 
+import importlib
+import math
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from learner_client.corrections import LOSSES, LossInputs, compute_loss
 from learner_client.corrections.estr import version_spread
-from learner_client.corrections.fused.kernel import fused_ppo, fused_token_loss, ppo_surrogate
-from learner_client.corrections.ops import quantile_and_tail
+from learner_client.corrections.fused.kernel import (
+    clip_free_bound,
+    fused_ppo,
+    fused_token_loss,
+    ppo_surrogate,
+)
+from learner_client.corrections.ops import (
+    above_mask,
+    compress,
+    flatnonzero,
+    mask_indices,
+    nonzero_indices,
+    quantile_and_tail,
+)
 
 
 def _batch(n=600, seed=0, scale=0.3, dtype=torch.float64, p_mask=0.1):
@@ -62,6 +79,140 @@ def test_sat_fused_zero_quantile_is_ppo():
     b = compute_loss("ppo_clip", LossInputs(**kw))
     assert a[0].item() == pytest.approx(b[0].item(), rel=1e-12)
     assert a[1]["gate_rate"].item() == 0.0 and a[1]["sat_q"].item() == 0.0
+
+
+SAT_TAIL_CASES = [{}, {"dual_clip": 1.1}, {"dual_clip": 3.0}, {"kernel_power": 1.0},
+                  {"eps_low": 0.1, "eps_high": 0.28}, {"quantile": 0.5},
+                  {"kl_coef": 0.1, "aggregation": "seq_mean_token_mean"}]
+
+
+def _sat_tail_batch(n, dtype, seed=0, scale=0.03, wild=False, zero_q=False):
+    """Log-ratios small enough for SAT's tail-only clipping (q below clip_free_bound)."""
+    lp, mu, _, adv, mask, _ = _batch(n=n, seed=seed, scale=scale, dtype=dtype, p_mask=0.1)
+    lp = lp.clone()
+    if zero_q:  # q = 0: the tail is every active token with d != 0, no contraction
+        lp = mu.clone()
+        lp[::23] += 0.3
+    if wild:  # active and inactive tokens past the e^20 ratio clamp
+        lp[::37] += 25.0
+        lp[5::41] -= 30.0
+    seq = torch.arange(n) // 100
+    return {"logprobs": lp, "rollout_logprobs": mu, "advantages": adv, "loss_mask": mask,
+            "seq_ids": seq, "ref_logprobs": mu - 0.01}
+
+
+@pytest.mark.parametrize("cfg", SAT_TAIL_CASES)
+@pytest.mark.parametrize("n,dtype", [(600, torch.float64), (600, torch.float32),
+                                     (150_000, torch.float32)])
+@pytest.mark.parametrize("kind", ["plain", "wild", "zero_q"])
+def test_sat_tail_only_clipping_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
+    """The tail-only form (q <= clip_free_bound: clipping computed on the tail only, the
+    gradient given as the loss with zeros) gives the dense kernel's loss, gradient and
+    metrics bit for bit, and equals the reference."""
+    fused_sat = importlib.import_module("learner_client.corrections.fused.sat")
+    monkeypatch.setattr(fused_sat, "TAIL_ONLY_MIN_TOKENS", 0)  # small batches too
+    calls = []
+    real = fused_sat.ppo_on_subset
+    monkeypatch.setattr(fused_sat, "ppo_on_subset",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = _sat_tail_batch(n, dtype, wild=kind == "wild", zero_q=kind == "zero_q")
+    spec = LOSSES["sat"]
+    tail = _run((spec.fused, spec), kw, cfg)
+    assert calls  # the tail-only form ran
+    q = tail[2]["sat_q"].item()
+    c = spec.config(cfg)
+    assert q <= clip_free_bound(c.eps_low, c.eps_high, c.dual_clip)  # the tail-only form ran
+    assert (q == 0.0) == (kind == "zero_q")
+    assert tail[2]["clipfrac"].item() > 0  # some tail tokens on the clipped branch
+    if "dual_clip" in cfg and kind == "wild":
+        assert tail[2]["dual_clipfrac"].item() > 0
+    monkeypatch.setattr(fused_sat, "TAIL_ONLY_CLIP", False)
+    dense = _run((spec.fused, spec), kw, cfg)
+    assert len(calls) == 1
+    assert torch.equal(tail[0], dense[0]) and torch.equal(tail[1], dense[1])
+    assert set(tail[2]) == set(dense[2])
+    for k in tail[2]:
+        assert torch.equal(tail[2][k], dense[2][k]), k
+    if dtype == torch.float64:
+        _assert_same(tail, _run((spec.reference, spec), kw, cfg))
+
+
+ESTR_SPARSE_CASES = [{}, {"dual_clip": 1.1}, {"eps_low": 0.1, "eps_high": 0.28},
+                     {"tau": 0.5}, {"tau": math.inf},
+                     {"dual_clip": 3.0, "aggregation": "seq_mean_token_mean"}]
+
+
+@pytest.mark.parametrize("cfg", ESTR_SPARSE_CASES)
+@pytest.mark.parametrize("n,dtype", [(3000, torch.float64), (3000, torch.float32),
+                                     (150_000, torch.float32)])
+@pytest.mark.parametrize("kind", ["plain", "wild", "missing"])
+def test_estr_sparse_form_equals_dense_kernel(monkeypatch, cfg, n, dtype, kind):
+    """ESTR's sparse form (fixed tau, H >= 0: score, mask and clip on S = {|d| > bound}
+    only) gives the dense kernel's loss, gradient and metrics bit for bit (approx_kl up
+    to summation order), and equals the reference."""
+    fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
+    monkeypatch.setattr(fused_estr, "SPARSE_MIN_TOKENS", 0)  # small batches too
+    kw = _sat_tail_batch(n, dtype, wild=kind == "wild")
+    g = torch.Generator().manual_seed(3)
+    kw["entropy"] = torch.rand(n, generator=g, dtype=dtype) * 0.05  # low H: some masked
+    act = torch.nonzero(kw["loss_mask"] > 0).reshape(-1)
+    sign = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).to(dtype)
+    lp, mu, h = kw["logprobs"], kw["rollout_logprobs"], kw["entropy"]
+    lp[act[::29]] = mu[act[::29]] + 0.3 * sign[act[::29]]  # clipped, not masked (high H)
+    h[act[::29]] = 0.5
+    lp[act[7::31]] = mu[act[7::31]] + 0.15 * sign[act[7::31]]  # masked (low H)
+    h[act[7::31]] = 0.001
+    if kind == "missing":  # NaN entropy on active tokens (never masked)
+        kw["entropy"][act[::17]] = math.nan
+    if kind == "wild":  # a -inf behavior logprob on an active token: always masked
+        kw["rollout_logprobs"][act[3]] = -math.inf
+    inact = torch.nonzero(kw["loss_mask"] == 0).reshape(-1)
+    h[inact[::2]] = -1.0  # garbage under the mask: negative, and -eps_h (score 0/0)
+    h[inact[1::2]] = -0.01
+    h[act[11::97]] = -0.01  # an active H of -eps_h: score +inf, masked
+    spec = LOSSES["estr"]
+    calls = []
+    real = fused_estr.ppo_on_subset
+    monkeypatch.setattr(fused_estr, "ppo_on_subset",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    sparse = _run((spec.fused, spec), kw, cfg)
+    assert calls  # the sparse form ran
+    assert sparse[2]["clipfrac"].item() > 0
+    assert sparse[2]["mask_rate"].item() > 0  # (with tau = inf: the +inf scores)
+    monkeypatch.setattr(fused_estr, "SPARSE_CLIP", False)
+    dense = _run((spec.fused, spec), kw, cfg)
+    assert len(calls) == 1
+    assert torch.equal(sparse[0], dense[0]) and torch.equal(sparse[1], dense[1])
+    assert set(sparse[2]) == set(dense[2])
+    for k in sparse[2]:
+        assert torch.equal(sparse[2][k], dense[2][k]), k
+    if dtype == torch.float64:
+        _assert_same(sparse, _run((spec.reference, spec), kw, cfg))
+
+
+def test_estr_sparse_form_not_taken_when_it_does_not_apply(monkeypatch):
+    """A per-batch tau, most tokens beyond the clip bound, or fewer tokens than
+    SPARSE_MIN_TOKENS: the dense kernel (same results either way); negative entropy does
+    not matter (the score is the dense one)."""
+    fused_estr = importlib.import_module("learner_client.corrections.fused.estr")
+    monkeypatch.setattr(fused_estr, "SPARSE_MIN_TOKENS", 0)
+    kw = _sat_tail_batch(3000, torch.float64)
+    kw["entropy"] = torch.rand(3000, dtype=torch.float64) * 0.05
+    calls = []
+    real = fused_estr.ppo_on_subset
+    monkeypatch.setattr(fused_estr, "ppo_on_subset",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = LOSSES["estr"]
+    neg = dict(kw, entropy=kw["entropy"] - 0.001)
+    wide = dict(kw, logprobs=kw["logprobs"] + 0.5 * torch.randn(3000, dtype=torch.float64))
+    for inp, cfg in ((kw, {"target_mask_rate": 0.05}), (wide, {})):
+        _assert_same(_run((spec.fused, spec), inp, cfg), _run((spec.reference, spec), inp, cfg))
+    assert not calls
+    _assert_same(_run((spec.fused, spec), neg, {}), _run((spec.reference, spec), neg, {}))
+    assert len(calls) == 1
+    monkeypatch.setattr(fused_estr, "SPARSE_MIN_TOKENS", 3001)
+    _run((spec.fused, spec), neg, {})
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("cfg", [{"tau": 0.05, "target_mask_rate": None},
@@ -175,6 +326,33 @@ def test_quantile_and_tail_exact(n, q, p_mask, dtype):
     assert qv.item() == pytest.approx(np.quantile(act, q), rel=1e-6)
     want = np.flatnonzero(xm.numpy() > qv.item())
     assert np.array_equal(tail.numpy(), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 30_000), seed=st.integers(0, 2**31),
+       share=st.one_of(st.floats(0.02, 0.12), st.floats(0.0, 1.0)),
+       runs=st.booleans())
+def test_flatnonzero_equals_numpy(n, share, seed, runs):
+    """ops.flatnonzero (padded past numpy's sparse branch between 2.5% and 10% True)
+    gives np.flatnonzero's indices at every density, scattered or in runs."""
+    rng = np.random.default_rng(seed)
+    b = rng.random(n) < share
+    if runs:
+        b = np.repeat(b[: n // 8 + 1], 8)[:n]
+    got = flatnonzero(b)
+    assert got.dtype == np.intp and np.array_equal(got, np.flatnonzero(b))
+    keep = torch.from_numpy(b)
+    assert torch.equal(nonzero_indices(keep), torch.nonzero(keep).reshape(-1))
+    x = torch.from_numpy(rng.random(n))
+    assert torch.equal(compress(x, keep), x[keep])
+    assert torch.equal(compress(x.to(torch.bfloat16), keep), x.to(torch.bfloat16)[keep])
+    y = torch.from_numpy(rng.random(n))
+    y[::7] = float("nan")
+    for a, b in ((x, y), (x.to(torch.bfloat16), y.to(torch.bfloat16))):  # numpy, torch
+        want = torch.nonzero((a > 0.5) | (b > 1.0 - share)).reshape(-1)
+        hit = above_mask(a, 0.5)
+        hit |= above_mask(b, 1.0 - share)
+        assert torch.equal(mask_indices(hit), want)
 
 
 def test_quantile_and_tail_degenerate():
