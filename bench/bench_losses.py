@@ -109,6 +109,22 @@ def _floor_cases(data: dict) -> dict[str, Callable[[], object]]:
     }
 
 
+def _loss_floor(case: str, cpu: dict[str, list[float]], base: float) -> str:
+    """What the loss cannot undercut, from the floors measured in the same run."""
+    def x(name: str) -> str:
+        return f"{statistics.median(cpu[name]) / base:.2f}x" if cpu.get(name) else "?"
+
+    one = x("one elementwise pass (x * y over N)")
+    if case == "sat":
+        return (f"ppo_clip + the exact quantile and its tail "
+                f"({x('SAT quantile + tail indices (ops.quantile_and_tail)')}); one pass "
+                f"over N {one}")
+    if case == "estr":
+        return (f"ppo_clip + the score (~3 passes of {one}) + the version diagnostics "
+                f"({x('ESTR version diagnostics (estr.version_spread)')})")
+    return f"ppo_clip + the weight (~1 pass of {one})"
+
+
 def _fresh_version_spread(inp: LossInputs) -> dict[str, torch.Tensor]:
     """version_spread's first call on a batch (LossInputs caches the per-sequence bounds)."""
     inp.__dict__.pop("seq_version_bounds", None)
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         if c in ("sat", "estr", "decoupled_ppo"):
             rep.goal(f"{c} fwd+bwd / ppo_clip on {n // 1000}k tokens (CPU)", pc / base_cpu,
-                     1.25, "<=")
+                     1.25, "<=", floor=_loss_floor(c, cpu, base_cpu))
     print("Floors (the same round-robin; what a loss cannot undercut):")
     for c in floors:
         pc = statistics.median(cpu[c])
