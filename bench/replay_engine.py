@@ -36,7 +36,9 @@ class ReplayConfig:
     top_k: int = 8
     experts: int = 128
     weight_version: str = "0"
-    stream_interval: int = 64  # tokens per SSE chunk (incremental streaming)
+    #: tokens per SSE chunk (incremental streaming) when the request does not say
+    #: (sampling_params.stream_interval): as if SGLang ran with --stream-interval 64
+    stream_interval: int = 64
     seed: int = 0
     delay: float = 0.0  # seconds each /generate is held before its answer (requests in flight)
     cache: dict[tuple, tuple[bytes, bytes]] = field(default_factory=dict)
@@ -98,10 +100,11 @@ def _sse_chunks(cfg: ReplayConfig, req: dict[str, Any], prompt_len: int, t: int)
     """Incremental-streaming SSE: deltas of stream_interval tokens, final chunk complete.
     Built once per shape with a rid placeholder (cached), then the rid is substituted."""
     opts = _opts(req)
-    key = ("sse", prompt_len, t, *sorted(opts.items()), cfg.weight_version)
+    every = int((req.get("sampling_params") or {}).get("stream_interval") or cfg.stream_interval)
+    key = ("sse", prompt_len, t, every, *sorted(opts.items()), cfg.weight_version)
     hit = cfg.cache.get(key)
     if hit is None:
-        hit = (_build_sse(cfg, prompt_len, t, opts), b"")
+        hit = (_build_sse(cfg, prompt_len, t, opts, every), b"")
         cfg.cache[key] = hit
     rid = orjson.dumps(str(req.get("rid") or "replay"))[1:-1]
     return hit[0].replace(_RID_MARK, rid)
@@ -110,14 +113,22 @@ def _sse_chunks(cfg: ReplayConfig, req: dict[str, Any], prompt_len: int, t: int)
 _RID_MARK = b"\\u0000RID\\u0000"
 
 
-def _build_sse(cfg: ReplayConfig, prompt_len: int, t: int, opts: dict[str, Any]) -> bytes:
+def _chunk_ends(t: int, every: int) -> list[int]:
+    """Where SGLang 0.5.23 cuts a stream of t tokens (output_streamer): the first token
+    at once, then whenever ``every`` tokens are unsent, the rest in the final chunk."""
+    ends = [1] + list(range(1 + every, t, every))
+    return ends + [t] if ends[-1] != t else ends
+
+
+def _build_sse(cfg: ReplayConfig, prompt_len: int, t: int, opts: dict[str, Any],
+               every: int) -> bytes:
     pre, post = build_body(cfg, prompt_len, t, **opts)
     full = orjson.loads(pre + b"\\u0000RID\\u0000" + post)
     meta = full["meta_info"]
     rid = meta["id"]
     out = bytearray()
-    for a in range(0, t, cfg.stream_interval):
-        b = min(a + cfg.stream_interval, t)
+    a = 0
+    for b in _chunk_ends(t, every):
         last = b == t
         m = {k: v for k, v in meta.items() if k not in ("routed_experts", "weight_versions")}
         m.update(id=rid, completion_tokens=b, finish_reason=meta["finish_reason"] if last else None)
@@ -130,6 +141,7 @@ def _build_sse(cfg: ReplayConfig, prompt_len: int, t: int, opts: dict[str, Any])
                     m[col] = meta[col]
         chunk = {"text": full["text"][a:b], "output_ids": full["output_ids"][a:b], "meta_info": m}
         out += b"data: " + orjson.dumps(chunk) + b"\n\n"
+        a = b
     out += b"data: [DONE]\n\n"
     return bytes(out)
 

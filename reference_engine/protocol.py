@@ -136,6 +136,8 @@ def parse_sampling(sp: Any, vocab_size: int) -> tuple[GenParams, int]:
             setattr(g, flag, sp[flag])
     if sp.get("sampling_seed") is not None:
         g.sampling_seed = _num(sp["sampling_seed"], "sampling_seed", integer=True)
+    if sp.get("stream_interval") is not None:
+        g.stream_interval = _num(sp["stream_interval"], "stream_interval", integer=True)
     n = 1
     if sp.get("n") is not None:
         n = _num(sp["n"], "n", integer=True)

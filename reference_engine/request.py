@@ -33,6 +33,9 @@ class GenParams:
     routed_experts_start_len: int = 0
     return_entropy: bool = False
     stream: bool = False
+    #: sampling_params.stream_interval (0: the server's, 1): a streamed chunk once this many
+    #: tokens are unsent (the first token at once, the final chunk always), as SGLang 0.5.23
+    stream_interval: int = 0
 
 
 @dataclass

@@ -256,6 +256,11 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 final = r.finished and n == len(r.output)
                 if i not in pending or (n == sent[i] and not final):
                     continue
+                # SGLang's output_streamer.accept: the first token at once, then a chunk
+                # once stream_interval tokens are unsent (a step may pass the interval)
+                every = r.params.stream_interval or 1
+                if not final and every > 1 and sent[i] > 0 and n - sent[i] < every:
+                    continue
                 since = sent[i] if incremental else 0
                 # chunks carry the tokenizer manager's version (SGLang tokenizer_manager.py
                 # 2511); the final one the scheduler's spans

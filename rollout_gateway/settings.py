@@ -331,6 +331,15 @@ class GatewaySettings(BaseSettings):
     stream_from_engines: bool = Field(
         default=True, description="Read engine output as a stream so tokens generated before an "
         "engine dies are kept and resumed elsewhere (costs some parsing).")
+    engine_stream_interval: int = Field(
+        default=64, ge=1, le=4096, description="Tokens per streamed chunk the gateway asks "
+        "engines for (SGLang's per-request sampling_params.stream_interval, 0.5.23+) when it "
+        "reads a stream for a caller who does not stream: SGLang sends the first token at "
+        "once, then a chunk whenever this many are unsent (its default is one chunk per "
+        "token). Every chunk costs SGLang and the gateway tens of microseconds of CPU; what "
+        "an engine death loses beyond the last chunk (at most this many tokens) is generated "
+        "again elsewhere; stream_idle_s must exceed the time this many tokens take. 1: "
+        "SGLang's default. Env: ROLLOUT_GATEWAY_ENGINE_STREAM_INTERVAL.")
     max_large_answers: int = Field(
         default=16, ge=0, le=1_000_000, description="Large engine answers (the final "
         "streamed chunk with routed experts, or a body, of 64 KiB or more) read and decoded "

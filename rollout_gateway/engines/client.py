@@ -33,6 +33,9 @@ from rollout_gateway.settings import Timeouts
 SPANS_SINCE = (0, 5, 21)
 #: first SGLang version with pause modes (abort | retract | in_place)
 PAUSE_MODES_SINCE = (0, 5, 6)
+#: SGLang versions known to take sampling_params.stream_interval per request (read in
+#: 0.5.23's scheduler_components/output_streamer.py); older ones are not sent it
+STREAM_INTERVAL_SINCE = (0, 5, 23)
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -110,6 +113,10 @@ class EngineInfo:
     @property
     def has_pause_modes(self) -> bool:
         return self.version >= PAUSE_MODES_SINCE
+
+    @property
+    def has_stream_interval(self) -> bool:
+        return self.version >= STREAM_INTERVAL_SINCE
 
     @property
     def label_lag(self) -> int:

@@ -70,6 +70,9 @@ ROLLOUT_COUNTERS = {
                              "under the new weights)"),
     "cut_short": ("rollout_gateway_cut_short", "Samples cut short by shutdown past "
                   "drain_grace_s (published with their output so far)"),
+    "engine_chunks": ("rollout_gateway_engine_chunks", "Streamed chunks read from engines "
+                      "(each costs engine and gateway CPU; engine_stream_interval sets how "
+                      "many tokens one carries)"),
 }
 _ADMISSION_GAUGES = ("running", "recycle_waiting")
 

@@ -229,7 +229,7 @@ class SampleRunner:
         #: (policy_filtered), and requests no engine's version could serve (policy_unroutable)
         self.counters = counters if counters is not None else {}
         self.counters.update(policy_filtered=0, policy_unroutable=0, stale_published=0,
-                             stale_requeued=0, kv_policy_reprefills=0)
+                             stale_requeued=0, kv_policy_reprefills=0, engine_chunks=0)
         self.registry = registry
         self.oldlogits = oldlogits  # oldlogits.OldLogitService (interruption sync) or None
         #: samples running now, by trajectory id (dashboards: lag of tokens in flight)
@@ -337,6 +337,7 @@ class SampleRunner:
             err: GatewayError | None = None
             try:
                 async for data in eng.client.generate_stream(payload, patience=eng.patience):
+                    self.counters["engine_chunks"] += 1
                     if first is not None:
                         first()
                         first = None
@@ -363,6 +364,7 @@ class SampleRunner:
         err = None
         try:
             async for data in eng.client.generate_stream(payload, patience=eng.patience):
+                self.counters["engine_chunks"] += 1
                 if first is not None:
                     first()
                     first = None
@@ -448,6 +450,11 @@ class SampleRunner:
             payload = self._payload(eng, req, state, rid, remaining,
                                     want_prompt_ids=state.prompt_ids is None,
                                     passthrough=passthrough)
+            if on_chunk is None and self.settings.stream_from_engines \
+                    and eng.client.info.has_stream_interval:
+                # nobody waits on single tokens: fewer chunks, each costing engine and gateway
+                payload["sampling_params"]["stream_interval"] = \
+                    self.settings.engine_stream_interval
             t0 = time.time()
             vet = Vetting(eng, self._learn_install_modes if self.registry is not None
                           else None)

@@ -286,3 +286,40 @@ def test_record_routing_off_asks_for_routing_only_when_the_caller_does(engine, u
     with GatewayProcess({"e0": engine.url}) as gw:
         t = rollout(gw.url, [1, 2, 3], max_new_tokens=4)["trajectories"][0]
         assert t["routed_experts"]["shape"] == [3 + 4 - 1, 4, 2]
+
+
+def _engine_chunks(gw) -> float:
+    for line in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("rollout_gateway_engine_chunks_total "):
+            return float(line.split()[1])
+    raise AssertionError("no rollout_gateway_engine_chunks_total metric")
+
+
+@pytest.mark.parametrize("interval", [None, 16, 1])
+def test_engine_stream_interval_sets_the_chunks_of_a_caller_who_does_not_stream(
+        engine, models, interval):
+    """A caller who does not stream: the gateway asks the engine for a chunk per
+    engine_stream_interval tokens (default 64; the first token at once, the last chunk
+    always), not one per token; 1 is SGLang's one per token. A streaming caller's engine
+    request is left at one per token (it sees every token as it comes)."""
+    env = {} if interval is None else {"ROLLOUT_GATEWAY_ENGINE_STREAM_INTERVAL": str(interval)}
+    with GatewayProcess({"e0": engine.url}, env=env) as gw:
+        before = _engine_chunks(gw)
+        t = rollout(gw.url, [1, 2, 3], max_new_tokens=40)["trajectories"][0]
+        assert t["num_tokens"] == 40
+        check_against_ground_truth(t, models)  # stamps exact whatever the chunking
+        chunks = _engine_chunks(gw) - before
+        if interval is None:  # 1, 40 (+ the final chunk if it stands alone)
+            assert 2 <= chunks <= 3, chunks
+        elif interval == 16:  # 1, 17, 33, 40 (+ the final chunk if it stands alone)
+            assert 4 <= chunks <= 5, chunks
+        else:
+            assert chunks >= 40, chunks
+        if interval is None:  # a streaming caller: one engine chunk per token
+            before = _engine_chunks(gw)
+            with httpx.stream("POST", gw.url + "/v1/rollouts", timeout=120, json={
+                    "input_ids": [1, 2, 3], "stream": True, "sampling_params": {
+                        "max_new_tokens": 40, "ignore_eos": True}}) as r:
+                assert r.status_code == 200
+                r.read()
+            assert _engine_chunks(gw) - before >= 40

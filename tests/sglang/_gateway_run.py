@@ -166,9 +166,10 @@ async def swap_mid_generation(run: Run, c: httpx.AsyncClient, streams, swap_body
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
     if waiter not in done:  # a stream ended (or failed) before the others were under way
         for t in done:
-            t.result()
-        raise AssertionError(f"a stream finished before every stream had {SWAP_AFTER} chunks: "
-                             f"{dict(run.gate.counts)}")
+            t.result()  # a failed stream fails the test
+        # on a loaded machine a short stream can end before another one started: swap
+        # now anyway (land_swap runs another round if no trajectory straddles the swap)
+        waiter.cancel()
     t0 = time.monotonic()
     r = await c.post("/v1/weights", json=swap_body)
     swap_s = time.monotonic() - t0

@@ -188,8 +188,11 @@ def test_rolling_swap_across_two_engines(mode, sglang, sglang_inc, serve, truth,
         async with client(gw) as c:
             rec, v = await land_swap(
                 run, c,
+                # twice the tokens of the other swap tests: the second engine's swap comes
+                # after the first's, and its streams must still be running then
                 lambda k: [run.rollout_stream(c, prompt(400 + 40 * (k - 1) + j), n=2,
-                                              label=f"roll-{mode}{j}.r{k}", group_id=f"g{j}")
+                                              n_new=2 * NEW, label=f"roll-{mode}{j}.r{k}",
+                                              group_id=f"g{j}")
                            for j in range(4)],
                 lambda k: disk(sglang_checkpoints, k, mode, rolling=True))
             await run.rollout(c, prompt(425), n=2, n_new=8, label=f"roll-{mode}-after")
