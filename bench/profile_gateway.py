@@ -1,6 +1,7 @@
 """Profile the gateway end to end with py-spy (bench_gateway part B's setup, one target).
 
     python bench/profile_gateway.py [--seconds 15 --streamed true --top 30 --body topk]
+    python bench/profile_gateway.py --prompt 32 --new-tokens 32   # per-request costs
 
 Starts a replay engine and ``rollout-gateway serve`` under ``py-spy record`` (as its
 child: attaching to a running process needs ptrace rights containers rarely grant), drives
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streamed", default="true", choices=["true", "false"])
     ap.add_argument("--body", default="topk", choices=["topk", "plain", "topk-norouting", "rollouts"],
                     help="/generate bodies, or rollouts: POST /v1/rollouts (default settings)")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=1024,
+                    help="output tokens (short outputs show the per-request costs)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", help="keep the raw collapsed stacks here")
@@ -103,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
                ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000",
                ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=args.streamed)
-    body = {"input_ids": list(range(1, 257)),
-            "sampling_params": {"max_new_tokens": 1024, "temperature": 1.0},
+    body = {"input_ids": list(range(1, args.prompt + 1)),
+            "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0},
             "return_logprob": True, "return_routed_experts": True}
     if args.body.startswith("topk"):
         body["top_logprobs_num"] = 5
@@ -132,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             url = f"http://127.0.0.1:{g_port}"
             _wait_http(url + "/health", rec)
-            tps, ok, err = asyncio.run(_load(url + path, body, 1024, args.concurrency,
+            tps, ok, err = asyncio.run(_load(url + path, body, args.new_tokens, args.concurrency,
                                              args.seconds, rid=path == "/generate"))
-            print(f"load: {tps / 1e3:.1f}k tok/s through the gateway ({ok} ok, {err} errors)")
+            print(f"load: {tps / 1e3:.1f}k tok/s through the gateway ({ok} ok, {err} errors, "
+                  f"{args.prompt} + {args.new_tokens} tokens each)")
             kids = Path(f"/proc/{rec.pid}/task/{rec.pid}/children").read_text().split()
             for k in kids:
                 os.kill(int(k), signal.SIGTERM)
