@@ -108,7 +108,7 @@ def test_ppo_ewma_revised_matches_the_formula():
     assert float(loss) == pytest.approx(float(naive(lp)), rel=1e-10)
     assert torch.allclose(x.grad, _grad_of(naive, lp), atol=1e-12)
     # active fraction = kept by the r_d mask and not clipped, over active tokens
-    kept = clipped = 0
+    kept = 0
     for t in range(lp.numel()):
         if mask[t] == 0:
             continue
