@@ -96,21 +96,29 @@ def build_body(cfg: ReplayConfig, prompt_len: int, t: int, *, logprob: bool, top
     return pre, post
 
 
-def _sse_chunks(cfg: ReplayConfig, req: dict[str, Any], prompt_len: int, t: int) -> bytes:
-    """Incremental-streaming SSE: deltas of stream_interval tokens, final chunk complete.
-    Built once per shape with a rid placeholder (cached), then the rid is substituted."""
+def _sse_chunks(cfg: ReplayConfig, req: dict[str, Any], prompt_len: int,
+                t: int) -> list[bytes]:
+    """Incremental-streaming SSE, framed for chunked transfer (one HTTP chunk per event, as
+    uvicorn sends them): pieces to write one after the other. Events are built once per
+    shape (cached) as the bytes before and after their rid; only each event's chunk-size
+    line and the rid are per request, so a 2.8 MB stream costs no copy of itself."""
     opts = _opts(req)
     every = int((req.get("sampling_params") or {}).get("stream_interval") or cfg.stream_interval)
     key = ("sse", prompt_len, t, every, *sorted(opts.items()), cfg.weight_version)
-    hit = cfg.cache.get(key)
-    if hit is None:
-        hit = (_build_sse(cfg, prompt_len, t, opts, every), b"")
-        cfg.cache[key] = hit
+    events = cfg.cache.get(key)
+    if events is None:
+        events = _build_sse(cfg, prompt_len, t, opts, every)
+        cfg.cache[key] = events
     rid = orjson.dumps(str(req.get("rid") or "replay"))[1:-1]
-    return hit[0].replace(_RID_MARK, rid)
+    out: list[bytes] = []
+    for pre, post in events:
+        out += (b"%x\r\n" % (len(pre) + len(rid) + len(post)), pre, rid, post, b"\r\n")
+    out += (b"%x\r\n" % len(_DONE), _DONE, b"\r\n0\r\n\r\n")
+    return out
 
 
 _RID_MARK = b"\\u0000RID\\u0000"
+_DONE = b"data: [DONE]\n\n"
 
 
 def _chunk_ends(t: int, every: int) -> list[int]:
@@ -121,12 +129,14 @@ def _chunk_ends(t: int, every: int) -> list[int]:
 
 
 def _build_sse(cfg: ReplayConfig, prompt_len: int, t: int, opts: dict[str, Any],
-               every: int) -> bytes:
+               every: int) -> list[tuple[bytes, bytes]]:
+    """The events of the stream (``data: {...}\\n\\n``; [DONE] is not one of them), each
+    split around its rid (meta_info.id)."""
     pre, post = build_body(cfg, prompt_len, t, **opts)
     full = orjson.loads(pre + b"\\u0000RID\\u0000" + post)
     meta = full["meta_info"]
     rid = meta["id"]
-    out = bytearray()
+    out: list[tuple[bytes, bytes]] = []
     a = 0
     for b in _chunk_ends(t, every):
         last = b == t
@@ -140,10 +150,10 @@ def _build_sse(cfg: ReplayConfig, prompt_len: int, t: int, opts: dict[str, Any],
                 if col in meta:
                     m[col] = meta[col]
         chunk = {"text": full["text"][a:b], "output_ids": full["output_ids"][a:b], "meta_info": m}
-        out += b"data: " + orjson.dumps(chunk) + b"\n\n"
+        pre, post = (b"data: " + orjson.dumps(chunk) + b"\n\n").split(_RID_MARK, 1)
+        out.append((pre, post))
         a = b
-    out += b"data: [DONE]\n\n"
-    return bytes(out)
+    return out
 
 
 def _opts(req: dict[str, Any]) -> dict[str, Any]:
@@ -154,8 +164,9 @@ def _opts(req: dict[str, Any]) -> dict[str, Any]:
                 routed_start=int(req.get("routed_experts_start_len") or 0))
 
 
-def generate(cfg: ReplayConfig, req: dict[str, Any]) -> tuple[bytes, bytes]:
-    """(content type, body) for one /generate request (one prompt; no batches)."""
+def generate(cfg: ReplayConfig, req: dict[str, Any]) -> tuple[bytes, bytes | list[bytes]]:
+    """(content type, body) for one /generate request (one prompt; no batches); a stream's
+    body is the pieces of its chunked transfer encoding."""
     sp = req.get("sampling_params") or {}
     t = int(sp.get("max_new_tokens", 128))
     if "input_ids" in req:
@@ -171,7 +182,8 @@ def generate(cfg: ReplayConfig, req: dict[str, Any]) -> tuple[bytes, bytes]:
     return b"application/json", pre + rid + post
 
 
-def _route(cfg: ReplayConfig, method: bytes, path: bytes, body: bytes) -> tuple[int, bytes, bytes]:
+def _route(cfg: ReplayConfig, method: bytes, path: bytes,
+           body: bytes) -> tuple[int, bytes, bytes | list[bytes]]:
     if path == b"/generate" and method == b"POST":
         try:
             ctype, data = generate(cfg, orjson.loads(body))
@@ -215,11 +227,10 @@ async def _serve_conn(cfg: ReplayConfig, reader: asyncio.StreamReader,
             if cfg.delay and path.startswith(b"/generate"):
                 await asyncio.sleep(cfg.delay)
             status, ctype, data = _route(cfg, method, path.split(b"?", 1)[0], body)
-            if ctype == b"text/event-stream":  # as uvicorn streams: one chunk per event
+            if isinstance(data, list):  # a stream, already framed: one chunk per event
                 writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\n"
                              b"transfer-encoding: chunked\r\n\r\n" % (status, ctype))
-                writer.write(b"".join(b"%x\r\n%b\n\n\r\n" % (len(ev) + 2, ev)
-                                      for ev in data.split(b"\n\n") if ev) + b"0\r\n\r\n")
+                writer.writelines(data)
             else:
                 writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
                              % (status, ctype, len(data)))
