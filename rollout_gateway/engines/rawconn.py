@@ -178,7 +178,7 @@ class RawConnection(asyncio.BufferedProtocol):
         a large body lands in one buffer). IncompleteReadError at end of stream."""
         if self._at_end():
             raise asyncio.IncompleteReadError(b"", None)
-        self._reserve(min(max(need, 1), _MAX_RESERVE))
+        self._reserve(min(max(need, 1), _MAX_RESERVE) + _MIN_FREE)  # see readexactly
         await self._wait()
 
     def _at_end(self) -> bool:
@@ -208,8 +208,11 @@ class RawConnection(asyncio.BufferedProtocol):
             if self._at_end():
                 raise asyncio.IncompleteReadError(self._take(self._end - self._start), n)
             # the rest lands in place, in one buffer (not grown and copied in doublings);
-            # an absurd length is reserved as it comes
-            self._reserve(min(n - (self._end - self._start), _MAX_RESERVE))
+            # an absurd length is reserved as it comes. _MIN_FREE more than the rest: the
+            # transport asks get_buffer for that much free space before every socket read,
+            # and an exact reservation would be found short as its last bytes arrive, moving
+            # the whole body (megabytes) to a new buffer once per answer
+            self._reserve(min(n - (self._end - self._start), _MAX_RESERVE) + _MIN_FREE)
             await self._wait()
         return self._take(n)
 

@@ -136,3 +136,40 @@ def test_the_buffer_pool_is_bounded_and_hands_out_big_enough_buffers() -> None:
     assert len(pool.take(5, 1)) == 6  # the first that fits
     assert len(pool.take(5, 8)) == 8  # none fits: a new one, of the wanted size
     assert len(pool.take(1, 1)) == 4 and pool._bytes == 0
+
+
+@pytest.mark.parametrize("how", ["readexactly", "wait_more"])
+async def test_a_large_body_lands_in_place_without_moving(how: str,
+                                                          monkeypatch) -> None:
+    """A body whose length is known is reserved whole once: the socket reads that fill it
+    (each asking get_buffer for free space) never move what already arrived to a new
+    buffer (they had moved the whole 2.6 MB final event of every streamed answer once)."""
+    moved: list[int] = []
+    real = RawConnection._reserve
+
+    def spy(self, free: int) -> None:
+        if len(self._buf) - self._end < free:
+            moved.append(self._end - self._start)
+        real(self, free)
+
+    monkeypatch.setattr(RawConnection, "_reserve", spy)
+    body = bytes(range(256)) * 12_000  # 3 MB, sent in 100 KB writes, then what follows it
+    tail = b"0\r\n\r\n"  # (a chunked body's end, the next event)
+    server, conn = await _pair([body[i:i + 100_000] for i in range(0, len(body), 100_000)]
+                               + [tail], limit=8 << 20)
+    try:
+        if how == "readexactly":
+            assert await conn.readexactly(len(body)) == body
+            assert await conn.readexactly(len(tail)) == tail
+        else:  # as rawhttp's chunked reader: wait for the rest of a chunk of known size
+            while conn.unread < len(body):
+                await conn.wait_more(len(body) - conn.unread)
+            while conn.unread < len(body) + len(tail):
+                await conn.wait_more(len(body) + len(tail) - conn.unread)
+            buf, start, end = conn.unread_bytes()
+            assert bytes(buf[start:end]) == body + tail
+        big = [m for m in moved if m > 256 << 10]
+        assert not big, f"moved {big} bytes already received"
+    finally:
+        conn.close()
+        server.close()
