@@ -683,6 +683,19 @@ class GroundTruth:
         # stream chunks: the same tokens and logprobs as the final answer, true stamps
         if st.chunks:
             nb, seen, why, example = 0, 0, Counter(), None
+            # SGLang labels a streamed chunk with its tokenizer manager's version when it
+            # emits it (tokenizer_manager.py), not with the weights that computed it: a
+            # request the scheduler finished under v before an in-place swap to v' whose
+            # last chunks reach the tokenizer manager after the swap (a loaded machine) has
+            # them labelled v'. Only the final chunk's spans are the scheduler's; the final
+            # stamps are checked above. Accepted here, counted, only in that case: every
+            # known token and every final stamp of the request on one version older than
+            # the chunk's label (docs/gateway.md, "In front of real SGLang").
+            on = set(true_pv[known].tolist())
+            finished_on = on.pop() if len(on) == 1 else None
+            if finished_on is not None and (st.policy_version != finished_on).any():
+                finished_on = None
+            late = 0
             for ch in st.chunks:
                 for k, tok in enumerate(ch.token_ids):
                     i = ch.offset + k
@@ -693,7 +706,10 @@ class GroundTruth:
                     elif abs(ch.logprobs[k] - st.logprobs[i]) > self.tol:
                         wrong.append("logprob")
                     elif known[i]:
-                        if ch.policy_version[k] != true_pv[i]:
+                        if finished_on is not None and ch.policy_version[k] > finished_on \
+                                and ch.kv_version[k] == true_kv[i]:
+                            late += 1
+                        elif ch.policy_version[k] != true_pv[i]:
                             wrong.append("policy_version")
                         if ch.kv_version[k] != true_kv[i]:
                             wrong.append("kv_version")
@@ -705,6 +721,10 @@ class GroundTruth:
                                        f"{ch.kv_version}; true pv "
                                        f"{true_pv[ch.offset:ch.offset + len(ch.token_ids)].tolist()}"
                                        f" kv {true_kv[ch.offset:ch.offset + len(ch.token_ids)].tolist()}")
+            if late:
+                rep.notes.append(f"{tag}: {late}/{seen} streamed chunk tokens labelled after an "
+                                 f"in-place swap although the request finished on "
+                                 f"v{finished_on} (emission-time labels; final stamps exact)")
             rep.checked["chunk_stamps"] += seen
             rep.miss("chunk_stamps", nb, f"{tag}: {nb}/{seen} streamed chunk tokens wrong "
                      f"({dict(why)}), first: {example}" if nb else None)
