@@ -188,10 +188,13 @@ def test_rolling_swap_across_two_engines(mode, sglang, sglang_inc, serve, truth,
         async with client(gw) as c:
             rec, v = await land_swap(
                 run, c,
-                # twice the tokens of the other swap tests: the second engine's swap comes
-                # after the first's, and its streams must still be running then
+                # the second engine's swap comes after the first's, and its streams must
+                # still be running then: twice the tokens of the other swap tests, doubled
+                # each round that no trajectory straddled (a loaded machine: CI runs this
+                # beside the rest of the suite, and a whole round had ended before its swap)
                 lambda k: [run.rollout_stream(c, prompt(400 + 40 * (k - 1) + j), n=2,
-                                              n_new=2 * NEW, label=f"roll-{mode}{j}.r{k}",
+                                              n_new=2 * NEW * 2 ** (k - 1),
+                                              label=f"roll-{mode}{j}.r{k}",
                                               group_id=f"g{j}")
                            for j in range(4)],
                 lambda k: disk(sglang_checkpoints, k, mode, rolling=True))
