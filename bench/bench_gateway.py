@@ -308,6 +308,15 @@ def print_a(rows: list[dict[str, Any]], rep=None) -> None:
 
 
 # ------------------------------------------------------------------------- part B
+def gateway_env(**extra: str) -> dict[str, str]:
+    """The environment of a gateway (or engine) process a benchmark starts: one OpenMP
+    thread, this checkout on the path, and, since nobody consumes the store in a benchmark,
+    admission control (on, as in production) with a staleness bound the run cannot reach:
+    its checks still run on every request, its 429s never come."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
+                ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000", **extra)
+
+
 def _free_port() -> int:
     """A free port outside the ephemeral range (an OS-chosen one can be taken by an
     outgoing connection before the server binds it)."""
@@ -431,10 +440,7 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
 
     All three targets run at once; the load visits them in turn for ``rounds`` rounds of
     duration/rounds each, so drifting load on a shared machine hits every column alike."""
-    # Nobody consumes the embedded store here, so admission control (on, as in production)
-    # gets a bound the run cannot reach: its checks still run on every request.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
-               ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
+    env = gateway_env()
     topk = {"input_ids": list(range(1, prompt + 1)),
             "sampling_params": {"max_new_tokens": out, "temperature": 1.0},
             "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}

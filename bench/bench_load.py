@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import _free_port, _stop, _wait_http  # noqa: E402
+from bench_gateway import _free_port, _stop, _wait_http, gateway_env  # noqa: E402
 
 
 def _rss_mb(pid: int, field: str = "VmRSS") -> float:
@@ -171,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds per scenario")
     args = ap.parse_args(argv)
     n = args.concurrency
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
-               # nobody consumes the store here: admission gets a bound the run cannot reach
-               ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
+    env = gateway_env()
     body = {"input_ids": list(range(1, 17)), "publish": False,
             "sampling_params": {"max_new_tokens": args.out}}
     direct_body = {"input_ids": body["input_ids"], "sampling_params": body["sampling_params"],

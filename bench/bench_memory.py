@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))  # doubles.trajectories
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import _free_port, _stop, _wait_http  # noqa: E402
+from bench_gateway import _free_port, _stop, _wait_http, gateway_env  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     store = f"{args.redis}?prefix={prefix}" if args.redis else "memory://"
     from _report import Report
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
-               ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
+    env = gateway_env()
     body = {"input_ids": list(range(1, args.prompt + 1)),
             "sampling_params": {"max_new_tokens": args.out, "temperature": 1.0},
             "return_logprob": True, "top_logprobs_num": 5, "return_routed_experts": True}

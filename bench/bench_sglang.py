@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests" / "sglang"))
 
-from bench_gateway import _cpu_seconds, _free_port, _load, _stop, _wait_http  # noqa: E402
+from bench_gateway import _cpu_seconds, _free_port, _load, _stop, _wait_http, gateway_env  # noqa: E402
 from bench_workers import tree_cpu_seconds  # noqa: E402
 
 BASE = {"sampling_params": {"max_new_tokens": 32, "temperature": 1.0, "ignore_eos": True},
@@ -66,11 +65,7 @@ def run(concurrency: int, duration: float, rounds: int, prompt: int) -> dict[str
         server.start()
         started = time.perf_counter() - t0
         try:
-            # the store is read by nobody here: lift the staleness bound (unconsumed + in
-            # flight <= batch_size x lag), as bench_gateway does, or every target past the
-            # first few hundred answers is refused with 429
-            env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-                       ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
+            env = gateway_env()
             targets: dict[str, tuple[str, subprocess.Popen | None]] = {
                 "direct": (server.url, None)}
             for name, streamed in (("streamed", True), ("non-streamed", False)):

@@ -32,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import EXPERTS, LAYERS, TOPK, _cpu_seconds, _free_port, _load, _stop, _wait_http
+from bench_gateway import (EXPERTS, LAYERS, TOPK, _cpu_seconds, _free_port, _load,  # noqa: E402
+                           _stop, _wait_http, gateway_env)
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -80,8 +81,7 @@ def start_redis_and_replay(procs: list[subprocess.Popen], tmp: str) -> tuple[int
     redis = shutil.which("redis-server")
     if redis is None:
         raise SystemExit("redis-server not found (scripts/setup-env.sh installs it)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
-               ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000")
+    env = gateway_env()
     r_port = _free_port()
     procs.append(subprocess.Popen(
         [redis, "--port", str(r_port), "--bind", "127.0.0.1", "--save", "",

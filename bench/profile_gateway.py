@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import _free_port, _load, _stop, _wait_http  # noqa: E402
+from bench_gateway import _free_port, _load, _stop, _wait_http, gateway_env  # noqa: E402
 
 #: area -> substrings of a frame "function (file:line)"; the first match from the leaf wins
 AREAS = [
@@ -104,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(Path(args.summarize).read_text(), args.top))
         return 0
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent),
-               ROLLOUT_GATEWAY_ADMISSION__BATCH_SIZE="10000000",
-               ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=args.streamed)
+    env = gateway_env(ROLLOUT_GATEWAY_STREAM_FROM_ENGINES=args.streamed)
     body = {"input_ids": list(range(1, args.prompt + 1)),
             "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0},
             "return_logprob": True, "return_routed_experts": True}

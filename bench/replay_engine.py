@@ -28,6 +28,8 @@ import numpy as np
 import orjson
 
 VOCAB = 151936
+#: the rid's place in a cached body: the JSON text of meta_info.id "\x00RID\x00"
+_RID_MARK = b"\\u0000RID\\u0000"
 
 
 @dataclass
@@ -91,7 +93,7 @@ def build_body(cfg: ReplayConfig, prompt_len: int, t: int, *, logprob: bool, top
         meta["routed_experts"] = base64.b64encode(arr.astype("<i4").tobytes()).decode()
     meta["e2e_latency"] = 0.001
     body = orjson.dumps({"text": "x" * t, "output_ids": cols["ids"], "meta_info": meta})
-    pre, post = body.split(b"\x00RID\x00".replace(b"\x00", b"\\u0000"), 1)
+    pre, post = body.split(_RID_MARK, 1)
     cfg.cache[key] = (pre, post)
     return pre, post
 
@@ -117,7 +119,6 @@ def _sse_chunks(cfg: ReplayConfig, req: dict[str, Any], prompt_len: int,
     return out
 
 
-_RID_MARK = b"\\u0000RID\\u0000"
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -133,7 +134,7 @@ def _build_sse(cfg: ReplayConfig, prompt_len: int, t: int, opts: dict[str, Any],
     """The events of the stream (``data: {...}\\n\\n``; [DONE] is not one of them), each
     split around its rid (meta_info.id)."""
     pre, post = build_body(cfg, prompt_len, t, **opts)
-    full = orjson.loads(pre + b"\\u0000RID\\u0000" + post)
+    full = orjson.loads(pre + _RID_MARK + post)
     meta = full["meta_info"]
     rid = meta["id"]
     out: list[tuple[bytes, bytes]] = []

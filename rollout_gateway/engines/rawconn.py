@@ -136,6 +136,15 @@ class RawConnection(asyncio.BufferedProtocol):
                 _BUFFERS.give(buf)
         self._start, self._end = 0, unread
 
+    def _reserve_rest(self, rest: int) -> None:
+        """Room for the ``rest`` of a body (or chunk) of known length: it lands in place, in
+        one buffer, not grown and copied in doublings (an absurd length, past
+        ``_MAX_RESERVE``, is reserved as it comes). ``_MIN_FREE`` more than the rest: the
+        transport asks ``get_buffer`` for that much free space before every socket read,
+        and an exact reservation would be found short as the bytes after the body arrive,
+        moving the whole body (megabytes) to a new buffer once per answer."""
+        self._reserve(min(rest, _MAX_RESERVE) + _MIN_FREE)
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
@@ -178,7 +187,7 @@ class RawConnection(asyncio.BufferedProtocol):
         a large body lands in one buffer). IncompleteReadError at end of stream."""
         if self._at_end():
             raise asyncio.IncompleteReadError(b"", None)
-        self._reserve(min(max(need, 1), _MAX_RESERVE) + _MIN_FREE)  # see readexactly
+        self._reserve_rest(max(need, 1))
         await self._wait()
 
     def _at_end(self) -> bool:
@@ -207,12 +216,7 @@ class RawConnection(asyncio.BufferedProtocol):
         while self._end - self._start < n:
             if self._at_end():
                 raise asyncio.IncompleteReadError(self._take(self._end - self._start), n)
-            # the rest lands in place, in one buffer (not grown and copied in doublings);
-            # an absurd length is reserved as it comes. _MIN_FREE more than the rest: the
-            # transport asks get_buffer for that much free space before every socket read,
-            # and an exact reservation would be found short as its last bytes arrive, moving
-            # the whole body (megabytes) to a new buffer once per answer
-            self._reserve(min(n - (self._end - self._start), _MAX_RESERVE) + _MIN_FREE)
+            self._reserve_rest(n - (self._end - self._start))
             await self._wait()
         return self._take(n)
 
