@@ -141,6 +141,20 @@ def _model_path(settings: EngineSettings, cfg: ModelConfig) -> str:
     return str(Path(path).resolve())
 
 
+async def _pump(i: int, r: GenRequest, merged: asyncio.Queue) -> None:
+    """Move request ``i``'s published output counts to ``merged`` until it has finished;
+    its last one is then its final count. (The request can finish, by an abort say, while
+    older counts still wait in its queue: ending on the first count read after the finish
+    would leave the final one unsent and the stream open forever.)"""
+    q = r.listeners[0]
+    while True:
+        n = await q.get()
+        if r.finished:
+            merged.put_nowait((i, len(r.output)))
+            return
+        merged.put_nowait((i, n))
+
+
 def create_app(settings: EngineSettings | None = None) -> FastAPI:
     settings = settings or EngineSettings()
     tok = ByteTokenizer()
@@ -240,15 +254,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         pending = set(range(len(reqs)))
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int) -> None:
-            q = reqs[i].listeners[0]
-            while True:
-                n = await q.get()
-                await merged.put((i, n))
-                if reqs[i].finished:
-                    return
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(reqs))]
+        tasks = [asyncio.create_task(_pump(i, r, merged)) for i, r in enumerate(reqs)]
         try:
             while pending:
                 i, n = await merged.get()

@@ -278,8 +278,14 @@ class EnginePool:
             return await self._probe(eng)
 
     async def _probe(self, eng: Engine) -> EngineState:
+        fences = eng.fences
         h = await eng.client.health()
         if eng.state in (EngineState.FAILED_LOAD, EngineState.DEREGISTERED):
+            return eng.state
+        if h is not Health.DOWN and fences != eng.fences:
+            # a swap paused or resumed the engine while the probe was out: its 200 or 503
+            # describes a moment before that, not now (a 503 applied after the resume would
+            # keep the engine out of routing until the next probe)
             return eng.state
         if h is Health.DOWN:
             eng.probe_failures += 1
@@ -568,7 +574,11 @@ class EnginePool:
         eng.fences += 1
         eng.gate.clear()
 
-    async def open_gate(self, eng: Engine) -> None:
+    async def open_gate(self, eng: Engine, resumed: bool = False) -> None:
+        """Lift a fence; ``resumed``: the engine has just answered our continue_generation, so
+        it serves again whatever a probe taken during its pause said."""
         eng.fences += 1
+        if resumed and eng.state is EngineState.PAUSED:
+            eng.state = EngineState.HEALTHY
         eng.gate.set()
         await self._notify()

@@ -612,10 +612,12 @@ class SwapOrchestrator:
             log.error("engine %s failed to take version %s: %s", e.id, req.version, r.error)
 
     async def _resume(self, e: Engine, req: SwapRequest, r: EngineSwapOutcome) -> None:
+        resumed = False
         if req.mode is not SwapMode.DRAIN or not r.ok:
             with contextlib.suppress(GatewayError):
                 await e.client.resume()
+                resumed = True
         r.resumed_at = time.time()
         if self.on_pause_window is not None and r.paused_at is not None:
             self.on_pause_window(e.id, r.resumed_at - r.paused_at)
-        await self.pool.open_gate(e)
+        await self.pool.open_gate(e, resumed=resumed)

@@ -184,3 +184,41 @@ async def test_failed_health_probes_break_off_requests_in_flight():
     await pool.probe(eng)
     assert eng.state is EngineState.UNHEALTHY
     assert client.aborted and "health probes" in client.aborted[0]
+
+
+async def test_a_probe_answered_across_a_swap_pause_does_not_outlive_the_resume():
+    """A 503 taken while a swap paused the engine, applied after the swap resumed it, would
+    keep a serving engine out of routing until the next probe (seen in CI: 'paused' after a
+    failed swap had resumed every engine)."""
+    pool = EnginePool(GatewaySettings())
+    client = StubClient()
+    eng = Engine(id="a", client=client)  # type: ignore[arg-type]
+    pool._engines["a"] = eng
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow_health() -> Health:
+        asked.set()
+        await answer.wait()
+        return Health.PAUSED
+
+    client.health = slow_health  # type: ignore[method-assign]
+    pool.close_gate(eng)  # the swap's fence and pause
+    probe = asyncio.create_task(pool.probe(eng))
+    await asyncio.wait_for(asked.wait(), 5)
+    await pool.open_gate(eng, resumed=True)  # the swap resumed it
+    answer.set()
+    assert await probe is EngineState.HEALTHY
+    assert eng.state is EngineState.HEALTHY and not eng.patience()
+
+    # a 503 that came back during the pause is lifted by the resume itself
+    client.health = StubClient.health.__get__(client)  # type: ignore[method-assign]
+    client.health_answer = Health.PAUSED
+    pool.close_gate(eng)
+    assert await pool.probe(eng) is EngineState.PAUSED
+    await pool.open_gate(eng, resumed=True)
+    assert eng.state is EngineState.HEALTHY and not eng.patience()
+    # not resumed by us (a plain fence lifted): the probe's word stands
+    pool.close_gate(eng)
+    assert await pool.probe(eng) is EngineState.PAUSED
+    await pool.open_gate(eng)
+    assert eng.state is EngineState.PAUSED and eng.patience()

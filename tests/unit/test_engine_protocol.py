@@ -102,3 +102,24 @@ def test_incremental_text_deltas_concatenate_to_final_text():
                                incremental=True)["text"])
     assert "".join(parts) == "a✓é!"
     assert all("\ufffd" not in p for p in parts)
+
+
+async def test_stream_pump_ends_on_the_final_count_when_older_counts_are_queued():
+    """An abort can finish a request while counts of earlier steps still wait in its queue
+    (the abort processes the in-flight step, then finishes): the stream must still get the
+    final count, or it never sends its last chunk and stays open."""
+    import asyncio
+
+    from reference_engine.server import _pump
+
+    r = Request("a", [1, 2], GenParams(max_new_tokens=8), 2, 2)
+    q: asyncio.Queue = asyncio.Queue()
+    r.listeners.append(q)
+    r.output = [5, 6, 7]
+    for n in (1, 2, 3):  # a step's count, the in-flight step's, the abort's
+        q.put_nowait(n)
+    r.finish = {"type": "abort", "message": "Aborted"}
+    merged: asyncio.Queue = asyncio.Queue()
+    await asyncio.wait_for(_pump(0, r, merged), 5)
+    got = [merged.get_nowait() for _ in range(merged.qsize())]
+    assert got == [(0, 3)]
