@@ -442,6 +442,10 @@ class SampleRunner:
                                   + (f"; last error: {last_error}" if last_error else ""),
                                   details={"trajectory_id": trajectory_id,
                                            "tokens_so_far": state.generated})
+            if not state.generated:
+                # nothing to resume from (an engine failed or aborted before the first
+                # token): whatever went wrong, the trajectory's first segment is its start
+                began = Transition.START
             eng = await self.route(policy, sticky_key=sticky_key, prefer=prefer,
                                    exclude=exclude, why=last_error)
             prefer = None

@@ -138,6 +138,39 @@ def test_garbage_answers_fail_over_keeping_the_output_before_them(cluster, fault
     check_delivered(gw, "garbage", submitted)
 
 
+def test_a_failure_before_the_first_token_leaves_the_first_segment_a_start(cluster,
+                                                                            fault_models):
+    """An engine answer that breaks before its first token keeps nothing: the sample runs
+    again from its prompt, and its first segment is its start (nothing was resumed), as when
+    no engine had failed (``rollout_gateway_failovers_total`` counts resumed segments: not
+    these)."""
+    gw, _, _, proxy = cluster
+    all_healthy(gw)
+    create_group(target(gw), "early")
+    proxy.garbage_after, proxy.cut = 0, []
+    proxy.garbage = 1  # the next streamed answer of e1 breaks before any token
+
+    def failovers() -> float:
+        m = httpx.get(gw.url + "/metrics").text
+        return float(next(x.split()[-1] for x in m.splitlines()
+                          if x.startswith("rollout_gateway_failovers_total ")))
+
+    before = failovers()
+    try:
+        trajs, submitted, _, _ = run_batch(gw, lambda: None, under_way=0)
+    finally:
+        proxy.garbage = 0
+    assert proxy.cut == [0], "the broken answer did not reach the gateway"
+    assert failovers() == before
+    for t in trajs:
+        assert t["num_tokens"] == NEW
+        assert t["segments"][0]["began"] == "start", t["segments"]
+        assert not moved([t]), t["segments"]  # no token was carried over
+        check_against_ground_truth(t, fault_models)
+    check_delivered(gw, "early", submitted)
+    all_healthy(gw)  # e1 back after its one failure
+
+
 def test_a_swap_one_engine_fails_to_load_aborts_nothing_and_stamps_true(cluster, fault_models,
                                                                        tmp_path):
     from reference_engine.checkpoint import init_checkpoint

@@ -88,7 +88,7 @@ class Run:
 
         def on_event(ev):
             if ev.get("type") == "chunk":
-                self.gate.hit((key, ev["sample_index"]))
+                self.gate.hit((key, ev["sample_index"]), ev.get("engine_id"))
         events = await sse(c, "/v1/rollouts", body, on_event)
         errors = [e for e in events if e.get("type") == "error"]
         assert not errors, errors

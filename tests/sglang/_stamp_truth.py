@@ -193,21 +193,39 @@ class ChunkGate:
     def __init__(self) -> None:
         self.counts: Counter = Counter()
         self.streams: set = set()
+        self.engine_of: dict = {}  # stream -> the engine of its latest chunk, where known
         self._changed = asyncio.Event()
 
     def register(self, key) -> None:
         self.streams.add(key)
 
-    def hit(self, key) -> None:
+    def hit(self, key, engine: str | None = None) -> None:
         self.counts[key] += 1
+        if engine is not None:
+            self.engine_of[key] = engine
         self._changed.set()
 
-    async def wait(self, k: int, timeout: float = 120.0) -> None:
+    async def _until(self, done, timeout: float, what: str) -> None:
         async def loop():
-            while not all(self.counts[s] >= k for s in self.streams):
+            while not done():
                 self._changed.clear()
                 await self._changed.wait()
-        await asyncio.wait_for(loop(), timeout)
+        try:
+            await asyncio.wait_for(loop(), timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no {what} within {timeout}s: chunks {dict(self.counts)}, "
+                                 f"engines {self.engine_of}") from None
+
+    async def wait(self, k: int, timeout: float = 120.0) -> None:
+        await self._until(lambda: all(self.counts[s] >= k for s in self.streams), timeout,
+                          f"{k} chunks on every stream")
+
+    async def wait_on(self, engine: str, k: int, timeout: float = 120.0) -> None:
+        """Until some stream whose chunks come from ``engine`` has delivered ``k`` (the
+        others, on other engines, may not have started: a test that must catch ``engine``
+        mid-generation cannot wait for them)."""
+        await self._until(lambda: any(self.counts[s] >= k for s, e in self.engine_of.items()
+                                      if e == engine), timeout, f"{k} chunks from {engine}")
 
 
 # ---------------------------------------------------------------------------------------------
