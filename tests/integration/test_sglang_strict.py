@@ -135,7 +135,9 @@ def test_generate_returns_every_requested_field(gw, model):
 def test_generate_batches_and_n_are_lists_each_stamped_and_published(gw, urls):
     before = published(urls)
     body = {"input_ids": [[1, 2, 3], [4, 5]], "rid": ["a", "b"],
-            "sampling_params": [{"max_new_tokens": 4, "n": 2}, {"max_new_tokens": 3}],
+            # ignore_eos: a sampled end of sequence would end an output early (seen in CI)
+            "sampling_params": [{"max_new_tokens": 4, "n": 2, "ignore_eos": True},
+                                {"max_new_tokens": 3, "ignore_eos": True}],
             "return_logprob": True}
     r = httpx.post(gw.url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
