@@ -511,7 +511,7 @@ class SampleRunner:
                         failed.error, EngineChanged):
                     began = Transition.FAILOVER
                 # else: nothing of the changed engine's answer is kept, so the next request
-                # begins as this one did (a trajectory's first segment stays its start)
+                # begins as this one did
                 continue
             finally:
                 state.live = {}
@@ -537,9 +537,9 @@ class SampleRunner:
                     finish = {"type": "abort", "message": STALE_DROPPED}
                     self.counters["stale_published"] += 1
                     break
-                state.pieces.clear()  # requeued: starts again from the prompt
+                state.pieces.clear()  # requeued: starts again from the prompt (as a start)
                 self.counters["stale_requeued"] += 1
-                began, prefer = Transition.START, None
+                prefer = None
                 continue
             if broken == BREAK_KV_POLICY:
                 self.counters["kv_policy_reprefills"] += 1

@@ -429,6 +429,18 @@ class Report:
         return "\n".join(out)
 
 
+def _out_logprobs(logits, p: int, out, temp: float) -> np.ndarray:
+    """The logprob of each output token ``out`` (a tensor) under ``logits`` of prompt +
+    output (prompt length ``p``), at temperature ``temp``."""
+    import torch
+
+    from reference_engine.sampling import scaled_logprobs
+
+    n = out.shape[0]
+    logp = scaled_logprobs(logits[p - 1:p + n - 1], torch.full((n,), temp))
+    return logp.gather(1, out[:, None])[:, 0].numpy()
+
+
 class GroundTruth:
     """Recomputation under each version's weights (``model_of(version)``: the reference model
     with that checkpoint; ``sglang_reference``)."""
@@ -490,15 +502,13 @@ class GroundTruth:
         otherwise (then the tokens stay unexplained)."""
         import torch
 
-        from reference_engine.sampling import scaled_logprobs
-
         p, n = st.p, st.n
         unexplained = np.flatnonzero(~(diff <= self.tol).any(axis=0))
         if not unexplained.size or st.rows is None or st.routed_start != 0 \
                 or st.rows.shape[0] != p + n - 1:
             return None
         best = chains[int(np.argmin(diff[:, unexplained[0]]))]
-        if best.a != best.b or best.s < best.logits.shape[0]:
+        if best.a != best.b:
             return None  # a switch inside: not this simple case
         rows = st.rows.astype(np.int64)
         where = np.flatnonzero((rows != best.topk[:p + n - 1]).any(axis=(1, 2)))
@@ -508,10 +518,8 @@ class GroundTruth:
         forced = best.topk.copy()
         forced[:p + n - 1] = rows
         m = self.model_of(str(best.b))
-        t = torch.tensor(ids, dtype=torch.long)
-        logits, _ = m.forward_full(t, torch.as_tensor(forced))
-        logp = scaled_logprobs(logits[p - 1:p + n - 1], torch.full((n,), temp))
-        tie_lp = logp.gather(1, torch.tensor(st.out)[:, None])[:, 0].numpy().astype(np.float64)
+        logits, _ = m.forward_full(torch.tensor(ids, dtype=torch.long), torch.as_tensor(forced))
+        tie_lp = _out_logprobs(logits, p, torch.tensor(st.out), temp).astype(np.float64)
         if not (np.abs(tie_lp - st.logprobs) <= self.tol).all():
             return None
         return Chain(best.a, best.b, best.s, logits, forced), tie_lp, where.tolist()
@@ -539,8 +547,7 @@ class GroundTruth:
         target = torch.tensor(st.out)
         lp = []  # [C, n] logprob of every output token under each chain
         for c in chains:
-            logp = scaled_logprobs(c.logits[p - 1:p + n - 1], torch.full((n,), temp))
-            lp.append(logp.gather(1, target[:, None])[:, 0].numpy())
+            lp.append(_out_logprobs(c.logits, p, target, temp))
         lp = np.stack(lp).astype(np.float64)
         diff = np.abs(lp - st.logprobs[None, :])
         tie = self._near_tie(st, ids, chains, diff, temp)

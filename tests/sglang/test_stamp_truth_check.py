@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _stamp_truth import GroundTruth, Stamped
+from _stamp_truth import GroundTruth, Stamped, _out_logprobs
 
 from reference_engine.config import ModelConfig
 
@@ -27,13 +27,9 @@ def forward(model, routing=None):
     """(logprob of each OUT token, router top-k of every position) under ``routing``."""
     import torch
 
-    from reference_engine.sampling import scaled_logprobs
-
     ids = torch.tensor(PROMPT + OUT)
     logits, topk = model.forward_full(ids, None if routing is None else torch.as_tensor(routing))
-    p, n = len(PROMPT), len(OUT)
-    logp = scaled_logprobs(logits[p - 1:p + n - 1], torch.full((n,), 1.0))
-    lp = logp.gather(1, torch.tensor(OUT)[:, None])[:, 0].numpy().astype(np.float64)
+    lp = _out_logprobs(logits, len(PROMPT), torch.tensor(OUT), 1.0).astype(np.float64)
     return lp, topk.numpy().astype(np.int64)
 
 
