@@ -1,6 +1,6 @@
 /* rollout_gateway._native: the decoder's byte-level parsers in C (the "native data plane").
  *
- * Two functions, each the compiled form of a pure-Python function that stays the reference
+ * Each parser is the compiled form of a pure-Python function that stays the reference
  * (rollout_gateway/native.py selects between them; tests/unit/test_native_parity.py and
  * tests/security/test_decode_properties.py prove them equal, hostile input included):
  *
@@ -17,6 +17,13 @@
  *       pass. (None, end) means "not decoded here": invalid base64, an id out of range,
  *       padding with stray bits... the caller then runs the Python decoder on the same text,
  *       which gives the answer or the exact error. end is -1 when no closing quote exists.
+ *
+ *   land(n)                      -> (bytes, writer)
+ *       a new bytes object of n bytes, not initialised, and an object exporting its storage
+ *       as a writable buffer (keeping the bytes alive): rawconn.RawConnection.land has the
+ *       socket receive a large body straight into it, so the body is never copied out of
+ *       a receive buffer. The bytes must not be used before it is filled, and the writer
+ *       not after (RawConnection releases its view before it returns the bytes).
  *
  * Every read is bounds-checked against the buffer's length (no reliance on a terminating
  * NUL); output sizes are computed from the input before writing. Nothing here raises on
@@ -786,6 +793,59 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ land */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *bytes; /* the bytes object whose storage this exports, writable */
+} Landing;
+
+static int
+landing_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    PyObject *b = ((Landing *)self)->bytes;
+    return PyBuffer_FillInfo(view, self, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), 0, flags);
+}
+
+static void
+landing_dealloc(PyObject *self)
+{
+    Py_XDECREF(((Landing *)self)->bytes);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyBufferProcs landing_as_buffer = {landing_getbuffer, NULL};
+
+static PyTypeObject LandingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "rollout_gateway._native.Landing",
+    .tp_basicsize = sizeof(Landing),
+    .tp_dealloc = landing_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_as_buffer = &landing_as_buffer,
+    .tp_doc = "The writable storage of a bytes object made by land(n).",
+};
+
+static PyObject *
+land(PyObject *self, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "land(n): n must be >= 0");
+        return NULL;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
+    if (b == NULL) return NULL;
+    Landing *w = PyObject_New(Landing, &LandingType);
+    if (w == NULL) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    w->bytes = Py_NewRef(b);
+    return Py_BuildValue("(NN)", b, (PyObject *)w);
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef methods[] = {
@@ -798,6 +858,8 @@ static PyMethodDef methods[] = {
      "rows_json(lps_text, ids_text, k) -> bytes | None: logprob rows written from columns."},
     {"experts", experts, METH_VARARGS,
      "experts(buf, start, end, num_experts) -> (ids bytes | None, end): routed experts."},
+    {"land", land, METH_O,
+     "land(n) -> (bytes, writer): n bytes, not initialised, and their writable storage."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -814,5 +876,6 @@ PyMODINIT_FUNC PyInit__native(void)
     P10L[0] = 1.0L;
     for (int j = 1; j < 28; j++) P10L[j] = P10L[j - 1] * 10.0L;
 #endif
+    if (PyType_Ready(&LandingType) < 0) return NULL;
     return PyModule_Create(&module);
 }

@@ -7,7 +7,9 @@ body with routed experts that is most of the gateway's time in the event loop. H
 transport receives straight into this connection's buffer (``recv_into``); a buffer grown
 for a large body goes back to a small per-process pool when its connection is idle (at
 most 64 MiB kept), so the next large body lands in memory already paged in; and
-``readexactly`` of a whole body is the only copy.
+``readexactly`` of a whole body is the only copy. With the native data plane a large
+``readexactly`` (from ``LAND_MIN`` bytes) is not even that: the socket receives the body
+straight into the bytes object returned (:meth:`RawConnection.land`).
 
 The reading API is the subset of ``StreamReader`` that :mod:`rawhttp` uses, with its
 errors: ``IncompleteReadError`` at end of stream, ``LimitOverrunError`` for a separator
@@ -19,11 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import select
+from dataclasses import dataclass
 from typing import Any
+
+from rollout_gateway import native
 
 _MIN_FREE = 1 << 16  # free space offered to each socket read
 _SMALL = _MIN_FREE * 4  # a connection's buffer to begin with (and when idle)
 _MAX_RESERVE = 64 << 20  # readexactly reserves the rest of a body up to this at once
+#: a read of this many bytes or more lands in its own bytes object (native data plane)
+LAND_MIN = 1 << 18
+
+
+@dataclass(slots=True, eq=False)
+class _Landing:
+    """A read being received straight into ``data`` (through ``view``, its storage)."""
+
+    data: bytes
+    view: memoryview
+    got: int  # bytes of data received so far
 
 
 class _BufferPool:
@@ -71,23 +87,36 @@ class RawConnection(asyncio.BufferedProtocol):
         self._drain: asyncio.Future[None] | None = None  # set while writing is paused
         self.transport: asyncio.Transport | None = None
         self._poll: Any = None  # a select.poll of the socket, made at the first reuse
+        self._land: _Landing | None = None  # a read landing in its own bytes object
+        self._into_land = False  # the last get_buffer handed out the landing's storage
 
     @property
     def unread(self) -> int:
-        """Bytes received and not read yet."""
-        return self._end - self._start
+        """Bytes received and not read yet (a landing read's included)."""
+        land = self._land
+        return self._end - self._start + (land.got if land is not None else 0)
 
     # ---- protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        land = self._land
+        if land is not None and land.got < len(land.data):
+            self._into_land = True  # exactly the rest: what follows lands in _buf
+            return land.view[land.got:]
+        self._into_land = False
         # the transport's hint (often 256 KiB) is not a need: growing for it would copy
         # what is unread; 64 KiB free is enough for one read, the rest comes next round
         self._reserve(_MIN_FREE)
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._into_land:
+            self._into_land = False
+            self._land.got += nbytes  # type: ignore[union-attr]
+            self._wake()
+            return
         self._end += nbytes
         if not self._paused and self._end - self._start > 2 * self.limit \
                 and self.transport is not None:
@@ -213,12 +242,42 @@ class RawConnection(asyncio.BufferedProtocol):
             scanned = self._start + offset  # the buffer may have been compacted
 
     async def readexactly(self, n: int) -> bytes:
+        if n >= LAND_MIN and native.impl is not None:
+            return await self.land(n)
         while self._end - self._start < n:
             if self._at_end():
                 raise asyncio.IncompleteReadError(self._take(self._end - self._start), n)
             self._reserve_rest(n - (self._end - self._start))
             await self._wait()
         return self._take(n)
+
+    async def land(self, n: int) -> bytes:
+        """The next ``n`` bytes (as ``readexactly``), received straight into the bytes
+        object returned: what was already buffered is copied in, the socket writes the
+        rest there (the transport is handed that object's storage, exactly the rest, so
+        what follows lands in the connection's buffer). Native data plane only. Cancel-
+        safe like every read: a read retried after a timeout goes on where it stopped
+        (the same ``n``); anything else is refused while one is unfinished."""
+        land = self._land
+        if land is None:
+            data, writer = native.compiled().land(n)
+            land = _Landing(data, memoryview(writer), min(n, self._end - self._start))
+            land.view[:land.got] = memoryview(self._buf)[self._start:self._start + land.got]
+            self.consume(land.got)
+            self._land = land
+        elif len(land.data) != n:
+            raise RuntimeError(f"a read of {len(land.data)} bytes is unfinished; "
+                               f"cannot read {n}")
+        while land.got < n:
+            if self._at_end():
+                self._land = None
+                got = bytes(land.view[:land.got])
+                land.view.release()
+                raise asyncio.IncompleteReadError(got, n)
+            await self._wait()
+        self._land = None
+        land.view.release()  # nothing writes into the bytes from here on
+        return land.data
 
     async def read(self, n: int) -> bytes:
         """Up to ``n`` bytes, at least one unless at end of stream (then b"")."""
@@ -258,7 +317,7 @@ class RawConnection(asyncio.BufferedProtocol):
         that closed an idle keep-alive connection: its FIN may not have been read yet)."""
         t = self.transport
         if t is None or t.is_closing() or self._eof or self._exc is not None \
-                or self._end != self._start:
+                or self._end != self._start or self._land is not None:
             return False
         try:
             if self._poll is None:

@@ -32,8 +32,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from rollout_gateway import native
+from rollout_gateway.engines import rawconn
 from rollout_gateway.engines.rawconn import RawConnection
-from rollout_gateway.engines.sse import SSEPayloads, _stripped
+from rollout_gateway.engines.sse import _WS, SSEPayloads, _stripped
 from rollout_gateway.errors import EngineError, Timeout
 
 #: a connection's limit: the longest head / chunk-size line, and how much of a body held
@@ -213,10 +215,32 @@ class RawResponse:
                     await self._ask(before_read, max(seen + split.pending, need))
                     if r.unread != seen:
                         continue  # bytes arrived while it waited: parse them first
+                spot = _landing_spot(r, split)
+                if spot is not None:  # a large one-line event: its payload lands whole
+                    out = await self._land_event(r, split, *spot)
+                    if out:
+                        yield out
+                        out = None
+                    continue
                 await self._read(r.wait_more, need)
             self._done = True
         finally:
             self.release()
+
+    async def _land_event(self, r: RawConnection, split: SSEPayloads, head: bytes,
+                          n: int) -> list[bytes]:
+        """The chunk at the head of ``r`` from its payload's first byte on (``head``, its
+        ``data:`` prefix, already consumed): the payload's ``n`` bytes land in their own
+        bytes object (:meth:`RawConnection.land`), then the event's end and the chunk's
+        CRLF are read. What is not a one-line event after all goes through ``split``."""
+        payload = await self._read(r.land, n)
+        tail = await self._read(r.readexactly, 4)
+        if tail[2:] != b"\r\n":
+            raise EngineError(f"engine {self._pool.name}: malformed chunked body",
+                              details={"engine_id": self._pool.name, "dropped": True})
+        if tail[:2] == b"\n\n" and payload[-1] not in _WS and payload.find(b"\n") < 0:
+            return [payload]
+        return split.feed(head + payload + tail[:2])
 
     async def _ask(self, before_read: Callable[[int], Awaitable[bool]] | None,
                    held: int) -> None:
@@ -301,6 +325,37 @@ def _dechunk_events(r: RawConnection, split: SSEPayloads
             err = exc
     r.consume(pos - start)
     return out, need, last, err
+
+
+def _landing_spot(r: RawConnection, split: SSEPayloads) -> tuple[bytes, int] | None:
+    """Whether the incomplete chunk at the head of ``r``'s unread bytes should land (its
+    payload received straight into its own bytes object, not copied out of the buffer):
+    native data plane, nothing pending in ``split``, at least ``rawconn.LAND_MIN`` bytes, within
+    what the reader may buffer now (2 x its limit), and what arrived of it is ``data:``
+    and the payload's first byte. If so, consumes the chunk up to that byte and returns
+    (what it consumed of the chunk, the payload's length up to the chunk's last 2 bytes)."""
+    if native.impl is None or split.pending:
+        return None
+    buf, start, end = r.unread_bytes()
+    nl = buf.find(b"\r\n", start, end)
+    if nl < 0:
+        return None
+    try:
+        size = int(bytes(buf[start:nl]).split(b";", 1)[0].strip(), 16)
+    except ValueError:
+        return None  # the parse that reads the chunk will say so
+    d0 = nl + 2
+    if size < rawconn.LAND_MIN or size > 2 * r.limit or d0 + size + 2 <= end \
+            or not buf.startswith(b"data:", d0, end):
+        return None
+    a = d0 + 5
+    while a < end and buf[a] in _WS:
+        a += 1
+    if a >= end or a > d0 + size - 2:
+        return None  # the payload's first byte has not arrived (or the chunk is odd)
+    head = bytes(buf[d0:a])
+    r.consume(a - start)
+    return head, d0 + size - 2 - a
 
 
 class RawHttpPool:

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from rollout_gateway import native
+from rollout_gateway.engines import rawconn
 from rollout_gateway.engines.rawconn import RawConnection
 
 
@@ -32,8 +34,24 @@ async def _pair(chunks: list[bytes], *, close: bool = True, limit: int = 1 << 16
     return server, conn
 
 
+@pytest.fixture(params=["landing", "buffered"])
+def landing(request, monkeypatch) -> bool:
+    """Large reads land in their own bytes object (native data plane; lowered to 1000
+    bytes here so that random reads take both paths) or are copied out of the buffer."""
+    if request.param == "buffered":
+        monkeypatch.setattr(native, "impl", None)
+        return False
+    _land_from_1000(monkeypatch)
+    return True
+
+
+def _land_from_1000(monkeypatch) -> None:
+    monkeypatch.setattr(native, "impl", native.compiled())  # built by pip install
+    monkeypatch.setattr(rawconn, "LAND_MIN", 1000)
+
+
 @pytest.mark.parametrize("seed", range(6))
-async def test_random_reads_return_the_stream_in_order(seed: int) -> None:
+async def test_random_reads_return_the_stream_in_order(seed: int, landing: bool) -> None:
     rng = random.Random(seed)
     lines = [bytes(rng.choice(b"abcdef0123") for _ in range(rng.randint(0, 3000))) + b"\r\n"
              for _ in range(60)]
@@ -170,6 +188,55 @@ async def test_a_large_body_lands_in_place_without_moving(how: str,
             assert bytes(buf[start:end]) == body + tail
         big = [m for m in moved if m > 256 << 10]
         assert not big, f"moved {big} bytes already received"
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_a_landing_read_cancelled_midway_goes_on_when_retried(monkeypatch) -> None:
+    """A read timed out half way (the engine paused for a swap) and retried returns the
+    whole body: what had landed is not lost; another read is refused meanwhile."""
+    _land_from_1000(monkeypatch)
+    body = bytes(range(256)) * 40
+    more = asyncio.Event()
+
+    async def handle(reader, writer):
+        writer.write(body[:3000])
+        await writer.drain()
+        await more.wait()
+        writer.write(body[3000:] + b"after")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    _, conn = await asyncio.get_running_loop().create_connection(
+        lambda: RawConnection(1 << 16), "127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        task = asyncio.create_task(conn.readexactly(len(body)))
+        while conn.unread < 3000:  # until the first part has landed
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert conn.unread == 3000 and not conn.reusable()
+        with pytest.raises(RuntimeError, match="unfinished"):
+            await conn.land(len(body) + 1)
+        more.set()
+        got = await conn.readexactly(len(body))
+        assert got == body and type(got) is bytes
+        assert await conn.readexactly(5) == b"after"
+    finally:
+        conn.close()
+        server.close()
+
+
+async def test_a_landing_read_cut_short_raises_with_what_arrived(landing: bool) -> None:
+    body = b"x" * 5000
+    server, conn = await _pair([body[:2500]])
+    try:
+        with pytest.raises(asyncio.IncompleteReadError) as err:
+            await conn.readexactly(len(body))
+        assert err.value.partial == body[:2500] and err.value.expected == len(body)
     finally:
         conn.close()
         server.close()
