@@ -2,8 +2,9 @@
 with ``-fsanitize=address`` runs the parity and hostile-input tests in a child Python
 (``LD_PRELOAD`` of gcc's libasan, ``PYTHONMALLOC=malloc`` so every buffer is ASan's), where
 any out-of-bounds read or write aborts the child with a report. Leak checking is off
-(CPython keeps objects alive at exit by design). Bounded: ~15 s of CPU (the parity tests, and the hostile-input ones that reach the
-native parsers)."""
+(CPython keeps objects alive at exit by design). Bounded: ~15 s of CPU (the parity tests,
+the hostile-input ones that reach the native parsers, and the engine connection's reads
+that land in ``land()``'s bytes)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def test_native_parsers_under_address_sanitizer(tmp_path):
            "ROLLOUT_GATEWAY_DATA_PLANE": "auto"}
     tests = [str(ROOT / "tests/unit/test_native_parity.py"),
              str(ROOT / "tests/security/test_decode_properties.py"),
-             "-k", "native or segment or truncation"]
+             str(ROOT / "tests/unit/test_rawconn.py"),  # land(): bodies received into it
+             str(ROOT / "tests/unit/test_rawhttp_landing.py"),
+             "-k", "native or segment or truncation or landing or land"]
     proc = subprocess.run([sys.executable, "-c", CHILD, str(so), *tests], env=env,
                           capture_output=True, text=True, cwd=tmp_path, timeout=540)
     report = proc.stdout[-4000:] + proc.stderr[-8000:]

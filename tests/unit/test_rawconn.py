@@ -240,3 +240,19 @@ async def test_a_landing_read_cut_short_raises_with_what_arrived(landing: bool) 
     finally:
         conn.close()
         server.close()
+
+
+def test_native_land_hands_out_a_bytes_object_and_its_storage() -> None:
+    data, writer = native.compiled().land(5)
+    assert type(data) is bytes and len(data) == 5
+    with memoryview(writer) as view:
+        assert not view.readonly and view.nbytes == 5
+        view[:] = b"hello"
+    assert data == b"hello"
+    del data  # the writer keeps the storage alive while a view of it exists
+    with memoryview(writer) as view:
+        view[:2] = b"ok"
+        assert bytes(view) == b"okllo"
+    assert native.compiled().land(0)[0] == b""
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        native.compiled().land(-1)
