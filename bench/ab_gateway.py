@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 from bench_gateway import (
-    EXPERTS,
     HERE,
     LAYERS,
     TOPK,
@@ -33,6 +32,7 @@ from bench_gateway import (
     _stop,
     _wait_http,
     gateway_env,
+    start_replay_engine,
 )
 
 ROOT = HERE.parent
@@ -71,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         base_tree = _worktree(args.base, Path(tmp) / "base")
         try:
             env = gateway_env()
-            e_port = _free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
-                 "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
-                env=env, stdout=subprocess.DEVNULL))
-            engine = f"http://127.0.0.1:{e_port}"
-            _wait_http(engine + "/health", procs[0])
+            engine = start_replay_engine(procs, env)
             cols: dict[str, tuple[str, subprocess.Popen | None]] = {"direct": (engine, None)}
             for name, tree in ((f"base {args.base}", base_tree), ("this checkout", ROOT)):
                 port = _free_port()

@@ -394,6 +394,19 @@ async def _load(url: str, body: dict[str, Any], tokens_per_req: int, concurrency
     return ok * tokens_per_req / elapsed, ok, err
 
 
+def start_replay_engine(procs: list[subprocess.Popen], env: dict[str, str]) -> str:
+    """Start the replay engine (48x8 routing over 128 experts) on a free port, appended to
+    ``procs``; returns its URL once it answers /health."""
+    port = _free_port()
+    procs.append(subprocess.Popen(
+        [sys.executable, str(HERE / "replay_engine.py"), "--port", str(port),
+         "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
+        env=env, stdout=subprocess.DEVNULL))
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/health", procs[-1])
+    return url
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         p.terminate()
@@ -453,13 +466,7 @@ def part_b(concurrency: int, duration: float, prompt: int, out: int,
               "top-5 logprobs, no routing": no_routing}
     procs: list[subprocess.Popen] = []
     try:
-        e_port = _free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
-             "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
-            env=env, stdout=subprocess.DEVNULL))
-        engine = f"http://127.0.0.1:{e_port}"
-        _wait_http(engine + "/health", procs[0])
+        engine = start_replay_engine(procs, env)
         targets: dict[str, tuple[str, subprocess.Popen | None]] = {"direct": (engine, None)}
         for name, streamed, fast in (("streamed", True, True), ("non-streamed", False, True),
                                      ("streamed, asyncio+h11", True, False),

@@ -32,8 +32,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_gateway import (EXPERTS, LAYERS, TOPK, _cpu_seconds, _free_port, _load,  # noqa: E402
-                           _stop, _wait_http, gateway_env)
+from bench_gateway import (LAYERS, TOPK, _cpu_seconds, _free_port, _load,  # noqa: E402
+                           _stop, gateway_env, start_replay_engine)
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -86,14 +86,7 @@ def start_redis_and_replay(procs: list[subprocess.Popen], tmp: str) -> tuple[int
     procs.append(subprocess.Popen(
         [redis, "--port", str(r_port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL))
-    e_port = _free_port()
-    procs.append(subprocess.Popen(
-        [sys.executable, str(HERE / "replay_engine.py"), "--port", str(e_port),
-         "--layers", str(LAYERS), "--top-k", str(TOPK), "--experts", str(EXPERTS)],
-        env=env, stdout=subprocess.DEVNULL))
-    engine = f"http://127.0.0.1:{e_port}"
-    _wait_http(engine + "/health", procs[-1])
-    return r_port, engine, env
+    return r_port, start_replay_engine(procs, env), env
 
 
 def run(concurrency: int, duration: float, rounds: int, prompt: int, out: int) -> dict:

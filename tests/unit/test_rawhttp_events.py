@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _sse_support import chunked
+
 from rollout_gateway.engines.rawconn import RawConnection
 from rollout_gateway.engines.rawhttp import _dechunk_events
 from rollout_gateway.engines.sse import SSEPayloads
@@ -24,15 +26,6 @@ def _receive(conn: RawConnection, data: bytes) -> None:
         buf[:n] = data[:n]
         conn.buffer_updated(n)
         data = data[n:]
-
-
-def _chunked(body: bytes, cuts: list[int]) -> bytes:
-    out, prev = [], 0
-    for c in sorted({min(c, len(body)) for c in cuts} | {len(body)}):
-        if c > prev:
-            out.append(b"%x\r\n%b\r\n" % (c - prev, body[prev:c]))
-            prev = c
-    return b"".join(out) + b"0\r\n\r\n"
 
 
 def _parse_all(wire: bytes, reads: list[int]) -> tuple[list[bytes], bool]:
@@ -62,7 +55,7 @@ line_end = st.sampled_from([b"\n", b"\r\n"])
        st.lists(st.integers(0, 600), max_size=6), st.lists(st.integers(0, 800), max_size=8))
 def test_events_however_chunked_and_read(events, chunk_cuts, read_cuts):
     body = b"".join(b"data: " + p + le + le for p, le in events)
-    wire = _chunked(body, chunk_cuts)
+    wire = chunked(body, chunk_cuts)
     got, last = _parse_all(wire, read_cuts)
     assert last
     assert got == SSEPayloads().feed(body) == [p for p, _ in events]
@@ -70,7 +63,7 @@ def test_events_however_chunked_and_read(events, chunk_cuts, read_cuts):
 
 def test_one_event_per_chunk_is_sliced_once_and_a_large_payload_waits_whole():
     big = b"{" + b"7" * (3 << 20) + b"}"
-    wire = _chunked(b"data: " + big + b"\n\n", [])
+    wire = chunked(b"data: " + big + b"\n\n", [])
     conn = RawConnection(1 << 16)
     split = SSEPayloads()
     _receive(conn, wire[:1000])

@@ -11,6 +11,7 @@ import asyncio
 import random
 
 import pytest
+from _sse_support import chunked
 
 from rollout_gateway import native
 from rollout_gateway.engines import rawconn
@@ -55,15 +56,6 @@ class Streamer:
             pass
 
 
-def _chunked(body: bytes, cuts: list[int]) -> bytes:
-    out, prev = [], 0
-    for c in sorted({min(c, len(body)) for c in cuts} | {len(body)}):
-        if c > prev:
-            out.append(b"%x\r\n%b\r\n" % (c - prev, body[prev:c]))
-            prev = c
-    return b"".join(out) + b"0\r\n\r\n"
-
-
 def _pieces(wire: bytes, rng: random.Random) -> list[bytes]:
     cuts = sorted(rng.sample(range(1, len(wire)), min(len(wire) - 1, rng.randint(0, 12))))
     return [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)])]
@@ -106,7 +98,7 @@ async def test_landed_payloads_equal_the_splitters_and_the_python_planes(seed, m
             cuts.append(pos)
     else:
         cuts = rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 5)))
-    wire = _HEAD + _chunked(body, cuts)
+    wire = _HEAD + chunked(body, cuts)
     pieces = _pieces(wire, rng)
     want = SSEPayloads().feed(body)
     landed: list[int] = []
