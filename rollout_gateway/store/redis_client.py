@@ -12,15 +12,20 @@ idempotent, and an entry a retried read leased twice is redelivered after its le
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from rollout_gateway.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 #: defaults when a caller gives none (the gateway passes its ``redis`` settings)
 MAX_CONNECTIONS = 256
@@ -53,12 +58,34 @@ def closed_transport(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "the handler is closed" in str(exc)
 
 
+_REDIS_PACKAGE = os.path.dirname(os.path.abspath(redis.__file__)) + os.sep
+#: what redis-py's own code raises when its cluster topology is inconsistent mid-failover
+_CLIENT_INTERNAL = (AttributeError, KeyError, IndexError, TypeError)
+
+
+def client_internal(exc: BaseException) -> bool:
+    """An error raised inside redis-py itself (its innermost frame in the package), of a
+    kind its cluster client raises while the topology it holds is inconsistent during a
+    failover (``AttributeError: 'NoneType' object has no attribute 'name'`` for a node it
+    dropped, a ``KeyError`` for a slot: redis-py issues 3815, 3835, 3997, 2437) instead of
+    a ``RedisError``. Redis is unavailable for that call, as with a ``ConnectionError``;
+    the same error from the gateway's own code is a bug and is not this."""
+    if not isinstance(exc, _CLIENT_INTERNAL) or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_REDIS_PACKAGE)
+
+
 @asynccontextmanager
 async def redis_failures(failed: str) -> AsyncIterator[None]:
     """Redis failing under the block becomes ``StoreError(f"{failed}: ...")`` (503,
     retryable): a ``RedisError``, a ``RedisClusterException`` (not a RedisError: e.g. a slot
-    no node serves while a dead master's replica is not yet promoted) or a write on a
-    connection a dead node closed (:func:`closed_transport`). Any other error passes."""
+    no node serves while a dead master's replica is not yet promoted), a write on a
+    connection a dead node closed (:func:`closed_transport`) or redis-py's own code failing
+    on its view of a cluster in failover (:func:`client_internal`, logged with its
+    traceback). Any other error passes."""
     try:
         yield
     except (RedisError, RedisClusterException) as exc:
@@ -67,11 +94,18 @@ async def redis_failures(failed: str) -> AsyncIterator[None]:
         if not closed_transport(exc):
             raise
         raise StoreError(f"{failed}: connection lost ({exc})") from exc
+    except _CLIENT_INTERNAL as exc:
+        if not client_internal(exc):
+            raise
+        log.warning("%s: the Redis client failed inside (%s: %s), taken as Redis "
+                    "unavailable", failed, type(exc).__name__, exc, exc_info=True)
+        raise StoreError(f"{failed}: Redis client error ({type(exc).__name__})") from exc
 
 
 async def through_failover(call, *, wait_s: float = FAILOVER_WAIT_S):
     """``await call()``, tried again (jittered backoff, 50 ms doubling up to 1 s) while
-    the cluster answers that a node is unreachable or a slot has no master, for up to
+    the cluster answers that a node is unreachable or a slot has no master (or the client
+    trips over its own view of the failover: :func:`client_internal`), for up to
     ``wait_s``. Only for idempotent calls: a try whose reply was lost may have applied."""
     import asyncio
     import random
@@ -87,8 +121,10 @@ async def through_failover(call, *, wait_s: float = FAILOVER_WAIT_S):
     while True:
         try:
             return await call()
-        except (*transient, RuntimeError) as exc:
+        except (*transient, RuntimeError, *_CLIENT_INTERNAL) as exc:
             if isinstance(exc, RuntimeError) and not closed_transport(exc):
+                raise
+            if isinstance(exc, _CLIENT_INTERNAL) and not client_internal(exc):
                 raise
             if loop.time() + delay > deadline:
                 raise

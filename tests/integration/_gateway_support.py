@@ -63,6 +63,23 @@ class GatewayProcess:
         self._log.flush()
         return Path(self._log.name).read_text(errors="replace")[-n:]
 
+    def tracebacks(self, n: int = 4) -> str:
+        """The last ``n`` tracebacks in the log, whole (with the message logged before
+        each): what a 500 was, where the log's tail would cut it."""
+        self._log.flush()
+        lines = Path(self._log.name).read_text(errors="replace").splitlines()
+        found: list[str] = []
+        for i, line in enumerate(lines):
+            if line.startswith("Traceback (most recent call last)"):
+                j = i + 1
+                while j < len(lines) and (lines[j].startswith((" ", "\t")) or not lines[j]
+                                          or lines[j].startswith(("During handling",
+                                                                  "The above exception",
+                                                                  "Traceback"))):
+                    j += 1
+                found.append("\n".join(lines[max(i - 1, 0):j + 1]))
+        return "\n\n".join(found[-n:]) or "(no traceback in the log)"
+
     def start(self, timeout: float = 60.0) -> GatewayProcess:
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)

@@ -213,7 +213,7 @@ def test_a_redis_master_dies_under_load_and_nothing_acknowledged_is_lost(cluster
               f"client errors {dict(load.errors)}; learner errors {dict(learner.errors)}")
         assert not missing, (sorted(missing)[:10], a.log_tail(), b.log_tail())
         assert not load.bad and not learner.bad, (load.bad[:5], learner.bad[:5],
-                                                  a.log_tail(), b.log_tail())
+                                                  a.tracebacks(), b.tracebacks())
         assert len(load.acked) >= 24
 
 

@@ -155,3 +155,46 @@ async def test_a_write_on_a_connection_a_dead_node_closed_is_a_retryable_store_e
             raise closed
         return "ok"
     assert await through_failover(flaky, wait_s=5) == "ok" and len(tries) == 3
+
+
+async def test_redis_clients_own_failure_mid_failover_is_a_retryable_store_error():
+    """redis-py's cluster client can trip over its own topology while a failover is under
+    way (an AttributeError or KeyError inside it, not a RedisError): that call found Redis
+    unavailable (503, retried by idempotent writes), where the same error from the
+    gateway's own code stays a bug (500, not hidden)."""
+    import os
+
+    import pytest
+    import redis
+
+    from rollout_gateway.errors import StoreError
+    from rollout_gateway.sessions.redis_store import RedisSessionStore
+    from rollout_gateway.store.redis_client import client_internal, through_failover
+
+    inside: dict = {}  # a function whose code lives in redis-py's package, as its frames do
+    exec(compile("def node_name(node):\n    return node.name\n",
+                 os.path.join(os.path.dirname(redis.__file__), "asyncio", "cluster.py"),
+                 "exec"), inside)
+    store = RedisSessionStore.__new__(RedisSessionStore)
+    with pytest.raises(StoreError, match="Redis client error .AttributeError."):
+        async with store._io("claim"):
+            inside["node_name"](None)
+    with pytest.raises(AttributeError):  # ours: passes as it is
+        async with store._io("claim"):
+            None.name  # noqa: B018
+    with pytest.raises(KeyError):
+        async with store._io("claim"):
+            {}["slot"]
+    tries = []
+
+    async def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            inside["node_name"](None)
+        return "ok"
+    assert await through_failover(flaky, wait_s=5) == "ok" and len(tries) == 3
+    try:
+        inside["node_name"](None)
+    except AttributeError as exc:
+        assert client_internal(exc)
+    assert not client_internal(ValueError("x")) and not client_internal(AttributeError("x"))
