@@ -33,6 +33,11 @@ _MAX_RESERVE = 64 << 20  # readexactly reserves the rest of a body up to this at
 LAND_MIN = 1 << 18
 
 
+def lands(n: int) -> bool:
+    """Whether a read of ``n`` bytes lands in its own bytes object (:meth:`RawConnection.land`)."""
+    return n >= LAND_MIN and native.impl is not None
+
+
 @dataclass(slots=True, eq=False)
 class _Landing:
     """A read being received straight into ``data`` (through ``view``, its storage)."""
@@ -88,7 +93,6 @@ class RawConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._poll: Any = None  # a select.poll of the socket, made at the first reuse
         self._land: _Landing | None = None  # a read landing in its own bytes object
-        self._into_land = False  # the last get_buffer handed out the landing's storage
 
     @property
     def unread(self) -> int:
@@ -100,21 +104,26 @@ class RawConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def get_buffer(self, sizehint: int) -> memoryview:
+    def _landing(self) -> _Landing | None:
+        """The landing read still receiving, if any: ``get_buffer`` hands the transport its
+        storage (exactly the rest: what follows lands in ``_buf``), and the transport's
+        ``buffer_updated`` right after counts what came there."""
         land = self._land
-        if land is not None and land.got < len(land.data):
-            self._into_land = True  # exactly the rest: what follows lands in _buf
+        return land if land is not None and land.got < len(land.data) else None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        land = self._landing()
+        if land is not None:
             return land.view[land.got:]
-        self._into_land = False
         # the transport's hint (often 256 KiB) is not a need: growing for it would copy
         # what is unread; 64 KiB free is enough for one read, the rest comes next round
         self._reserve(_MIN_FREE)
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._into_land:
-            self._into_land = False
-            self._land.got += nbytes  # type: ignore[union-attr]
+        land = self._landing()
+        if land is not None:
+            land.got += nbytes
             self._wake()
             return
         self._end += nbytes
@@ -242,7 +251,7 @@ class RawConnection(asyncio.BufferedProtocol):
             scanned = self._start + offset  # the buffer may have been compacted
 
     async def readexactly(self, n: int) -> bytes:
-        if n >= LAND_MIN and native.impl is not None:
+        if lands(n):
             return await self.land(n)
         while self._end - self._start < n:
             if self._at_end():

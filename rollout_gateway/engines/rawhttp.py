@@ -32,7 +32,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from rollout_gateway import native
 from rollout_gateway.engines import rawconn
 from rollout_gateway.engines.rawconn import RawConnection
 from rollout_gateway.engines.sse import _WS, SSEPayloads, _stripped
@@ -123,8 +122,7 @@ class RawResponse:
                 pass  # no body
             elif b"chunked" in te:
                 while True:
-                    line = await self._read(r.readuntil, b"\r\n")
-                    size = int(line.split(b";", 1)[0].strip(), 16)
+                    size = _chunk_size(await self._read(r.readuntil, b"\r\n"))
                     if size == 0:
                         while (await self._read(r.readuntil, b"\r\n")) != b"\r\n":
                             pass  # trailers
@@ -283,6 +281,11 @@ class RawResponse:
         self._pool._give_back(conn, keep)
 
 
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line's size (its extensions ignored); ValueError if it is no hex."""
+    return int(line.split(b";", 1)[0].strip(), 16)
+
+
 def _dechunk_events(r: RawConnection, split: SSEPayloads
                     ) -> tuple[list[bytes], int, bool, Exception | None]:
     """The SSE payloads of the complete chunks buffered in ``r`` (consumed); returns
@@ -301,7 +304,7 @@ def _dechunk_events(r: RawConnection, split: SSEPayloads
                     if end - pos > r.limit:
                         raise asyncio.LimitOverrunError("chunk size line too long", end - pos)
                     break
-                size = int(bytes(mv[pos:nl]).split(b";", 1)[0].strip(), 16)
+                size = _chunk_size(bytes(mv[pos:nl]))
                 if size < 0:
                     raise ValueError(f"negative chunk size {size}")
                 if size == 0:
@@ -330,27 +333,25 @@ def _dechunk_events(r: RawConnection, split: SSEPayloads
 def _landing_spot(r: RawConnection, split: SSEPayloads) -> tuple[bytes, int] | None:
     """Whether the incomplete chunk at the head of ``r``'s unread bytes should land (its
     payload received straight into its own bytes object, not copied out of the buffer):
-    native data plane, nothing pending in ``split``, at least ``rawconn.LAND_MIN`` bytes, within
-    what the reader may buffer now (2 x its limit), and what arrived of it is ``data:``
-    and the payload's first byte. If so, consumes the chunk up to that byte and returns
-    (what it consumed of the chunk, the payload's length up to the chunk's last 2 bytes)."""
-    if native.impl is None or split.pending:
+    a size that lands (:func:`rawconn.lands`), nothing pending in ``split``, within what
+    the reader may buffer now (2 x its limit), and what arrived of it is ``data:`` and the
+    payload's first byte. If so, consumes the chunk up to that byte and returns (what it
+    consumed of the chunk, the payload's length up to the chunk's last 2 bytes)."""
+    if split.pending:
         return None
     buf, start, end = r.unread_bytes()
     nl = buf.find(b"\r\n", start, end)
     if nl < 0:
         return None
     try:
-        size = int(bytes(buf[start:nl]).split(b";", 1)[0].strip(), 16)
+        size = _chunk_size(bytes(buf[start:nl]))
     except ValueError:
         return None  # the parse that reads the chunk will say so
     d0 = nl + 2
-    if size < rawconn.LAND_MIN or size > 2 * r.limit or d0 + size + 2 <= end \
+    if not rawconn.lands(size) or size > 2 * r.limit or d0 + size + 2 <= end \
             or not buf.startswith(b"data:", d0, end):
         return None
-    a = d0 + 5
-    while a < end and buf[a] in _WS:
-        a += 1
+    a, _ = _stripped(buf, d0 + 5, end)  # the payload's first byte, if it arrived
     if a >= end or a > d0 + size - 2:
         return None  # the payload's first byte has not arrived (or the chunk is odd)
     head = bytes(buf[d0:a])

@@ -121,10 +121,9 @@ async def through_failover(call, *, wait_s: float = FAILOVER_WAIT_S):
     while True:
         try:
             return await call()
-        except (*transient, RuntimeError, *_CLIENT_INTERNAL) as exc:
-            if isinstance(exc, RuntimeError) and not closed_transport(exc):
-                raise
-            if isinstance(exc, _CLIENT_INTERNAL) and not client_internal(exc):
+        except Exception as exc:
+            if not (isinstance(exc, transient) or closed_transport(exc)
+                    or client_internal(exc)):
                 raise
             if loop.time() + delay > deadline:
                 raise
