@@ -172,8 +172,13 @@ async def serve_async(settings, *, ready: Callable[[int, int], None] | None = No
                              tls_cert=settings.tls_cert_file, tls_key=settings.tls_key_file,
                              tls_client_ca=settings.grpc_client_ca_file,
                              on_deliver=gw.tracker.on_delivered,
-                             lag_report=functools.partial(lag_report, gw.view))
-    grpc_port = await grpc_server.start()
+                             lag_report=functools.partial(lag_report, gw.view),
+                             reuse_port=settings.workers > 1)
+    try:
+        grpc_port = await grpc_server.start()
+    except BaseException:
+        await gw.stop()
+        raise
     config = uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                             log_level="warning", lifespan="on", access_log=False,
                             http="httptools" if _fast_io(settings) else "h11",

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_gateway.auth import Authenticator, Role
 from rollout_gateway.core.staleness import StalePolicy
-from rollout_gateway.errors import GatewayError
+from rollout_gateway.errors import GatewayError, Unavailable
 from rollout_gateway.store.base import StoredEntry, TrajectoryStore
 from rollout_gateway.transport.control_plane import ControlPlane
 from rollout_gateway.transport.servicer import SERVICE_NAME, TrajectoryServicer, generic_handler
@@ -93,11 +93,16 @@ class GrpcServer:
                  tls_client_ca: str | None = None, poll_ms: int = 200,
                  target_message_bytes: int = 4 << 20,
                  on_deliver: Callable[[list[StoredEntry], int], None] | None = None,
-                 lag_report: Callable[[], Awaitable[LagReport]] | None = None):
+                 lag_report: Callable[[], Awaitable[LagReport]] | None = None,
+                 reuse_port: bool = False):
         """``auth``: tokens per role (``auth_token`` is shorthand for one token that is both
         admin and learner). ``tls_cert``/``tls_key``: PEM files to serve TLS;
         ``tls_client_ca``: also require client certificates signed by this CA (mTLS).
-        ``on_deliver``, ``lag_report``: the servicer's observers (see there)."""
+        ``on_deliver``, ``lag_report``: the servicer's observers (see there).
+        ``reuse_port``: bind with SO_REUSEPORT (``serve --workers N``: the workers share the
+        port). Off otherwise: gRPC turns it on by default, and then a second gateway started
+        on a port another one serves binds it too and the kernel splits learners between
+        the two; off, that start fails (``Unavailable``: the port is in use)."""
         self.store = store
         self.control = control
         self.host = host
@@ -119,7 +124,8 @@ class GrpcServer:
                       ("grpc.http2.lookahead_bytes", 64 << 20),
                       ("grpc.http2.max_pings_without_data", 0),
                       ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
-                      ("grpc.keepalive_permit_without_calls", 1)]
+                      ("grpc.keepalive_permit_without_calls", 1),
+                      ("grpc.so_reuseport", int(reuse_port))]
         self._tls = (tls_cert, tls_key, tls_client_ca)
         self._server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -133,14 +139,19 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         addr = f"{self.host}:{self.port}"
-        if self._tls[0]:
-            ca = Path(self._tls[2]).read_bytes() if self._tls[2] else None
-            creds = grpc.ssl_server_credentials(
-                [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())],
-                root_certificates=ca, require_client_auth=ca is not None)
-            self.port = server.add_secure_port(addr, creds)
-        else:
-            self.port = server.add_insecure_port(addr)
+        try:
+            if self._tls[0]:
+                ca = Path(self._tls[2]).read_bytes() if self._tls[2] else None
+                creds = grpc.ssl_server_credentials(
+                    [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())],
+                    root_certificates=ca, require_client_auth=ca is not None)
+                self.port = server.add_secure_port(addr, creds)
+            else:
+                self.port = server.add_insecure_port(addr)
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise Unavailable(f"learner gRPC cannot listen on {addr}: the port is in use (another "
+                              "gateway?) or the address is not this host's",
+                              details={"address": addr}) from exc
         await self.set_serving(False)
         await server.start()
         self._server = server
