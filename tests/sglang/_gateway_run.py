@@ -160,8 +160,14 @@ def client(gw: GatewayServe) -> httpx.AsyncClient:
 
 async def swap_mid_generation(run: Run, c: httpx.AsyncClient, streams, swap_body: dict) -> dict:
     """Start ``streams`` (coroutines from ``run``), wait until every gated stream delivered
-    ``SWAP_AFTER`` chunks, post the swap and wait for the streams. Returns the swap's answer."""
+    ``SWAP_AFTER`` chunks, post the swap and wait for the streams. Returns the swap's answer,
+    with the round's timings (seconds from the streams' start): ``_posted_s`` (the swap
+    posted), ``_took_s`` (the swap's own time), ``_streams_s`` (the first stream done)."""
+    t_start = time.monotonic()
     tasks = [asyncio.create_task(s) for s in streams]
+    ended: list[float] = []  # when each stream ended
+    for t in tasks:
+        t.add_done_callback(lambda _: ended.append(time.monotonic()))
     waiter = asyncio.create_task(run.gate.wait(SWAP_AFTER))
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
     if waiter not in done:  # a stream ended (or failed) before the others were under way
@@ -173,27 +179,52 @@ async def swap_mid_generation(run: Run, c: httpx.AsyncClient, streams, swap_body
     t0 = time.monotonic()
     r = await c.post("/v1/weights", json=swap_body)
     swap_s = time.monotonic() - t0
-    assert r.status_code == 200, r.text
+    if r.status_code != 200:
+        raise AssertionError(f"swap {swap_body} answered {r.status_code}: {r.text}\n"
+                             f"engines: {(await c.get('/v1/engines')).text}\n"
+                             f"gateway log ({run.gw.log_path}):\n{run.gw.log_tail(4000)}")
     rec = r.json()
     assert rec["status"] == "succeeded", rec
     await asyncio.gather(*tasks)
-    rec["_took_s"] = swap_s
+    rec["_posted_s"], rec["_took_s"] = t0 - t_start, swap_s
+    rec["_streams_s"] = min(ended) - t_start
     return rec
 
 
+#: the longest samples a retried round asks for (SGLang's context and the truth check's time)
+MAX_ROUND_TOKENS = 768
+
+
+def next_round_tokens(n_new: int, rec: dict) -> int:
+    """Output tokens per sample for the round after one whose swap reached the engines after
+    its streams ended: what a stream generates (at the rate the last round's fastest did,
+    from start to end) over the time from the streams' start to the swap's end, twice over,
+    and at least double the last round's. Measured, so a loaded machine gets longer streams
+    rather than the same race again."""
+    rate = n_new / max(rec["_streams_s"], 1e-3)  # tokens per second of the fastest stream
+    need = 2 * rate * (rec["_posted_s"] + rec["_took_s"])
+    return min(MAX_ROUND_TOKENS, max(2 * n_new, int(need) + 1))
+
+
 async def land_swap(run: Run, c: httpx.AsyncClient, streams_for, body_for, *,
-                    tries: int = 3, straddle: bool = True) -> tuple[dict, int]:
-    """Rounds of :func:`swap_mid_generation` (round ``k``: ``streams_for(k)``, the swap to
-    version ``k`` ``body_for(k)``) until one lands mid-generation: a trajectory of the round
-    stamped with both versions (under heavy load a swap can reach the engine after every
-    stream ended; the truth check afterwards covers every round). Returns (the last swap's
-    answer, its version)."""
+                    n_new: int = NEW, tries: int = 3, straddle: bool = True
+                    ) -> tuple[dict, int]:
+    """Rounds of :func:`swap_mid_generation` (round ``k``: ``streams_for(k, n_new)``, samples
+    of ``n_new`` output tokens, the swap to version ``k`` ``body_for(k)``) until one lands
+    mid-generation: a trajectory of the round stamped with both versions. A loaded machine
+    can deliver a swap after every stream ended: the next round's samples are then as long
+    as the last round's timings say they must be (:func:`next_round_tokens`). The truth check
+    afterwards covers every round. Returns (the last swap's answer, its version)."""
     for k in range(1, tries + 1):
         before = len(run.items)
-        rec = await swap_mid_generation(run, c, streams_for(k), body_for(k))
-        if not straddle or any(len(set(st.policy_version.tolist())) > 1
-                               for st in run.items[before:]):
+        rec = await swap_mid_generation(run, c, streams_for(k, n_new), body_for(k))
+        landed = any(len(set(st.policy_version.tolist())) > 1 for st in run.items[before:])
+        print(f"swap round {k}: {n_new} tokens per sample; swap posted at "
+              f"{rec['_posted_s']:.2f}s, took {rec['_took_s']:.2f}s; first stream ended at "
+              f"{rec['_streams_s']:.2f}s; {'a' if landed else 'no'} sample spans it")
+        if not straddle or landed:
             break
+        n_new = next_round_tokens(n_new, rec)
     return rec, k
 
 

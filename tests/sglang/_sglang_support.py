@@ -390,6 +390,8 @@ class SGLangServer:
         if proc is None:
             return
         pgid = proc.pid  # start_new_session: the server leads its own group
+        if proc.poll() is not None:  # it died on its own (a crash, the OOM killer: -9)
+            self.note(f"found exited on its own, exit status {proc.returncode}")
         try:
             os.killpg(pgid, signal.SIGCONT)  # a group a test froze with SIGSTOP cannot stop
         except ProcessLookupError:
@@ -403,6 +405,19 @@ class SGLangServer:
         _wait_exit(_group_members(pgid), 5.0)  # its children, shut down by the server
         _kill_group(pgid)
         proc.wait()
+
+    def test_notes(self) -> str:
+        """The test side's lines in the log: every start (with its command) and note."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return "".join(line[:300] for line in f if line.startswith("===== "))
+
+    def note(self, what: str) -> None:
+        """A line in the server's log from the test side (it shows in failure reports)."""
+        if self.log_path is not None:
+            with open(self.log_path, "a") as log:
+                log.write(f"===== {time.strftime('%H:%M:%S')}: {self.name} {what}\n")
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, as a test may want)."""

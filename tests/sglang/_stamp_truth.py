@@ -76,6 +76,10 @@ def _free_port() -> int:
     return free_port()
 
 
+#: gateways started and not stopped yet (their logs go into a failed test's report)
+LIVE_GATEWAYS: list[GatewayServe] = []
+
+
 class GatewayServe:
     """``rollout-gateway serve --engine id=url ... --port P --grpc-port G`` (embedded store and
     registry, every other setting at its default), this checkout's code on ``PYTHONPATH``."""
@@ -112,6 +116,7 @@ class GatewayServe:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env)
+        LIVE_GATEWAYS.append(self)
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.url, timeout=5.0) as c:
             while time.monotonic() < deadline:
@@ -134,6 +139,8 @@ class GatewayServe:
                            f"{self.log_tail()}")
 
     def stop(self) -> None:
+        if self in LIVE_GATEWAYS:
+            LIVE_GATEWAYS.remove(self)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

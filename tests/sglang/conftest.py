@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 import pytest
 from _sglang_support import LIVE, Checkpoints, SGLangServer, sglang_python
-from _stamp_truth import GatewayServe, GroundTruth
+from _stamp_truth import LIVE_GATEWAYS, GatewayServe, GroundTruth
 
 SEEDS = {"0": 100, "1": 101, "2": 102, "3": 103, "4": 104}  # 3, 4: retried swap rounds
 MAX_LIVE = int(os.environ.get("SGLANG_TEST_MAX_LIVE", "2"))
@@ -75,6 +75,11 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for srv in list(LIVE):
             report.sections.append((f"{srv.name} log tail ({srv.log_path})", srv.log_tail(80)))
+            starts = srv.test_notes()
+            if starts:
+                report.sections.append((f"{srv.name} starts and stops", starts))
+        for gw in list(LIVE_GATEWAYS):
+            report.sections.append((f"gateway log tail ({gw.log_path})", gw.log_tail(6000)))
 
 
 @pytest.fixture(scope="session")
@@ -149,9 +154,14 @@ def sglang_server(sglang_pool) -> SGLangServer:
 
 
 def restore(srv: SGLangServer, checkpoints: Checkpoints) -> None:
-    """Put a server back to serving v0 as version "0", unpaused, with an empty radix cache."""
-    if not srv.running():
+    """Put a server back to serving v0 as version "0", unpaused, with an empty radix cache
+    (restarted when it is not running or will not go back; each restart noted in its log)."""
+    def restart(why: str) -> None:
+        srv.note(f"restarted by restore(): {why}")
         srv.restart(model_path=checkpoints.path("0"), weight_version="0")
+
+    if not srv.running():
+        restart("not running")
         return
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         c.post("/continue_generation", json={})
@@ -160,11 +170,12 @@ def restore(srv: SGLangServer, checkpoints: Checkpoints) -> None:
             r = c.post("/update_weights_from_disk",
                        json={"model_path": str(checkpoints.path("0")), "weight_version": "0"})
             if r.status_code != 200 or not r.json().get("success"):
-                srv.restart(model_path=checkpoints.path("0"), weight_version="0")
+                restart(f"update_weights_from_disk v0 answered {r.status_code}: {r.text[:300]}")
                 return
             srv.model_path, srv.weight_version = checkpoints.path("0"), "0"
-        if c.post("/flush_cache").status_code != 200:
-            srv.restart(model_path=checkpoints.path("0"), weight_version="0")
+        r = c.post("/flush_cache")
+        if r.status_code != 200:
+            restart(f"flush_cache answered {r.status_code}: {r.text[:300]}")
 
 
 @pytest.fixture

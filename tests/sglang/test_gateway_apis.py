@@ -131,12 +131,12 @@ def test_old_logits_scored_by_sglang_match_recomputation(mode, sglang, sglang_in
     run = Run(gw)
     raw: dict[str, dict] = {}  # label -> the trajectory as JSON (old_logprobs)
 
-    async def stream(c, ids, label):
+    async def stream(c, ids, label, n_new):
         key = (label, "rollouts")
         keys = [(key, i) for i in range(2)]
         for k in keys:
             run.gate.register(k)
-        body = {"input_ids": ids, "n": 2, "sampling_params": sampling(24, T_OLD)}
+        body = {"input_ids": ids, "n": 2, "sampling_params": sampling(n_new, T_OLD)}
 
         def on_event(ev):
             if ev.get("type") == "chunk":
@@ -154,8 +154,8 @@ def test_old_logits_scored_by_sglang_match_recomputation(mode, sglang, sglang_in
     async def go():
         async with client(gw) as c:
             rec, v = await land_swap(
-                run, c, lambda k: [stream(c, prompt(1100 + 40 * (k - 1) + j), f"{mode}{j}.r{k}")
-                                   for j in range(2)],
+                run, c, lambda k, n_new: [stream(c, prompt(1100 + 40 * (k - 1) + j),
+                                                 f"{mode}{j}.r{k}", n_new) for j in range(2)],
                 lambda k: disk(sglang_checkpoints, k, "abort_resume"))
             got = await c.post("/v1/rollouts", json={"input_ids": prompt(1125), "n": 1,
                                                      "sampling_params": sampling(8, T_OLD)})

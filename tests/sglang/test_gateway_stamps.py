@@ -35,6 +35,7 @@ from _gateway_run import (
     disk,
     land_swap,
     prompt,
+    sampling,
     spans_swap,
 )
 from _stamp_truth import GatewayServe, GroundTruth, Report, from_wire
@@ -142,20 +143,22 @@ def test_swap_mid_generation_stamped_exactly(mode, request, serve, truth, sglang
     run = Run(gw, incremental)
     tag = f"{mode}"
 
-    def streams(c, k):
+    def streams(c, k, n_new):
         s0 = 300 + 40 * (k - 1)
-        out = [run.rollout_stream(c, prompt(s0 + j), n=2, label=f"{tag}{j}.r{k}")
+        out = [run.rollout_stream(c, prompt(s0 + j), n=2, n_new=n_new, label=f"{tag}{j}.r{k}")
                for j in range(2)]
         out.append(run.generate(c, {"input_ids": prompt(s0 + 10), "return_logprob": True,
-                                    "top_logprobs_num": 2, "return_routed_experts": True},
+                                    "top_logprobs_num": 2, "return_routed_experts": True,
+                                    "sampling_params": sampling(n_new)},
                                 label=f"{tag}.r{k}", stream=True, gated=True))
         out.append(run.generate(c, {"input_ids": prompt(s0 + 11), "return_logprob": True,
-                                    "return_routed_experts": True}, label=f"{tag}.r{k}"))
+                                    "return_routed_experts": True,
+                                    "sampling_params": sampling(n_new)}, label=f"{tag}.r{k}"))
         return out
 
     async def go():
         async with client(gw) as c:
-            rec, v = await land_swap(run, c, lambda k: streams(c, k),
+            rec, v = await land_swap(run, c, lambda k, n_new: streams(c, k, n_new),
                                      lambda k: disk(sglang_checkpoints, k, mode),
                                      straddle=mode != "drain")
             await run.rollout(c, prompt(325), n=2, n_new=8, label=f"{tag}-after")
@@ -188,16 +191,14 @@ def test_rolling_swap_across_two_engines(mode, sglang, sglang_inc, serve, truth,
         async with client(gw) as c:
             rec, v = await land_swap(
                 run, c,
+                lambda k, n_new: [run.rollout_stream(c, prompt(400 + 40 * (k - 1) + j), n=2,
+                                                     n_new=n_new, label=f"roll-{mode}{j}.r{k}",
+                                                     group_id=f"g{j}")
+                                  for j in range(4)],
+                lambda k: disk(sglang_checkpoints, k, mode, rolling=True),
                 # the second engine's swap comes after the first's, and its streams must
-                # still be running then: twice the tokens of the other swap tests, doubled
-                # each round that no trajectory straddled (a loaded machine: CI runs this
-                # beside the rest of the suite, and a whole round had ended before its swap)
-                lambda k: [run.rollout_stream(c, prompt(400 + 40 * (k - 1) + j), n=2,
-                                              n_new=2 * NEW * 2 ** (k - 1),
-                                              label=f"roll-{mode}{j}.r{k}",
-                                              group_id=f"g{j}")
-                           for j in range(4)],
-                lambda k: disk(sglang_checkpoints, k, mode, rolling=True))
+                # still be running then: twice the tokens of the other swap tests
+                n_new=2 * NEW)
             await run.rollout(c, prompt(425), n=2, n_new=8, label=f"roll-{mode}-after")
             return rec, v
 
@@ -252,9 +253,9 @@ def test_prefix_cache_hits_after_in_place_swap(sglang, serve, truth, sglang_chec
         async with client(gw) as c:
             await run.rollout(c, pa, n_new=8, label="A(v0)")  # cached under v0
 
-            def straddler(k):
+            def straddler(k, n_new):
                 ps[:] = prompt(501 + 40 * (k - 1), 16)
-                return [run.rollout_stream(c, list(ps), n_new=NEW, label=f"S(straddler).r{k}")]
+                return [run.rollout_stream(c, list(ps), n_new=n_new, label=f"S(straddler).r{k}")]
             _, v = await land_swap(run, c, straddler,
                                    lambda k: disk(sglang_checkpoints, k, "in_place"))
             await one(c, "B(prefix of A)", pa[:12] + [7, 8, 9])
@@ -293,8 +294,9 @@ def test_learner_pulls_exact_trajectories_over_grpc(sglang_inc, serve, truth, sg
         async with client(gw) as c:
             rec, v = await land_swap(
                 run, c,
-                lambda k: [run.rollout_stream(c, prompt(600 + 40 * (k - 1) + j), n=2,
-                                              label=f"grpc{j}.r{k}") for j in range(2)],
+                lambda k, n_new: [run.rollout_stream(c, prompt(600 + 40 * (k - 1) + j), n=2,
+                                                     n_new=n_new, label=f"grpc{j}.r{k}")
+                                  for j in range(2)],
                 lambda k: disk(sglang_checkpoints, k, "abort_resume"))
             await run.rollout(c, prompt(625), n=2, n_new=8, label="grpc-after")
             return rec, v
