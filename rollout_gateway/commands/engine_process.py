@@ -26,8 +26,11 @@ from rollout_gateway.proc import wait_healthy
 #: default), from which every outgoing connection takes its local port. A port the kernel
 #: picked with ``bind(0)`` is itself ephemeral, so under load an outgoing connection could
 #: take it between our close and the child's bind (seen: an engine exiting with "address
-#: already in use" while other jobs made many connections).
-_PORTS = range(20000, 32000)
+#: already in use" while other jobs made many connections). And below 22000: SGLang picks
+#: the port its scheduler binds later (torch.distributed's store, ``nccl_port``) from
+#: 22000-29999 (``get_free_port_below_ephemeral``), so a port handed out there could be
+#: taken between SGLang's check and its scheduler's bind, or the other way round.
+_PORTS = range(10000, 22000)
 _random = random.SystemRandom()  # tests seed ``random``: parallel runs must not pick alike
 
 
