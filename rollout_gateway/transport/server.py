@@ -139,15 +139,15 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         addr = f"{self.host}:{self.port}"
+        creds = None
+        if self._tls[0]:
+            ca = Path(self._tls[2]).read_bytes() if self._tls[2] else None
+            creds = grpc.ssl_server_credentials(
+                [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())],
+                root_certificates=ca, require_client_auth=ca is not None)
         try:
-            if self._tls[0]:
-                ca = Path(self._tls[2]).read_bytes() if self._tls[2] else None
-                creds = grpc.ssl_server_credentials(
-                    [(Path(self._tls[1]).read_bytes(), Path(self._tls[0]).read_bytes())],
-                    root_certificates=ca, require_client_auth=ca is not None)
-                self.port = server.add_secure_port(addr, creds)
-            else:
-                self.port = server.add_insecure_port(addr)
+            self.port = (server.add_secure_port(addr, creds) if creds is not None
+                         else server.add_insecure_port(addr))
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
             raise Unavailable(f"learner gRPC cannot listen on {addr}: the port is in use (another "
                               "gateway?) or the address is not this host's",
