@@ -103,7 +103,8 @@ def checker_sees_wrong_stamps(truth: GroundTruth, st) -> None:
     bad("policy_version", lambda x: x.policy_version.__setitem__(-1, 1))
     bad("kv_version", lambda x: x.kv_version.__setitem__(-1, 1))
     bad("unexplained", lambda x: x.logprobs.__setitem__(2, x.logprobs[2] + 1e-3))
-    bad("routed_rows", lambda x: x.rows.__setitem__((x.p, 0), x.rows[x.p, 0][::-1]))
+    bad("routed_rows", lambda x: x.rows.__setitem__(  # an expert that did not run
+        (x.p, 0, 0), next(e for e in range(1 << 10) if e not in x.rows[x.p, 0])))
     bad("segments", lambda x: x.segments.__setitem__(0, {**x.segments[0], "end": 2}))
     bad("entropy", lambda x: x.entropy.__setitem__(0, x.entropy[0] + x.entropy_bound + 0.1))
 

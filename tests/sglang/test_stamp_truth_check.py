@@ -74,3 +74,17 @@ def test_what_is_not_a_near_tie_stays_a_mismatch(model, case):
     rep = GroundTruth(lambda v: model).check(stamped(got, rows), (0,))
     assert rep.counts["unexplained"] >= 1, rep.summary(case)
     assert not any("routing near tie" in n for n in rep.notes)
+
+
+def test_routed_rows_are_compared_as_the_experts_that_ran(model):
+    """Two selected experts in the other order (a near tie of their router scores: the
+    layer's output is the same) is the same routing; another expert is not."""
+    lp, topk = forward(model)
+    j = len(PROMPT) + 2
+    swapped = topk.copy()
+    swapped[j, 0] = swapped[j, 0][::-1]
+    assert (swapped[j] != topk[j]).any()
+    rep = GroundTruth(lambda v: model).check(stamped(lp, swapped), (0,))
+    assert rep.total == 0, rep.summary("experts in another order")
+    rep = GroundTruth(lambda v: model).check(stamped(lp, flipped(topk, [j])), (0,))
+    assert rep.counts["routed_rows"] == 1, rep.summary("another expert")
