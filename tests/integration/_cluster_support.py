@@ -8,29 +8,24 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 
+from rollout_gateway.commands.engine_process import free_port
+
 NODE_TIMEOUT_MS = 1000
 
 
-def _free_port() -> int:
-    """A port free for the node and for its cluster bus (port + 10000)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a Redis Cluster node")
+def _free_ports() -> tuple[int, int]:
+    """A port for a node and one for its cluster bus (``cluster-port``, Redis 7), both handed
+    out below the ephemeral range (``free_port``): a port ``bind(0)`` picked is ephemeral, so
+    under load an outgoing connection could take it, or its port + 10000 (the default bus),
+    before redis-server binds it."""
+    node = free_port()
+    while (bus := free_port()) == node:
+        pass
+    return node, bus
 
 
 def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
@@ -51,6 +46,7 @@ class LocalCluster:
         self.persist = persist
         self.dir = tempfile.mkdtemp(prefix="rg-cluster-")
         self.ports: list[int] = []
+        self.bus: dict[int, int] = {}  # node port -> its cluster bus port
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
@@ -60,7 +56,9 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         n = self.n_masters * (1 + self.replicas)
-        self.ports = [_free_port() for _ in range(n)]
+        pairs = [_free_ports() for _ in range(n)]
+        self.ports = [node for node, _ in pairs]
+        self.bus = dict(pairs)
         for p in self.ports:
             self._spawn(p)
         for p in self.ports:
@@ -83,7 +81,8 @@ class LocalCluster:
         os.makedirs(d, exist_ok=True)
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-enabled", "yes", "--cluster-port", str(self.bus[port]),
+             "--cluster-config-file", "nodes.conf",
              "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
              # a replica takes over however long ago it last heard from its master
              "--cluster-replica-validity-factor", "0",
@@ -149,17 +148,33 @@ class LocalCluster:
         ``replicas`` replicas (default: all started) have synced with their master."""
         want = self.n_masters * self.replicas if replicas is None else replicas
         deadline = time.monotonic() + timeout
+        seen = "no node answered"
         while time.monotonic() < deadline:
             live = [p for p in self.ports if self.procs[p].poll() is None]
-            if all("cluster_state:ok" in _cli(p, "cluster", "info") for p in live):
+            states = {p: _cli(p, "cluster", "info") for p in live}
+            not_ok = [p for p, info in states.items() if "cluster_state:ok" not in info]
+            seen = f"live nodes {live}; not cluster_state:ok: {not_ok}"
+            if not not_ok:
                 served = sum(len(r["slots"]) > 0 for r in self.nodes()
                              if r["master"] and not r["failed"])
                 synced = sum("master_link_status:up" in _cli(p, "info", "replication")
                              for p in live)
+                seen += f"; masters serving slots {served}/{self.n_masters}, replicas " \
+                        f"synced {synced}/{want}"
                 if served == self.n_masters and synced >= want:
                     return
             time.sleep(0.1)
-        raise RuntimeError("the Redis Cluster did not become ok")
+        logs = "\n".join(f"--- node {p} (bus {self.bus.get(p)}, exit "
+                         f"{self.procs[p].poll()}):\n{self.log_tail(p)}" for p in self.ports)
+        raise RuntimeError(f"the Redis Cluster did not become ok in {timeout:.0f}s: {seen}\n"
+                           f"{logs}")
+
+    def log_tail(self, port: int, lines: int = 8) -> str:
+        try:
+            with open(os.path.join(self.dir, str(port), "redis.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError as exc:
+            return f"(no log: {exc})"
 
     def kill(self, port: int) -> None:
         """SIGKILL one node (no goodbye: the others notice after the node timeout)."""
