@@ -47,6 +47,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on {host}")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports (:func:`free_port`) for one process or set of processes to bind:
+    nothing is bound between two picks, so each call alone may return the same port twice."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port(host)) not in ports:
+            ports.append(port)
+    return ports
+
+
 class EngineStartError(RuntimeError):
     """The engine process died or did not answer /health in time."""
 

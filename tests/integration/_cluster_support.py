@@ -12,20 +12,9 @@ import subprocess
 import tempfile
 import time
 
-from rollout_gateway.commands.engine_process import free_port
+from rollout_gateway.commands.engine_process import free_ports
 
 NODE_TIMEOUT_MS = 1000
-
-
-def _free_ports() -> tuple[int, int]:
-    """A port for a node and one for its cluster bus (``cluster-port``, Redis 7), both handed
-    out below the ephemeral range (``free_port``): a port ``bind(0)`` picked is ephemeral, so
-    under load an outgoing connection could take it, or its port + 10000 (the default bus),
-    before redis-server binds it."""
-    node = free_port()
-    while (bus := free_port()) == node:
-        pass
-    return node, bus
 
 
 def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
@@ -56,9 +45,12 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         n = self.n_masters * (1 + self.replicas)
-        pairs = [_free_ports() for _ in range(n)]
-        self.ports = [node for node, _ in pairs]
-        self.bus = dict(pairs)
+        # node and cluster-bus ports (Redis 7 cluster-port) below the ephemeral range: a
+        # bind(0) port, or its port + 10000 (the default bus), an outgoing connection under
+        # load could take before redis-server binds it
+        ports = free_ports(2 * n)
+        self.ports = ports[:n]
+        self.bus = dict(zip(ports[:n], ports[n:]))
         for p in self.ports:
             self._spawn(p)
         for p in self.ports:

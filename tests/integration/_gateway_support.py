@@ -21,7 +21,7 @@ import numpy as np
 
 import rollout_gateway
 from rollout_gateway.proc import wait_healthy
-from rollout_gateway.commands.engine_process import free_port
+from rollout_gateway.commands.engine_process import free_ports
 
 REDIS_URL = os.environ.get("ROLLOUT_GATEWAY_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
@@ -38,8 +38,7 @@ class GatewayProcess:
     def __init__(self, engines: dict[str, str], *, store_url: str = "memory://",
                  registry_url: str = "memory://", env: dict[str, str] | None = None,
                  extra_args: list[str] | None = None) -> None:
-        self.port = free_port()
-        self.grpc_port = free_port()
+        self.port, self.grpc_port = free_ports(2)
         self.args = [sys.executable, "-m", "rollout_gateway", "serve", "--host", "127.0.0.1",
                      "--port", str(self.port), "--grpc-host", "127.0.0.1",
                      "--grpc-port", str(self.grpc_port), "--store", store_url,

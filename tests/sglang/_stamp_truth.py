@@ -70,10 +70,10 @@ KINDS = ("unexplained", "ambiguous", "policy_version", "kv_version", "logprob", 
 # the gateway as a process
 
 
-def _free_port() -> int:
-    from rollout_gateway.commands.engine_process import free_port
+def _free_ports(n: int) -> list[int]:
+    from rollout_gateway.commands.engine_process import free_ports
 
-    return free_port()
+    return free_ports(n)
 
 
 #: gateways started and not stopped yet (their logs go into a failed test's report)
@@ -87,7 +87,7 @@ class GatewayServe:
     def __init__(self, engines: dict[str, str], *, env: dict[str, str] | None = None,
                  log_dir: Path | None = None, name: str = "gateway") -> None:
         self.engines = dict(engines)
-        self.port, self.grpc_port = _free_port(), _free_port()
+        self.port, self.grpc_port = _free_ports(2)
         exe = Path(sys.executable).with_name("rollout-gateway")
         self.args = [str(exe), "serve", "--port", str(self.port),
                      "--grpc-port", str(self.grpc_port)]
